@@ -85,8 +85,8 @@ def scaled_dot_product_attention(Q, K, V, mask=None, scale: float | None = None)
     """
     Q, K, V = (_as_real_array(name, x) for name, x in (("Q", Q), ("K", K), ("V", V)))
     _check_qkv(Q, K, V)
-    if scale is None:
-        scale = 1.0 / np.sqrt(Q.shape[-1])
+    # A Python float, so that float32 inputs stay float32 (a NumPy float64 would promote them).
+    scale = Q.shape[-1] ** -0.5 if scale is None else float(scale)
     scores = (Q @ np.swapaxes(K, -1, -2)) * scale
     if mask is not None:
         scores = np.where(_as_mask(mask, scores.shape), scores, -np.inf)

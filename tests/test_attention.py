@@ -1,0 +1,151 @@
+"""attnbook.attention (chapter 1) against PyTorch and against a plain-loop formula."""
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from attnbook.attention import scaled_dot_product_attention, softmax
+
+
+def torch_reference(Q, K, V, mask=None, scale=None):
+    q, k, v = (torch.from_numpy(np.asarray(a, dtype=np.float64)) for a in (Q, K, V))
+    attn_mask = None if mask is None else torch.from_numpy(np.asarray(mask).astype(bool))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale).numpy()
+
+
+def loop_reference(q, K, V, allowed, scale):
+    """One query, written out: the weighted average of the allowed values."""
+    scores = [float(q @ k) * scale for k, ok in zip(K, allowed) if ok]
+    values = [v for v, ok in zip(V, allowed) if ok]
+    if not scores:
+        return np.zeros(V.shape[-1])
+    top = max(scores)
+    exps = [np.exp(s - top) for s in scores]
+    return sum(e * v for e, v in zip(exps, values)) / sum(exps)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_softmax_matches_torch(seed):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(scale=10.0 ** rng.integers(-2, 4), size=tuple(rng.integers(1, 6, size=3)))
+    for axis in (0, 1, -1):
+        expected = torch.softmax(torch.from_numpy(x), dim=axis).numpy()
+        np.testing.assert_allclose(softmax(x, axis=axis), expected, rtol=1e-12, atol=1e-300)
+
+
+def test_softmax_extremes():
+    np.testing.assert_allclose(softmax(np.array([1000.0, 1000.0])), [0.5, 0.5])
+    np.testing.assert_array_equal(softmax(np.array([[-np.inf, -np.inf]])), [[0.0, 0.0]])
+    np.testing.assert_array_equal(softmax(np.array([-np.inf, 0.0])), [0.0, 1.0])
+    assert softmax(np.array([1, 2, 3])).dtype == np.float64
+    assert softmax(np.array([1, 2], dtype=np.float32)).dtype == np.float32
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_sdpa_matches_torch_random_shapes_and_masks(seed):
+    rng = np.random.default_rng(seed)
+    batch = tuple(rng.integers(1, 4, size=rng.integers(0, 3)))
+    lq, lk, dk, dv = (int(n) for n in rng.integers(1, 20, size=4))
+    Q, K = rng.normal(size=batch + (lq, dk)), rng.normal(size=batch + (lk, dk))
+    V = rng.normal(size=batch + (lk, dv))
+    mask = rng.random(batch + (lq, lk)) < 0.6
+    scale = None if seed % 2 else float(rng.uniform(0.1, 2.0))
+    out, weights = scaled_dot_product_attention(Q, K, V, mask=mask, scale=scale)
+    assert out.shape == batch + (lq, dv) and weights.shape == batch + (lq, lk)
+    np.testing.assert_allclose(out, torch_reference(Q, K, V, mask, scale), atol=1e-12)
+    # every row sums to 1, except rows with no allowed key, which are all zero
+    row_sums = weights.sum(-1)
+    np.testing.assert_allclose(row_sums, mask.any(-1).astype(float), atol=1e-12)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_sdpa_matches_a_loop_over_keys(seed):
+    rng = np.random.default_rng(100 + seed)
+    lq, lk, d = 4, 9, 5
+    Q, K, V = rng.normal(size=(lq, d)), rng.normal(size=(lk, d)), rng.normal(size=(lk, 3))
+    mask = rng.random((lq, lk)) < 0.5
+    mask[0] = False  # a row with nothing allowed
+    out, _ = scaled_dot_product_attention(Q, K, V, mask=mask, scale=0.7)
+    for i in range(lq):
+        np.testing.assert_allclose(out[i], loop_reference(Q[i], K, V, mask[i], 0.7), atol=1e-12)
+
+
+def test_length_one():
+    rng = np.random.default_rng(0)
+    V = rng.normal(size=(1, 4))
+    out, weights = scaled_dot_product_attention(rng.normal(size=(1, 3)), rng.normal(size=(1, 3)), V)
+    np.testing.assert_array_equal(weights, [[1.0]])
+    np.testing.assert_allclose(out, V)
+
+
+def test_fully_masked_rows_give_zeros_without_warnings():
+    rng = np.random.default_rng(1)
+    Q, K, V = rng.normal(size=(2, 3, 4)), rng.normal(size=(2, 5, 4)), rng.normal(size=(2, 5, 2))
+    mask = np.zeros((2, 3, 5), dtype=bool)
+    mask[0, 1, 2] = True
+    with np.errstate(all="raise"):
+        out, weights = scaled_dot_product_attention(Q, K, V, mask=mask)
+    assert np.isfinite(out).all()
+    expected = np.zeros_like(out)
+    expected[0, 1] = V[0, 2]
+    np.testing.assert_allclose(out, expected)
+    assert weights[1].sum() == 0
+
+
+def test_mask_broadcasting_and_0_1_masks():
+    rng = np.random.default_rng(2)
+    Q, K, V = rng.normal(size=(2, 3, 4, 8)), rng.normal(size=(2, 3, 6, 8)), rng.normal(size=(2, 3, 6, 5))
+    key_mask = rng.random((2, 1, 1, 6)) < 0.7
+    key_mask[..., 0] = True
+    as_bool, _ = scaled_dot_product_attention(Q, K, V, mask=key_mask)
+    as_int, _ = scaled_dot_product_attention(Q, K, V, mask=key_mask.astype(np.int64))
+    np.testing.assert_array_equal(as_bool, as_int)
+    full = np.broadcast_to(key_mask, (2, 3, 4, 6))
+    np.testing.assert_allclose(as_bool, torch_reference(Q, K, V, full), atol=1e-12)
+
+
+def test_float32_stays_float32_and_large_scores_do_not_overflow():
+    rng = np.random.default_rng(3)
+    Q = (rng.normal(size=(4, 16)) * 100).astype(np.float32)
+    K = (rng.normal(size=(6, 16)) * 100).astype(np.float32)
+    V = rng.normal(size=(6, 2)).astype(np.float32)
+    out, weights = scaled_dot_product_attention(Q, K, V)
+    assert out.dtype == np.float32 and np.isfinite(out).all()
+    np.testing.assert_allclose(weights.sum(-1), 1.0, rtol=1e-6)
+
+
+BAD_INPUTS = [
+    ("Q and K must end in the same size", ValueError, dict(Q=(3, 8), K=(4, 6), V=(4, 2))),
+    ("K and V must have the same length", ValueError, dict(Q=(3, 8), K=(4, 8), V=(5, 2))),
+    ("Q must have at least 2 dimensions", ValueError, dict(Q=(8,), K=(4, 8), V=(4, 2))),
+    ("K must have at least one key", ValueError, dict(Q=(3, 8), K=(0, 8), V=(0, 2))),
+    ("leading .batch. dimensions", ValueError, dict(Q=(2, 3, 8), K=(3, 4, 8), V=(3, 4, 2))),
+]
+
+
+@pytest.mark.parametrize("message, error, shapes", BAD_INPUTS)
+def test_bad_shapes_are_refused_with_a_message_naming_them(message, error, shapes):
+    arrays = {name: np.ones(shape) for name, shape in shapes.items()}
+    with pytest.raises(error, match=message):
+        scaled_dot_product_attention(**arrays)
+
+
+@pytest.mark.parametrize(
+    "mask, message",
+    [
+        (np.ones((3, 5), bool), r"mask of shape \(3, 5\) does not broadcast"),
+        (np.ones(4, bool), r"mask of shape \(4,\) does not broadcast"),
+        (np.full((3, 4), 0.5), "mask must be boolean or hold only 0 and 1"),
+    ],
+)
+def test_bad_masks(mask, message):
+    with pytest.raises(ValueError, match=message):
+        scaled_dot_product_attention(np.ones((3, 8)), np.ones((4, 8)), np.ones((4, 2)), mask=mask)
+
+
+def test_non_numeric_input_is_a_type_error():
+    with pytest.raises(TypeError, match="V must hold real numbers"):
+        scaled_dot_product_attention(np.ones((3, 8)), np.ones((4, 8)), np.array([["a", "b"]] * 4))
+    with pytest.raises(TypeError, match="x must hold real numbers"):
+        softmax(np.array([1 + 2j]))
