@@ -120,16 +120,21 @@ def module_source(chapter: Chapter) -> str:
 def init_source(chapters: list[Chapter]) -> str:
     modules = [(c.module, c) for c in chapters if c.module]
     listing = "".join(f"- attnbook.{m}: {c.title} ({c.relpath})\n" for m, c in modules)
-    imports = "".join(f"from . import {m}\n" for m, _ in modules)
     names = "".join(f'    "{m}",\n' for m, _ in modules)
     return (
         f"{header('the chapters in chapters/')}"
         '"""attnbook: Transformer attention built from scratch, one chapter at a time.\n\n'
         f"Modules, in the order the book builds them:\n\n{listing}"
         '"""\n\n'
-        f"{imports}\n"
+        "import importlib\n\n"
         f'__version__ = "{version()}"\n'
-        f"__all__ = [\n{names}]\n"
+        f"__all__ = [\n{names}]\n\n\n"
+        "def __getattr__(name: str):\n"
+        "    # Modules load on first use, so `import attnbook` stays cheap and a module with an\n"
+        "    # optional dependency (triton, transformers) costs nothing until it is used.\n"
+        "    if name in __all__:\n"
+        '        return importlib.import_module(f".{name}", __name__)\n'
+        '    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")\n'
     )
 
 

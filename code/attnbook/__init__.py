@@ -7,9 +7,17 @@ Modules, in the order the book builds them:
 - attnbook.attention: Queries, keys and values (chapters/01-queries-keys-values.md)
 """
 
-from . import attention
+import importlib
 
 __version__ = "0.1.0"
 __all__ = [
     "attention",
 ]
+
+
+def __getattr__(name: str):
+    # Modules load on first use, so `import attnbook` stays cheap and a module with an
+    # optional dependency (triton, transformers) costs nothing until it is used.
+    if name in __all__:
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
