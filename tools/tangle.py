@@ -21,12 +21,12 @@ import ast
 import copy
 import difflib
 import sys
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
 import jupytext
 import nbformat
+import tomllib
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
