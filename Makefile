@@ -8,7 +8,8 @@ STAMP := $(VENV)/.installed
 BOOK_FLAGS := -W -n --keep-going
 export PYTHONHASHSEED := 0
 
-.PHONY: book test tangle notebooks check-sync lint pytest venv clean
+.PHONY: book test tangle notebooks check-sync lint pytest site-verified venv clean
+VERIFIED := _build/verified
 
 venv: $(STAMP)
 
@@ -37,17 +38,24 @@ check-sync: $(STAMP)
 	$(PY) tools/tangle.py --check
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check code tools tests book/_ext notebooks
+	$(VENV)/bin/ruff check code tools tests book/_ext notebooks conftest.py
 
 ## pytest: package tests, then every notebook re-executed and compared by nbval
 pytest: $(STAMP)
 	$(VENV)/bin/pytest tests notebooks --nbval --nbval-sanitize-with tests/nbval_sanitize.cfg \
 		--durations=5 -p no:cacheprovider
 
-## test: every check, timed
+## site-verified: build the site with -W from the notebooks pytest just verified, executing nothing
+## again (see tools/verified_cache.py); the HTML is in _build/verified/_build/html
+site-verified: $(STAMP)
+	rm -rf $(VERIFIED)
+	$(PY) tools/verified_cache.py $(VERIFIED)/_build/.jupyter_cache --times _build/notebook-times.json
+	$(VENV)/bin/jupyter-book build . --path-output $(VERIFIED) $(BOOK_FLAGS)
+
+## test: every check, timed: sync, lint, tests and every chapter (nbval), then the site
 test: $(STAMP)
 	@start=$$(date +%s); \
-	$(MAKE) --no-print-directory check-sync lint pytest book && \
+	$(MAKE) --no-print-directory check-sync lint pytest site-verified && \
 	echo "make test: all checks passed in $$(( $$(date +%s) - start )) s"
 
 clean:

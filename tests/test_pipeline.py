@@ -86,3 +86,17 @@ def test_colab_url():
         "https://colab.research.google.com/github/someone/attnbook/blob/dev/"
         "notebooks/01-queries-keys-values.ipynb"
     )
+
+
+def test_verified_cache_refuses_a_notebook_that_does_not_match(book_copy):
+    notebook = book_copy / "notebooks" / "01-queries-keys-values.ipynb"
+    data = json.loads(notebook.read_text())
+    code_cells = [c for c in data["cells"] if c["cell_type"] == "code"]
+    code_cells[3]["source"] = ["print('not what the chapter says')"]
+    notebook.write_text(json.dumps(data))
+    result = subprocess.run(
+        [sys.executable, str(book_copy / "tools" / "verified_cache.py"), str(book_copy / "cache")],
+        capture_output=True, text=True, cwd=book_copy,
+    )
+    assert result.returncode != 0
+    assert "does not match chapters/01-queries-keys-values.md" in result.stderr

@@ -1,0 +1,292 @@
+"""attnbook.heads (chapter 3) against torch.nn.MultiheadAttention and scaled_dot_product_attention."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.attention.bias import causal_lower_right
+from torch.utils.flop_counter import FlopCounterMode
+
+from attnbook.heads import MultiHeadAttention, attend, from_torch
+
+DOUBLE = torch.float64
+
+
+def random_torch_mha(d_model, num_heads, bias=True, seed=0):
+    torch.manual_seed(seed)
+    module = nn.MultiheadAttention(d_model, num_heads, bias=bias, batch_first=True, dtype=DOUBLE)
+    with torch.no_grad():
+        for parameter in module.parameters():
+            parameter.normal_(0.0, 0.3)
+    return module.eval()
+
+
+def copy_by_hand(module):
+    """An independent copy of a torch MultiheadAttention's weights (not using from_torch)."""
+    bias = module.in_proj_bias is not None
+    ours = MultiHeadAttention(module.embed_dim, module.num_heads, bias=bias).to(DOUBLE).eval()
+    d = module.embed_dim
+    with torch.no_grad():
+        for i, proj in enumerate((ours.q_proj, ours.k_proj, ours.v_proj)):
+            proj.weight.copy_(module.in_proj_weight[i * d:(i + 1) * d])
+            if bias:
+                proj.bias.copy_(module.in_proj_bias[i * d:(i + 1) * d])
+        ours.out_proj.load_state_dict(module.out_proj.state_dict())
+    return ours
+
+
+def random_mask(generator, shape, p=0.6):
+    return torch.rand(shape, generator=generator) < p
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_matches_torch_multihead_attention(seed):
+    g = torch.Generator().manual_seed(seed)
+    num_heads = [1, 2, 4, 8][seed % 4]
+    d_model = num_heads * int(torch.randint(1, 9, (1,), generator=g))
+    b, lq, lk = (int(n) for n in torch.randint(1, 7, (3,), generator=g))
+    module = random_torch_mha(d_model, num_heads, bias=seed % 3 != 0, seed=seed)
+    x = torch.randn(b, lq, d_model, generator=g, dtype=DOUBLE)
+    context = torch.randn(b, lk, d_model, generator=g, dtype=DOUBLE)
+    mask = random_mask(g, (b, num_heads, lq, lk))
+    mask[..., -1] = True  # no fully masked row: PyTorch returns NaN there
+    for ours in (copy_by_hand(module), from_torch(module)):
+        out_t, w_t = module(x, context, context, attn_mask=~mask.reshape(-1, lq, lk),
+                            average_attn_weights=False)
+        out, w = ours(x, context, mask=mask, return_weights=True)
+        torch.testing.assert_close(out, out_t)
+        torch.testing.assert_close(w, w_t)
+        out_t, mean_t = module(x, x, x)
+        out, w = ours(x, return_weights=True)
+        torch.testing.assert_close(out, out_t)
+        torch.testing.assert_close(w.mean(1), mean_t)
+
+
+def test_key_padding_and_causal_masks_match_torch():
+    module = random_torch_mha(16, 4)
+    ours = from_torch(module)
+    x = torch.randn(3, 6, 16, dtype=DOUBLE)
+    padding = torch.zeros(3, 6, dtype=torch.bool)
+    padding[1, 4:] = True
+    out_t, _ = module(x, x, x, key_padding_mask=padding)
+    torch.testing.assert_close(ours(x, mask=~padding[:, None, None, :]), out_t)
+    future = torch.ones(6, 6, dtype=torch.bool).triu(1)
+    out_t, _ = module(x, x, x, attn_mask=future)
+    torch.testing.assert_close(ours(x, is_causal=True), out_t)
+    # mask and is_causal together: both apply
+    out_t, _ = module(x, x, x, attn_mask=future | padding[:, None, :].repeat_interleave(4, 0))
+    torch.testing.assert_close(ours(x, mask=~padding[:, None, None, :], is_causal=True), out_t)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_attend_matches_sdpa(seed):
+    g = torch.Generator().manual_seed(100 + seed)
+    b, kv_heads, group = (int(n) for n in torch.randint(1, 4, (3,), generator=g))
+    lq, lk, d, dv = (int(n) for n in torch.randint(1, 10, (4,), generator=g))
+    q = torch.randn(b, kv_heads * group, lq, d, generator=g, dtype=DOUBLE)
+    k = torch.randn(b, kv_heads, lk, d, generator=g, dtype=DOUBLE)
+    v = torch.randn(b, kv_heads, lk, dv, generator=g, dtype=DOUBLE)
+    mask = random_mask(g, (b, 1, lq, lk), p=0.5)
+    mask[:, :, 0] = True
+    scale = None if seed % 2 else 0.3
+    out, w = attend(q, k, v, mask, scale=scale)
+    repeated = [t.repeat_interleave(group, dim=1) for t in (k, v)]
+    expected = F.scaled_dot_product_attention(q, *repeated, attn_mask=mask, scale=scale)
+    torch.testing.assert_close(out, expected)
+    assert out.shape == (b, kv_heads * group, lq, dv) and w.shape == (b, kv_heads * group, lq, lk)
+    torch.testing.assert_close(w.sum(-1), mask.any(-1).to(DOUBLE).expand(w.shape[:-1]))
+
+
+@pytest.mark.parametrize("lq,lk", [(1, 1), (4, 4), (3, 7), (1, 5)])
+def test_causal_is_bottom_right(lq, lk):
+    torch.manual_seed(lq * 10 + lk)
+    layer = MultiHeadAttention(8, 2).double()
+    x, context = torch.randn(2, lq, 8, dtype=DOUBLE), torch.randn(2, lk, 8, dtype=DOUBLE)
+    out, w = layer(x, context, is_causal=True, return_weights=True)
+    for i in range(lq):  # query i may see keys up to lk - lq + i, and no further
+        assert (w[:, :, i, : lk - lq + i + 1] > 0).all()
+        assert (w[:, :, i, lk - lq + i + 1:] == 0).all()
+    q = layer.q_proj(x).view(2, lq, 2, 4).transpose(1, 2)
+    k, v = (p(context).view(2, lk, 2, 4).transpose(1, 2) for p in (layer.k_proj, layer.v_proj))
+    heads = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(lq, lk))
+    torch.testing.assert_close(out, layer.out_proj(heads.transpose(1, 2).reshape(2, lq, 8)))
+
+
+def test_causal_with_fewer_keys_than_queries_gives_zeros_first():
+    layer = MultiHeadAttention(8, 2)
+    out, w = layer(torch.randn(1, 5, 8), torch.randn(1, 2, 8), is_causal=True, return_weights=True)
+    assert (w[:, :, :3] == 0).all() and (out[:, :3] == 0).all()  # fresh biases are zero
+    assert not out.isnan().any()
+
+
+def test_fully_masked_rows_are_zero_and_have_finite_gradients():
+    torch.manual_seed(0)
+    layer = MultiHeadAttention(12, 3)
+    x = torch.randn(2, 4, 12, requires_grad=True)
+    mask = torch.ones(2, 3, 4, 4, dtype=torch.bool)
+    mask[0, :, 1] = False  # query 1 of sequence 0 sees nothing in any head
+    mask[1, 2, 3] = False  # one head of one query sees nothing
+    out, w = layer(x, mask=mask, return_weights=True)
+    assert (out[0, 1] == 0).all() and (w[0, :, 1] == 0).all() and (w[1, 2, 3] == 0).all()
+    assert not out.isnan().any()
+    out.sum().backward()
+    assert torch.isfinite(x.grad).all()
+    assert all(torch.isfinite(p.grad).all() for p in layer.parameters())
+
+
+@pytest.mark.parametrize("num_kv_heads", [1, 2, 4])
+def test_grouped_query_equals_full_attention_on_repeated_heads(num_kv_heads):
+    torch.manual_seed(num_kv_heads)
+    d, heads = 32, 8
+    group, hd = heads // num_kv_heads, d // heads
+    gqa = MultiHeadAttention(d, heads, num_kv_heads=num_kv_heads).double()
+    assert gqa.k_proj.weight.shape == (num_kv_heads * hd, d) == gqa.v_proj.weight.shape
+    full = MultiHeadAttention(d, heads).double()
+    with torch.no_grad():
+        for parameter in gqa.parameters():
+            parameter.normal_(0.0, 0.3)
+        full.q_proj.load_state_dict(gqa.q_proj.state_dict())
+        full.out_proj.load_state_dict(gqa.out_proj.state_dict())
+        for mine, shared in ((full.k_proj, gqa.k_proj), (full.v_proj, gqa.v_proj)):
+            mine.weight.copy_(shared.weight.view(num_kv_heads, hd, d)
+                              .repeat_interleave(group, 0).reshape(d, d))
+            mine.bias.copy_(shared.bias.view(num_kv_heads, hd).repeat_interleave(group, 0).flatten())
+    x, context = torch.randn(2, 5, d, dtype=DOUBLE), torch.randn(2, 7, d, dtype=DOUBLE)
+    mask = random_mask(torch.Generator().manual_seed(0), (2, heads, 5, 7))
+    for args in [dict(is_causal=True), dict(context=context, mask=mask)]:
+        out_g, w_g = gqa(x, return_weights=True, **args)
+        out_f, w_f = full(x, return_weights=True, **args)
+        torch.testing.assert_close(out_g, out_f)
+        torch.testing.assert_close(w_g, w_f)
+
+
+def test_attributes_and_shapes():
+    layer = MultiHeadAttention(48, 6, num_kv_heads=2, bias=False)
+    assert isinstance(layer, nn.Module)
+    assert all(isinstance(getattr(layer, n), nn.Linear)
+               for n in ("q_proj", "k_proj", "v_proj", "out_proj"))
+    assert type(layer.head_dim) is int and layer.head_dim == 8
+    assert layer.q_proj.weight.shape == (48, 48) and layer.k_proj.weight.shape == (16, 48)
+    assert layer.q_proj.bias is None and layer.out_proj.bias is None
+    x = torch.randn(2, 1, 48)  # length 1
+    out = layer(x)
+    out2, w = layer(x, return_weights=True)
+    assert out.shape == (2, 1, 48) and w.shape == (2, 6, 1, 1)
+    torch.testing.assert_close(w, torch.ones(2, 6, 1, 1))
+    torch.testing.assert_close(out, out2)
+
+
+@pytest.mark.parametrize("shape", [(7,), (5, 7), (2, 1, 1, 7), (1, 3, 5, 7), (3, 1, 7), (2, 3, 5, 7)])
+def test_masks_broadcast(shape):
+    torch.manual_seed(1)
+    layer = MultiHeadAttention(12, 3)
+    mask = torch.rand(shape) < 0.7
+    x, context = torch.randn(2, 5, 12), torch.randn(2, 7, 12)
+    _, w = layer(x, context, mask=mask, return_weights=True)
+    assert (w[~mask.expand(2, 3, 5, 7)] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_low_precision_close_to_float32(dtype):
+    torch.manual_seed(2)
+    layer = MultiHeadAttention(32, 4)
+    x = torch.randn(2, 6, 32)
+    mask = torch.ones(6, 6, dtype=torch.bool)
+    mask[2] = False
+    expected = layer(x, mask=mask, is_causal=True)
+    out = copy_layer(layer).to(dtype)(x.to(dtype), mask=mask, is_causal=True)
+    assert out.dtype == dtype and not out.isnan().any()
+    torch.testing.assert_close(out.float(), expected, atol=3e-2, rtol=3e-2)
+
+
+def copy_layer(layer):
+    twin = MultiHeadAttention(layer.d_model, layer.num_heads)
+    twin.load_state_dict(layer.state_dict())
+    return twin
+
+
+def test_dropout_only_in_training():
+    torch.manual_seed(3)
+    layer = MultiHeadAttention(16, 2, dropout=0.5).double()
+    x = torch.randn(2, 8, 16, dtype=DOUBLE)
+    layer.eval()
+    out_eval, w_eval = layer(x, return_weights=True)
+    torch.testing.assert_close(layer(x), out_eval, rtol=0, atol=0)
+    layer.train()
+    out_train, w_train = layer(x, return_weights=True)
+    dropped = w_train == 0
+    assert dropped.any() and (~dropped).any()
+    torch.testing.assert_close(w_train[~dropped], 2 * w_eval[~dropped])
+    assert not torch.allclose(out_train, out_eval)
+
+
+def test_parameters_and_flops_do_not_depend_on_heads():
+    counts, flops = set(), set()
+    x = torch.randn(1, 16, 64)
+    for heads in (1, 2, 8, 16):
+        layer = MultiHeadAttention(64, heads)
+        counts.add(sum(p.numel() for p in layer.parameters()))
+        with torch.no_grad(), FlopCounterMode(display=False) as counter:
+            layer(x)
+        flops.add(counter.get_total_flops())
+    assert counts == {4 * (64 * 64 + 64)}
+    assert flops == {4 * 2 * 16 * 64 * 64 + 2 * 2 * 16 * 16 * 64}
+
+
+def test_from_torch_keeps_dtype_mode_and_refuses_other_layouts():
+    module = nn.MultiheadAttention(8, 2, batch_first=True, dropout=0.1)
+    ours = from_torch(module)
+    assert ours.training and ours.dropout == 0.1 and ours.q_proj.weight.dtype == torch.float32
+    with pytest.raises(ValueError, match="kdim"):
+        from_torch(nn.MultiheadAttention(8, 2, kdim=4, vdim=4))
+    with pytest.raises(TypeError, match="module"):
+        from_torch(nn.Linear(8, 8))
+
+
+@pytest.mark.parametrize("args,error,match", [
+    ((10, 3), ValueError, r"d_model=10.*num_heads=3"),
+    ((16, 8, 3), ValueError, r"num_heads=8.*num_kv_heads=3"),
+    ((16, 4, 8), ValueError, r"num_heads=4.*num_kv_heads=8"),
+    ((16, 0), ValueError, r"num_heads"),
+    ((16, 4, 0), ValueError, r"num_kv_heads"),
+    ((0, 4), ValueError, r"d_model"),
+    ((16.0, 4), TypeError, r"d_model"),
+    ((16, 4, None, True, 1.5), ValueError, r"dropout"),
+])
+def test_constructor_rejects_bad_sizes(args, error, match):
+    with pytest.raises(error, match=match):
+        MultiHeadAttention(*args)
+
+
+LAYER = MultiHeadAttention(16, 4)
+X = torch.randn(2, 5, 16)
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(x=torch.randn(5, 16)), ValueError, r"x must have shape .*\(5, 16\)"),
+    (dict(x=torch.randn(2, 5, 8)), ValueError, r"x .*d_model=16"),
+    (dict(x=X.numpy()), TypeError, r"x must be a torch.Tensor"),
+    (dict(x=X, context=torch.randn(2, 7, 8)), ValueError, r"context .*\(2, 7, 8\)"),
+    (dict(x=X, context=torch.randn(3, 7, 16)), ValueError, r"context .*batch=2"),
+    (dict(x=X, context=torch.randn(7, 16)), ValueError, r"context"),
+    (dict(x=X, mask=torch.ones(5, 6, dtype=torch.bool)), ValueError, r"mask of shape \(5, 6\)"),
+    (dict(x=X, mask=torch.ones(3, 4, 5, 5, dtype=torch.bool)), ValueError, r"mask"),
+    (dict(x=X, mask=torch.ones(1, 2, 4, 5, 5, dtype=torch.bool)), ValueError, r"mask"),
+    (dict(x=X, mask=torch.ones(5, 5)), TypeError, r"mask .*float32"),
+    (dict(x=X, mask=torch.ones(5, 5, dtype=torch.int64)), TypeError, r"mask"),
+])
+def test_forward_rejects_bad_inputs(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        LAYER(**kwargs)
+
+
+@pytest.mark.parametrize("shapes,error,match", [
+    (((2, 4, 5, 8), (2, 4, 6, 8), (2, 4, 7, 8)), ValueError, r"v \(2, 4, 7, 8\)"),
+    (((2, 4, 5, 8), (2, 3, 6, 8), (2, 3, 6, 8)), ValueError, r"kv_heads"),
+    (((2, 4, 5, 8), (2, 4, 6, 4), (2, 4, 6, 8)), ValueError, r"k \(2, 4, 6, 4\)"),
+    (((4, 5, 8), (2, 4, 6, 8), (2, 4, 6, 8)), ValueError, r"q must have 4 dimensions"),
+])
+def test_attend_rejects_bad_shapes(shapes, error, match):
+    q, k, v = (torch.randn(s) for s in shapes)
+    with pytest.raises(error, match=match):
+        attend(q, k, v)

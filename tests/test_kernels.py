@@ -1,0 +1,292 @@
+"""attnbook.kernels (chapter 12): the Triton FlashAttention kernels against PyTorch.
+
+Without a GPU every kernel runs in Triton's interpreter on CPU tensors, which is slow, so the
+shapes below are a covering subset (every length, head size, dtype and mask appears; not every
+combination) with B x H = 1 x 2.
+"""
+
+import csv
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from attnbook.kernels import INTERPRETED, flash_attention
+
+ROOT = Path(__file__).resolve().parents[1]
+DEVICE = "cpu" if INTERPRETED else "cuda"
+
+
+def causal_mask(lq, lk, device=DEVICE):
+    """Bottom-right aligned: query i may see key j iff j <= i + lk - lq."""
+    return torch.ones(lq, lk, dtype=torch.bool, device=device).tril(lk - lq)
+
+
+def reference(q, k, v, causal=False, scale=None):
+    mask = causal_mask(q.shape[-2], k.shape[-2], q.device) if causal else None
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
+def inside_nan(x, layout):
+    """x as a strided view into a larger NaN-filled buffer: any read outside x gives NaN."""
+    b, h, n, d = x.shape
+    if layout == "transposed":  # stride 1 along the rows, not along the head dimension
+        buffer = torch.full((b, h, d + 5, n + 7), math.nan, dtype=x.dtype, device=x.device)
+        view = buffer[:, :, 2:2 + d, 3:3 + n].transpose(-1, -2)
+    else:
+        buffer = torch.full((b, h + 1, n + 7, d + 8), math.nan, dtype=x.dtype, device=x.device)
+        view = buffer[:, 1:, 3:3 + n, 4:4 + d]
+    view.copy_(x)
+    assert not view.is_contiguous()
+    return view
+
+
+def errors(fn, q, k, v, do, causal, exact, scale=None):
+    """Max |error| of the output and of dq, dk, dv against the float64 results `exact`."""
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    out = fn(q, k, v, causal=causal, scale=scale)
+    grads = torch.autograd.grad(out, (q, k, v), do)
+    assert not any(t.isnan().any() for t in (out, *grads))
+    return [(a.double() - b).abs().max().item() for a, b in zip((out, *grads), exact)]
+
+
+def check_against_torch(lq, lk, d, causal, dtype, seed=0, layout="padded", scale=None, spread=1.0):
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (spread * torch.randn(1, 2, n, d, generator=gen) for n in (lq, lk, lk))
+    do = torch.randn(1, 2, lq, d, generator=gen)
+    q, k, v, do = (inside_nan(t.to(DEVICE, dtype), layout) for t in (q, k, v, do))
+    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+    out64 = reference(q64, k64, v64, causal, scale)
+    exact = (out64, *torch.autograd.grad(out64, (q64, k64, v64), do.double()))
+    ours = errors(flash_attention, q, k, v, do, causal, exact, scale)
+    # PyTorch's own error with the same low-precision inputs is the yardstick.
+    theirs = errors(lambda *a, causal, scale: reference(*a, causal, scale), q, k, v, do,
+                    causal, exact, scale)
+    eps = 1e-5 if dtype == torch.float32 else 1e-3
+    for name, a, b, e in zip(("out", "dq", "dk", "dv"), ours, theirs, exact):
+        size = e.abs().max().item()
+        assert a <= 4 * b + eps * max(1.0, size), f"{name}: ours {a:.2e}, torch {b:.2e}"
+
+
+LENGTHS = [1, 17, 100, 127, 128, 129, 257]
+
+
+def covering_cases():
+    """Every (dtype, D, mask) with two (Lq, Lk) pairs that rotate through all the lengths."""
+    cases = []
+    combos = [(dtype, d, causal) for dtype in (torch.float32, torch.float16)
+              for d in (16, 32, 64, 128) for causal in (False, True)]
+    for i, (dtype, d, causal) in enumerate(combos):
+        for lq, lk in [(LENGTHS[i % 7], LENGTHS[(3 * i + 2) % 7]),
+                       (LENGTHS[(i + 4) % 7], LENGTHS[(5 * i + 1) % 7])]:
+            cases.append((lq, lk, d, causal, dtype))
+    return cases
+
+
+CASES = covering_cases()
+
+
+def case_id(case):
+    lq, lk, d, causal, dtype = case
+    return f"Lq{lq}-Lk{lk}-D{d}-{'causal' if causal else 'full'}-{str(dtype)[6:]}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_values_and_gradients_match_torch(case):
+    check_against_torch(*case)
+
+
+@pytest.mark.parametrize("layout", ["padded", "transposed"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_any_strides(layout, causal):
+    check_against_torch(65, 70, 32, causal, torch.float32, seed=1, layout=layout)
+
+
+@pytest.mark.parametrize("scale", [0.05, 1.0, 3.0])
+def test_custom_scale_and_large_scores(scale):
+    # spread 4 and scale 3: scores of several hundred, where a naive exp would overflow
+    check_against_torch(100, 100, 64, True, torch.float32, seed=2, scale=scale, spread=4.0)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_batch_and_heads(seed):
+    torch.manual_seed(seed)
+    q = torch.randn(2, 3, 40, 16, device=DEVICE, requires_grad=True)
+    k, v = (torch.randn(2, 3, 70, 16, device=DEVICE, requires_grad=True) for _ in range(2))
+    out = flash_attention(q, k, v, causal=bool(seed % 2))
+    expected = reference(q, k, v, causal=bool(seed % 2))
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    do = torch.randn_like(out)
+    for ours, theirs in zip(torch.autograd.grad(out, (q, k, v), do),
+                            torch.autograd.grad(expected, (q, k, v), do)):
+        torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)
+
+
+def test_rows_without_keys_give_zeros_and_zero_gradients():
+    # Lq > Lk under the bottom-right causal mask: the first Lq - Lk queries see no key.
+    q = torch.randn(1, 2, 90, 32, device=DEVICE, requires_grad=True)
+    k, v = (torch.randn(1, 2, 20, 32, device=DEVICE, requires_grad=True) for _ in range(2))
+    out = flash_attention(q, k, v, causal=True)
+    dq, dk, dv = torch.autograd.grad(out.square().sum(), (q, k, v))
+    assert (out[:, :, :70] == 0).all() and (dq[:, :, :70] == 0).all()
+    assert not any(t.isnan().any() for t in (out, dq, dk, dv))
+    torch.testing.assert_close(out, reference(q, k, v, causal=True), rtol=1e-5, atol=1e-5)
+
+
+def test_shared_tensor_and_stride_zero_heads():
+    # q = k = v (gradients add up) and one key/value head expanded over four query heads
+    x = torch.randn(1, 4, 50, 16, device=DEVICE, requires_grad=True)
+    kv = torch.randn(1, 1, 50, 16, device=DEVICE, requires_grad=True)
+    out = flash_attention(x, kv.expand(1, 4, 50, 16), x, causal=True)
+    expected = reference(x, kv.repeat(1, 4, 1, 1), x, causal=True)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    for ours, theirs in zip(torch.autograd.grad(out.sum(), (x, kv)),
+                            torch.autograd.grad(expected.sum(), (x, kv))):
+        torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)
+
+
+def test_output_properties_and_no_grad():
+    q = torch.randn(1, 2, 30, 16, device=DEVICE, dtype=torch.float16)
+    with torch.no_grad():
+        out = flash_attention(q, q, q)
+    assert out.shape == q.shape and out.dtype == q.dtype and out.device == q.device
+    assert out.is_contiguous() and out.grad_fn is None
+    torch.testing.assert_close(out, flash_attention(q, q, q, scale=16 ** -0.5))
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="bfloat16 is refused only in the interpreter")
+def test_bfloat16_is_refused_by_the_interpreter():
+    x = torch.randn(1, 1, 8, 16, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="bfloat16"):
+        flash_attention(x, x, x)
+
+
+@pytest.mark.skipif(INTERPRETED or torch.cuda.get_device_capability() < (8, 0),
+                    reason="bfloat16 needs the compiled kernels on a GPU of capability >= 8.0")
+def test_bfloat16_on_gpu():
+    check_against_torch(129, 100, 64, True, torch.bfloat16)
+
+
+def t(*shape, dtype=torch.float32, device=DEVICE):
+    return torch.zeros(*shape, dtype=dtype, device=device)
+
+
+GOOD = t(1, 2, 8, 16)
+BAD_INPUTS = {
+    "q-not-a-tensor": (dict(q=GOOD.tolist()), TypeError, "q must be a torch.Tensor"),
+    "k-3d": (dict(k=t(2, 8, 16)), ValueError, r"k must have 4 dimensions.*\(2, 8, 16\)"),
+    "v-5d": (dict(v=t(1, 1, 2, 8, 16)), ValueError, "v must have 4 dimensions"),
+    "q-float64": (dict(q=t(1, 2, 8, 16, dtype=torch.float64)), TypeError,
+                  "q has dtype torch.float64"),
+    "k-int64": (dict(k=t(1, 2, 8, 16, dtype=torch.int64)), TypeError, "k has dtype torch.int64"),
+    "v-bool": (dict(v=t(1, 2, 8, 16, dtype=torch.bool)), TypeError, "v has dtype torch.bool"),
+    "mixed-dtypes": (dict(k=t(1, 2, 8, 16, dtype=torch.float16)), TypeError,
+                     "one dtype, got torch.float32, torch.float16"),
+    "head-dim-48": (dict(q=t(1, 2, 8, 48), k=t(1, 2, 8, 48), v=t(1, 2, 8, 48)), ValueError,
+                    "head_dim.*got 48"),
+    "head-dim-256": (dict(q=t(1, 2, 8, 256), k=t(1, 2, 8, 256), v=t(1, 2, 8, 256)),
+                     ValueError, "head_dim.*got 256"),
+    "head-dim-8": (dict(q=t(1, 2, 8, 8), k=t(1, 2, 8, 8), v=t(1, 2, 8, 8)), ValueError,
+                   "head_dim.*got 8"),
+    "k-head-dim": (dict(k=t(1, 2, 8, 32)), ValueError, r"k must have shape.*\(1, 2, 8, 32\)"),
+    "k-batch": (dict(k=t(2, 2, 8, 16), v=t(2, 2, 8, 16)), ValueError,
+                r"k must have shape.*\(2, 2, 8, 16\)"),
+    "k-heads": (dict(k=t(1, 1, 8, 16), v=t(1, 1, 8, 16)), ValueError,
+                r"k must have shape.*\(1, 1, 8, 16\)"),
+    "v-length": (dict(v=t(1, 2, 9, 16)), ValueError, r"v must have the shape of k.*\(1, 2, 9, 16\)"),
+    "q-empty": (dict(q=t(1, 2, 0, 16)), ValueError, r"q must not be empty.*\(1, 2, 0, 16\)"),
+    "k-empty": (dict(k=t(1, 2, 0, 16), v=t(1, 2, 0, 16)), ValueError, "k must not be empty"),
+    "batch-empty": (dict(q=t(0, 2, 8, 16)), ValueError, "q must not be empty"),
+    "causal-int": (dict(causal=1), TypeError, "causal must be True or False, got 1"),
+    "causal-str": (dict(causal="yes"), TypeError, "causal must be True or False, got 'yes'"),
+    "scale-str": (dict(scale="0.5"), TypeError, "scale must be a real number or None, got '0.5'"),
+    "scale-bool": (dict(scale=True), TypeError, "scale must be a real number or None, got True"),
+    "scale-nan": (dict(scale=math.nan), ValueError, "scale must be finite, got nan"),
+    "scale-inf": (dict(scale=math.inf), ValueError, "scale must be finite, got inf"),
+}
+if torch.cuda.is_available():
+    BAD_INPUTS["mixed-devices"] = (dict(k=t(1, 2, 8, 16, device="cpu")), ValueError,
+                                   "one device")
+
+
+@pytest.mark.parametrize("kwargs, error, message", BAD_INPUTS.values(), ids=BAD_INPUTS.keys())
+def test_bad_input_is_refused(kwargs, error, message):
+    args = {"q": GOOD, "k": GOOD, "v": GOOD, **kwargs}
+    with pytest.raises(error, match=message):
+        flash_attention(**args)
+
+
+def run_python(code, **env_changes):
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    env.update(env_changes)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                          cwd=ROOT, timeout=120)
+
+
+def test_importing_the_package_does_not_import_triton():
+    result = run_python("import sys, attnbook; assert 'triton' not in sys.modules, 'eager'; "
+                        "print(attnbook.__all__)")
+    assert result.returncode == 0, result.stderr
+    assert "kernels" in result.stdout
+
+
+def test_without_a_gpu_the_interpreter_is_chosen_automatically():
+    code = ("import os, torch; import attnbook.kernels as K; "
+            "print(os.environ['TRITON_INTERPRET'], K.INTERPRETED); "
+            "x = torch.randn(1, 1, 20, 16); "
+            "torch.testing.assert_close(K.flash_attention(x, x, x), "
+            "torch.nn.functional.scaled_dot_product_attention(x, x, x))")
+    result = run_python(code, CUDA_VISIBLE_DEVICES="")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["1", "True"]
+
+
+def test_an_explicit_choice_is_kept_and_cpu_tensors_get_a_clear_error():
+    code = ("import os, torch; import attnbook.kernels as K; "
+            "print(os.environ['TRITON_INTERPRET'], K.INTERPRETED); "
+            "x = torch.randn(1, 1, 20, 16); K.flash_attention(x, x, x)")
+    result = run_python(code, CUDA_VISIBLE_DEVICES="", TRITON_INTERPRET="0")
+    assert result.stdout.split() == ["0", "False"]
+    assert result.returncode != 0
+    assert "ValueError: q is on device cpu" in result.stderr
+    assert "TRITON_INTERPRET=1" in result.stderr
+
+
+def test_triton_imported_first_in_compiled_mode_gives_a_clear_error():
+    # torch.utils.flop_counter imports triton; without TRITON_INTERPRET its library is compiled.
+    code = "import torch.utils.flop_counter; import attnbook.kernels"
+    result = run_python(code, CUDA_VISIBLE_DEVICES="")
+    assert result.returncode != 0
+    assert "ImportError: triton was imported in compiled mode before attnbook.kernels" in result.stderr
+    assert "TRITON_INTERPRET=1" in result.stderr
+
+
+def test_benchmark_small_mode_writes_csv_and_plot(tmp_path):
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "flash_attention.py"), "--small",
+         "--repeats", "1", "--out", str(tmp_path)],
+        capture_output=True, text=True, cwd=ROOT, timeout=300,
+        env={key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"})
+    assert result.returncode == 0, result.stderr
+    with (tmp_path / "flash_attention.csv").open() as f:
+        reader = csv.DictReader(f)
+        rows = list(reader)
+    assert reader.fieldnames == ["provider", "mode", "dtype", "device", "batch", "heads",
+                                 "seqlen", "head_dim", "causal", "ms", "tflops",
+                                 "peak_mem_mb", "status"]
+    providers = ["ours", "sdpa-flash", "sdpa-efficient", "sdpa-math", "sdpa-cudnn", "naive"]
+    # 6 providers x 2 modes x 2 lengths x 2 masks
+    assert len(rows) == len(providers) * 2 * 2 * 2
+    assert {r["provider"] for r in rows} == set(providers)
+    assert {(r["seqlen"], r["causal"], r["mode"]) for r in rows} == {
+        (n, c, m) for n in ("64", "128") for c in ("False", "True") for m in ("fwd", "fwd+bwd")}
+    for r in rows:
+        assert r["status"] in ("ok", "unavailable")
+        if r["provider"] in ("ours", "sdpa-math", "naive"):
+            assert r["status"] == "ok" and float(r["tflops"]) > 0 and float(r["ms"]) > 0
+    assert (tmp_path / "flash_attention.png").stat().st_size > 1000

@@ -1,0 +1,274 @@
+"""attnbook.tiling (chapter 11) against chapter 1, PyTorch and closed-form block counts."""
+
+import tracemalloc
+import warnings
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from attnbook.attention import scaled_dot_product_attention, softmax
+from attnbook.tiling import (
+    block_schedule,
+    flash_attention_numpy,
+    online_softmax,
+    online_softmax_update,
+)
+
+
+def causal_mask(lq, lk):
+    """Bottom-right aligned: query i may see key j iff j <= i + (lk - lq)."""
+    return np.tril(np.ones((lq, lk), dtype=bool), k=lk - lq)
+
+
+def reference(Q, K, V, causal=False, scale=None):
+    mask = causal_mask(Q.shape[-2], K.shape[-2]) if causal else None
+    return scaled_dot_product_attention(Q, K, V, mask=mask, scale=scale)[0]
+
+
+def torch_reference(Q, K, V, mask=None, scale=None):
+    q, k, v = (torch.from_numpy(np.asarray(a, dtype=np.float64)) for a in (Q, K, V))
+    m = None if mask is None else torch.from_numpy(mask)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=m, scale=scale).numpy()
+
+
+@pytest.fixture
+def no_warnings():
+    with warnings.catch_warnings(), np.errstate(divide="raise", over="raise", invalid="raise"):
+        warnings.simplefilter("error")
+        yield
+
+
+# --- online softmax -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_online_softmax_matches_two_pass_softmax(seed):
+    rng = np.random.default_rng(seed)
+    shape = (*rng.integers(1, 4, size=rng.integers(0, 3)), int(rng.integers(1, 300)))
+    x = rng.normal(scale=10.0 ** rng.integers(-1, 3), size=shape)
+    for block in (1, 3, 64, 1000):
+        np.testing.assert_allclose(online_softmax(x, block), softmax(x), rtol=1e-13, atol=1e-300)
+
+
+def test_online_softmax_update_equals_two_pass_on_every_prefix():
+    rng = np.random.default_rng(7)
+    x = rng.normal(scale=5.0, size=(3, 50))
+    m, l = np.full(3, -np.inf), np.zeros(3)
+    for start in range(0, 50, 7):
+        m, l = online_softmax_update(m, l, x[:, start:start + 7])
+        seen = x[:, :start + 7]
+        np.testing.assert_array_equal(m, seen.max(axis=1))
+        np.testing.assert_allclose(l, np.exp(seen - seen.max(axis=1, keepdims=True)).sum(1),
+                                   rtol=1e-14)
+
+
+def test_online_softmax_forbidden_rows_and_huge_scores(no_warnings):
+    x = np.array([[1000.0, -np.inf, 1001.0, 999.0, -np.inf], [-np.inf] * 5])
+    out = online_softmax(x, block_size=2)
+    np.testing.assert_allclose(out[0], softmax(x[0]), rtol=1e-15)
+    np.testing.assert_array_equal(out[1], np.zeros(5))
+    # a block of -inf arriving first leaves (m, l) = (-inf, 0)
+    m, l = online_softmax_update(-np.inf, 0.0, np.array([-np.inf, -np.inf]))
+    assert m == -np.inf and l == 0.0
+
+
+# --- flash_attention_numpy ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_flash_matches_chapter_1_random_shapes(seed):
+    rng = np.random.default_rng(100 + seed)
+    batch = tuple(int(n) for n in rng.integers(1, 4, size=rng.integers(0, 3)))
+    lq, lk, d, dv = (int(n) for n in rng.integers(1, 150, size=4))
+    Q, K = rng.normal(size=(*batch, lq, d)), rng.normal(size=(*batch, lk, d))
+    V = rng.normal(size=(*batch, lk, dv))
+    causal = bool(seed % 2)
+    block = int(rng.choice([1, 5, 16, 64, 200])) if lq * lk < 5000 else int(rng.choice([16, 64]))
+    scale = None if seed % 3 else float(rng.uniform(0.1, 2.0))
+    with warnings.catch_warnings(), np.errstate(divide="raise", over="raise", invalid="raise"):
+        warnings.simplefilter("error")
+        ours = flash_attention_numpy(Q, K, V, causal=causal, block_size=block, scale=scale)
+    assert ours.shape == (*batch, lq, dv) and ours.dtype == np.float64
+    np.testing.assert_allclose(ours, reference(Q, K, V, causal, scale), atol=1e-12)
+
+
+@pytest.mark.parametrize("lq, lk", [(70, 130), (130, 70), (64, 64), (65, 63), (1, 100), (100, 1)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_flash_matches_torch_when_every_row_has_a_key(lq, lk, causal):
+    rng = np.random.default_rng(lq * 1000 + lk)
+    Q, K, V = rng.normal(size=(2, lq, 8)), rng.normal(size=(2, lk, 8)), rng.normal(size=(2, lk, 3))
+    mask = causal_mask(lq, lk) if causal else None
+    ours = flash_attention_numpy(Q, K, V, causal=causal, block_size=16)
+    rows = slice(None) if mask is None else mask.any(axis=1)  # torch: rows without keys differ
+    np.testing.assert_allclose(ours[:, rows], torch_reference(Q, K, V, mask)[:, rows], atol=1e-12)
+
+
+@pytest.mark.parametrize("block", [1, 2, 3, 4, 8])
+def test_rows_with_no_allowed_key_are_zero_without_warnings(block, no_warnings):
+    rng = np.random.default_rng(block)
+    lq, lk = 11, 4
+    Q, K, V = rng.normal(size=(lq, 6)), rng.normal(size=(lk, 6)), rng.normal(size=(lk, 2))
+    out = flash_attention_numpy(Q, K, V, causal=True, block_size=block)
+    assert np.isfinite(out).all()
+    np.testing.assert_array_equal(out[: lq - lk], 0.0)
+    np.testing.assert_allclose(out, reference(Q, K, V, causal=True), atol=1e-12)
+
+
+def test_block_size_does_not_change_the_result():
+    rng = np.random.default_rng(3)
+    Q, K, V = rng.normal(size=(37, 8)), rng.normal(size=(53, 8)), rng.normal(size=(53, 5))
+    outs = [flash_attention_numpy(Q, K, V, causal=True, block_size=b) for b in (1, 7, 37, 53, 999)]
+    for out in outs[1:]:
+        np.testing.assert_allclose(out, outs[0], atol=1e-14)
+
+
+def test_length_one_and_empty_queries():
+    rng = np.random.default_rng(4)
+    V = rng.normal(size=(1, 3))
+    out = flash_attention_numpy(rng.normal(size=(1, 4)), rng.normal(size=(1, 4)), V, causal=True)
+    np.testing.assert_allclose(out, V)
+    empty = flash_attention_numpy(np.ones((0, 4)), np.ones((5, 4)), np.ones((5, 2)))
+    assert empty.shape == (0, 2)
+
+
+def test_leading_dimensions_broadcast():
+    rng = np.random.default_rng(5)
+    Q = rng.normal(size=(2, 3, 20, 8))
+    K, V = rng.normal(size=(1, 1, 30, 8)), rng.normal(size=(2, 1, 30, 4))  # shared across heads
+    ours = flash_attention_numpy(Q, K, V, causal=True, block_size=8)
+    assert ours.shape == (2, 3, 20, 4)
+    np.testing.assert_allclose(ours, reference(Q, K, V, causal=True), atol=1e-12)
+
+
+def test_dtypes():
+    rng = np.random.default_rng(6)
+    Q, K, V = rng.normal(size=(40, 16)), rng.normal(size=(50, 16)), rng.normal(size=(50, 16))
+    expected = reference(Q, K, V)
+    for dtype, tolerance in [(np.float32, 1e-5), (np.float16, 5e-3)]:
+        ours = flash_attention_numpy(*(a.astype(dtype) for a in (Q, K, V)), block_size=16)
+        assert ours.dtype == dtype
+        np.testing.assert_allclose(ours.astype(np.float64), expected, atol=tolerance)
+    ints = [np.arange(12).reshape(3, 4) % 3] * 3
+    np.testing.assert_allclose(flash_attention_numpy(*ints, block_size=2), reference(*ints))
+
+
+def test_large_scores_do_not_overflow(no_warnings):
+    rng = np.random.default_rng(8)
+    Q, K = 100 * rng.normal(size=(30, 16)), 100 * rng.normal(size=(45, 16))
+    V = rng.normal(size=(45, 2))
+    np.testing.assert_allclose(flash_attention_numpy(Q, K, V, block_size=8), reference(Q, K, V),
+                               atol=1e-12)
+
+
+def test_peak_memory_is_linear_not_quadratic():
+    rng = np.random.default_rng(9)
+    n, block = 1024, 64
+    Q, K, V = (rng.normal(size=(n, 32)) for _ in range(3))
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    out = flash_attention_numpy(Q, K, V, block_size=block)
+    peak = tracemalloc.get_traced_memory()[1] - before
+    tracemalloc.stop()
+    # the output plus a few tiles; one n x n float64 matrix alone would be 8 MB
+    assert peak < out.nbytes + 6 * block * block * 8
+    assert peak < n * n * 8 / 10
+
+
+# --- the causal block schedule --------------------------------------------------------------
+
+
+def tiles_from_the_mask(lq, lk, block):
+    mask, tiles = causal_mask(lq, lk), []
+    for q0 in range(0, lq, block):
+        for k0 in range(0, lk, block):
+            tile = mask[q0:q0 + block, k0:k0 + block]
+            if tile.any():
+                tiles.append((q0, min(q0 + block, lq), k0, min(k0 + block, lk), not tile.all()))
+    return tiles
+
+
+@pytest.mark.parametrize("block", [1, 2, 3, 5, 16])
+def test_schedule_equals_the_tiles_read_off_the_mask(block):
+    for lq in range(1, 25):
+        for lk in range(1, 25):
+            assert block_schedule(lq, lk, block, causal=True) == tiles_from_the_mask(lq, lk, block)
+
+
+@pytest.mark.parametrize("n_blocks, block", [(1, 64), (4, 64), (16, 64), (33, 8), (10, 7)])
+def test_causal_tile_counts_closed_form(n_blocks, block):
+    N = n_blocks * block
+    schedule = block_schedule(N, N, block, causal=True)
+    assert len(schedule) == n_blocks * (n_blocks + 1) // 2
+    assert sum(t[-1] for t in schedule) == n_blocks  # only the diagonal needs the mask
+    assert len(block_schedule(N, N, block)) == n_blocks**2
+    # offset a multiple of the block: query block i needs key blocks 0..i + offset / block
+    schedule = block_schedule(N, N + 3 * block, block, causal=True)
+    assert len(schedule) == n_blocks * (n_blocks + 1) // 2 + 3 * n_blocks
+
+
+def test_decoding_query_sees_every_tile_unmasked():
+    schedule = block_schedule(1, 1000, 64, causal=True)
+    assert len(schedule) == 16 and not any(t[-1] for t in schedule)
+
+
+# --- bad input ------------------------------------------------------------------------------
+
+OK = {"Q": np.ones((3, 8)), "K": np.ones((4, 8)), "V": np.ones((4, 2))}
+
+BAD_BLOCK_SIZES = [
+    (0, ValueError, "block_size must be at least 1, got 0"),
+    (-3, ValueError, "block_size must be at least 1, got -3"),
+    (2.5, TypeError, "block_size must be an int, got 2.5"),
+    ("8", TypeError, "block_size must be an int, got '8'"),
+    (True, TypeError, "block_size must be an int, got True"),
+    (None, TypeError, "block_size must be an int, got None"),
+]
+
+
+@pytest.mark.parametrize("value, error, message", BAD_BLOCK_SIZES)
+def test_bad_block_size(value, error, message):
+    with pytest.raises(error, match=message):
+        flash_attention_numpy(**OK, block_size=value)
+    with pytest.raises(error, match=message):
+        online_softmax(np.ones(5), block_size=value)
+    with pytest.raises(error, match=message):
+        block_schedule(4, 4, block_size=value)
+
+
+def test_numpy_integer_block_size_is_accepted():
+    out = flash_attention_numpy(**OK, block_size=np.int64(2))
+    np.testing.assert_allclose(out, reference(OK["Q"], OK["K"], OK["V"]))
+
+
+BAD_SHAPES = [
+    ({"Q": (3, 8), "K": (4, 6), "V": (4, 2)}, r"Q has shape \(3, 8\), K has shape \(4, 6\)"),
+    ({"Q": (3, 8), "K": (4, 8), "V": (5, 2)}, r"K has shape \(4, 8\), V has shape \(5, 2\)"),
+    ({"Q": (8,), "K": (4, 8), "V": (4, 2)}, r"Q must have at least 2 dimensions.*\(8,\)"),
+    ({"Q": (3, 8), "K": (0, 8), "V": (0, 2)}, r"K must have at least one key.*\(0, 8\)"),
+    ({"Q": (2, 3, 8), "K": (3, 4, 8), "V": (3, 4, 2)}, r"Q \(2, 3, 8\), K \(3, 4, 8\)"),
+]
+
+
+@pytest.mark.parametrize("shapes, message", BAD_SHAPES)
+def test_bad_shapes_name_the_shapes(shapes, message):
+    arrays = {name: np.ones(shape) for name, shape in shapes.items()}
+    with pytest.raises(ValueError, match=message):
+        flash_attention_numpy(**arrays)
+
+
+@pytest.mark.parametrize(
+    "call, error, message",
+    [
+        (lambda: flash_attention_numpy(OK["Q"], OK["K"], np.array([["a", "b"]] * 4)),
+         TypeError, "V must hold real numbers"),
+        (lambda: online_softmax(np.array(["a", "b"])), TypeError, "x must hold real numbers"),
+        (lambda: online_softmax(np.float64(3.0)), ValueError, r"x must have at least 1 dim.*\(\)"),
+        (lambda: block_schedule(-1, 4), ValueError, "Lq must be a non-negative int, got -1"),
+        (lambda: block_schedule(4, 2.0), TypeError, "Lk must be a non-negative int, got 2.0"),
+    ],
+)
+def test_other_bad_inputs(call, error, message):
+    with pytest.raises(error, match=message):
+        call()
