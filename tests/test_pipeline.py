@@ -100,3 +100,20 @@ def test_verified_cache_refuses_a_notebook_that_does_not_match(book_copy):
     )
     assert result.returncode != 0
     assert "does not match chapters/01-queries-keys-values.md" in result.stderr
+
+
+def test_a_cell_can_export_to_a_second_module(book_copy):
+    chapter = book_copy / "chapters" / "99-extra.md"
+    chapter.write_text(
+        "---\nattnbook:\n  module: extra\n---\n\n# Extra\n\n"
+        "```{code-cell} ipython3\n:tags: [export]\n\ndef helper():\n    return 1\n```\n\n"
+        "```{code-cell} ipython3\n:tags: [export:gathered]\n\n"
+        "from attnbook.extra import helper\n```\n"
+    )
+    assert tangle(book_copy).returncode == 0
+    extra = (book_copy / "code" / "attnbook" / "extra.py").read_text()
+    gathered = (book_copy / "code" / "attnbook" / "gathered.py").read_text()
+    assert "def helper():" in extra and '__all__ = [\n    "helper",\n]' in extra
+    assert "from attnbook.extra import helper" in gathered and '"helper"' in gathered
+    init = (book_copy / "code" / "attnbook" / "__init__.py").read_text()
+    assert '"extra",\n    "gathered",' in init

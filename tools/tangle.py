@@ -2,7 +2,8 @@
 
 A chapter is a MyST Markdown notebook. Its front matter names the module it owns
 (`attnbook: {module: attention}`), and every code cell tagged `export` goes, in order, into
-`code/attnbook/<module>.py`. The same chapter becomes `notebooks/<chapter>.ipynb`: its cells
+`code/attnbook/<module>.py`. A cell tagged `export:<name>` goes into `code/attnbook/<name>.py`
+instead, for the rare chapter that owns a second module. The same chapter becomes `notebooks/<chapter>.ipynb`: its cells
 behind one setup cell that, on Colab only, installs the package from the repository named in
 `_config.yml`.
 
@@ -33,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CHAPTERS = ROOT / "chapters"
 PACKAGE = ROOT / "code" / "attnbook"
 NOTEBOOKS = ROOT / "notebooks"
-EXPORT_TAG = "export"
+EXPORT_TAG = "export"  # and "export:<module>"
 # Cell metadata that belongs to the notebook file, not to the chapter's content.
 VOLATILE_CELL_METADATA = ("execution", "collapsed", "scrolled")
 
@@ -64,12 +65,18 @@ class Chapter:
     def module(self) -> str | None:
         return self.notebook.metadata.get("attnbook", {}).get("module")
 
-    def export_cells(self) -> list[str]:
-        return [
-            cell.source.strip()
-            for cell in self.notebook.cells
-            if cell.cell_type == "code" and EXPORT_TAG in cell.metadata.get("tags", [])
-        ]
+    def exports(self) -> dict[str, list[str]]:
+        """Exported cell sources by module name, in the chapter's order."""
+        modules: dict[str, list[str]] = {}
+        for cell in self.notebook.cells:
+            for tag in cell.metadata.get("tags", []) if cell.cell_type == "code" else []:
+                if tag == EXPORT_TAG:
+                    if not self.module:
+                        raise ValueError(f"{self.relpath} exports cells but names no module")
+                    modules.setdefault(self.module, []).append(cell.source.strip())
+                elif tag.startswith(EXPORT_TAG + ":"):
+                    modules.setdefault(tag.split(":", 1)[1], []).append(cell.source.strip())
+        return modules
 
 
 def read_chapters() -> list[Chapter]:
@@ -95,18 +102,21 @@ def header(source: str) -> str:
 
 
 def public_names(source: str) -> list[str]:
-    """Top-level functions, classes and constants that do not start with an underscore."""
-    names = []
+    """Top-level functions, classes and constants that do not start with an underscore. A module
+    that defines nothing and only gathers names from other attnbook modules exports those."""
+    defined, gathered = [], []
     for node in ast.parse(source).body:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            names.append(node.name)
+            defined.append(node.name)
         elif isinstance(node, ast.Assign):
-            names.extend(t.id for t in node.targets if isinstance(t, ast.Name) and t.id.isupper())
-    return [name for name in names if not name.startswith("_")]
+            defined.extend(t.id for t in node.targets if isinstance(t, ast.Name) and t.id.isupper())
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("attnbook."):
+            gathered.extend(alias.asname or alias.name for alias in node.names)
+    return [name for name in defined or gathered if not name.startswith("_")]
 
 
-def module_source(chapter: Chapter) -> str:
-    body = "\n\n\n".join(chapter.export_cells())
+def module_source(chapter: Chapter, cells: list[str]) -> str:
+    body = "\n\n\n".join(cells)
     names = public_names(body)
     docstring = (
         f'"""{chapter.title}.\n\n'
@@ -118,7 +128,7 @@ def module_source(chapter: Chapter) -> str:
 
 
 def init_source(chapters: list[Chapter]) -> str:
-    modules = [(c.module, c) for c in chapters if c.module]
+    modules = [(m, c) for c in chapters for m in c.exports()]
     listing = "".join(f"- attnbook.{m}: {c.title} ({c.relpath})\n" for m, c in modules)
     names = "".join(f'    "{m}",\n' for m, _ in modules)
     return (
@@ -142,15 +152,11 @@ def package_files(chapters: list[Chapter]) -> dict[str, str]:
     """Every file of code/attnbook/, by path relative to the repository root."""
     files = {}
     for chapter in chapters:
-        cells = chapter.export_cells()
-        if cells and not chapter.module:
-            raise ValueError(f"{chapter.relpath} exports cells but names no attnbook.module")
-        if chapter.module:
-            target = PACKAGE / f"{chapter.module}.py"
-            rel = target.relative_to(ROOT).as_posix()
+        for module, cells in chapter.exports().items():
+            rel = (PACKAGE / f"{module}.py").relative_to(ROOT).as_posix()
             if rel in files:
-                raise ValueError(f"module {chapter.module!r} is claimed by two chapters")
-            files[rel] = module_source(chapter)
+                raise ValueError(f"module {module!r} is claimed by two chapters")
+            files[rel] = module_source(chapter, cells)
     files[(PACKAGE / "__init__.py").relative_to(ROOT).as_posix()] = init_source(chapters)
     return files
 
