@@ -117,3 +117,15 @@ def test_a_cell_can_export_to_a_second_module(book_copy):
     assert "from attnbook.extra import helper" in gathered and '"helper"' in gathered
     init = (book_copy / "code" / "attnbook" / "__init__.py").read_text()
     assert '"extra",\n    "gathered",' in init
+
+
+def test_a_prose_only_edit_keeps_the_outputs(book_copy):
+    chapter = book_copy / "chapters" / "01-queries-keys-values.md"
+    chapter.write_text(chapter.read_text().replace("Take the sentence", "Consider the sentence", 1))
+    notebook = book_copy / "notebooks" / "01-queries-keys-values.ipynb"
+    outputs_before = [c.get("outputs") for c in json.loads(notebook.read_text())["cells"]]
+    assert tangle(book_copy).returncode == 0
+    cells = json.loads(notebook.read_text())["cells"]
+    assert [c.get("outputs") for c in cells] == outputs_before
+    assert any("Consider the sentence" in "".join(c["source"]) for c in cells)
+    assert "01-queries-keys-values.ipynb" not in tangle(book_copy, "--check").stderr

@@ -224,6 +224,23 @@ def dumps(nb: nbformat.NotebookNode) -> str:
     return nbformat.writes(nb) + "\n"
 
 
+def same_code(a: nbformat.NotebookNode, b: nbformat.NotebookNode) -> bool:
+    def code(nb):
+        return [(c.source, c.metadata) for c in strip_outputs(nb).cells if c.cell_type == "code"]
+
+    return code(a) == code(b)
+
+
+def with_outputs_of(executed: nbformat.NotebookNode, fresh: nbformat.NotebookNode):
+    """`fresh` with the outputs of `executed`, a notebook with the same code cells."""
+    done = iter([c for c in executed.cells if c.cell_type == "code"])
+    for cell in fresh.cells:
+        if cell.cell_type == "code":
+            old = next(done)
+            cell.outputs, cell.execution_count = old.outputs, old.execution_count
+    return fresh
+
+
 def never_executed(nb: nbformat.NotebookNode) -> bool:
     return any(cell.cell_type == "code" and cell.execution_count is None for cell in nb.cells)
 
@@ -272,7 +289,9 @@ def write(execute_changed: bool, force: bool, only: list[str]) -> None:
         unchanged = old is not None and dumps(strip_outputs(old)) == dumps(fresh)
         if unchanged and not force and not (execute_changed and never_executed(old)):
             continue
-        if execute_changed or force:
+        if old is not None and not force and same_code(old, fresh) and not never_executed(old):
+            fresh = with_outputs_of(old, fresh)  # only prose changed: outputs depend on code alone
+        elif execute_changed or force:
             print(f"executing {chapter.relpath} ...", flush=True)
             fresh = execute(fresh)
         elif old is not None:
