@@ -149,3 +149,63 @@ def test_non_numeric_input_is_a_type_error():
         scaled_dot_product_attention(np.ones((3, 8)), np.ones((4, 8)), np.array([["a", "b"]] * 4))
     with pytest.raises(TypeError, match="x must hold real numbers"):
         softmax(np.array([1 + 2j]))
+
+
+@pytest.mark.parametrize(
+    "arrays, message",
+    [
+        (dict(Q=np.arange(4), K=np.ones((5, 4)), V=np.ones((5, 2))),
+         r"Q must have at least 2 dimensions.*\(4,\)"),
+        (dict(Q=np.ones((3, 4)), K=np.arange(4), V=np.ones((5, 2))),
+         r"K must have at least 2 dimensions.*\(4,\)"),
+        (dict(Q=np.ones((3, 0)), K=np.ones((5, 0)), V=np.ones((5, 2))),
+         r"dk >= 1.*Q has shape \(3, 0\), K has shape \(5, 0\)"),
+    ],
+)
+def test_integer_and_empty_inputs_are_checked_like_floats(arrays, message):
+    with pytest.raises(ValueError, match=message):
+        scaled_dot_product_attention(**arrays)
+
+
+@pytest.mark.parametrize(
+    "scale, error, message",
+    [
+        ("a", TypeError, r"scale must be a real number or None, got scale='a' of type str"),
+        (True, TypeError, r"scale must be a real number.*scale=True"),
+        (np.ones(2), TypeError, r"scale must be a real number.*ndarray"),
+        (float("nan"), ValueError, r"scale must be a finite number, got scale=nan"),
+        (-np.inf, ValueError, r"scale must be a finite number, got scale=-inf"),
+    ],
+)
+def test_bad_scales(scale, error, message):
+    with pytest.raises(error, match=message):
+        scaled_dot_product_attention(np.ones((3, 8)), np.ones((4, 8)), np.ones((4, 2)),
+                                     scale=scale)
+
+
+def test_numpy_scalar_scales_are_accepted_and_keep_float32():
+    rng = np.random.default_rng(4)
+    Q, K, V = (rng.normal(size=(3, 5, 8)).astype(np.float32) for _ in range(3))
+    for scale in (np.float32(0.3), np.float64(0.3), 0.3, np.int64(1)):
+        out, weights = scaled_dot_product_attention(Q, K, V, scale=scale)
+        assert out.dtype == weights.dtype == np.float32
+        np.testing.assert_allclose(out, torch_reference(Q, K, V, scale=float(scale)),
+                                   rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_large_float16_inputs_are_computed_in_float32(seed):
+    # |q.k| up to 100 * 100 * 64 = 640,000, past float16's largest number, 65504.
+    rng = np.random.default_rng(seed)
+    Q = np.full((2, 3, 64), 100.0, np.float16)
+    K = rng.choice([-100.0, 100.0], size=(2, 7, 64)).astype(np.float16)
+    K[:, 0] = 100.0
+    V = rng.normal(size=(2, 7, 5)).astype(np.float16)
+    mask = rng.random((3, 7)) < 0.7
+    mask[:, 0] = True
+    with np.errstate(over="raise", invalid="raise"):  # (exp underflows to 0, as it should)
+        out, weights = scaled_dot_product_attention(Q, K, V, mask=mask)
+    assert out.dtype == weights.dtype == np.float16 and np.isfinite(out).all()
+    np.testing.assert_allclose(out.astype(np.float64), torch_reference(Q, K, V, mask),
+                               rtol=2e-3, atol=2e-3)
+    np.testing.assert_allclose(weights.astype(np.float64).sum(-1), 1.0, rtol=2e-3)

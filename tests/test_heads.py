@@ -1,5 +1,6 @@
 """attnbook.heads (chapter 3) against torch.nn.MultiheadAttention and scaled_dot_product_attention."""
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -252,6 +253,9 @@ def test_from_torch_keeps_dtype_mode_and_refuses_other_layouts():
     ((0, 4), ValueError, r"d_model"),
     ((16.0, 4), TypeError, r"d_model"),
     ((16, 4, None, True, 1.5), ValueError, r"dropout"),
+    ((16, 4, None, True, -0.1), ValueError, r"dropout must be a number between 0 and 1"),
+    ((16, 4, None, True, True), TypeError, r"dropout=True of type bool"),
+    ((16, 4, None, True, "0.1"), TypeError, r"dropout='0.1'"),
 ])
 def test_constructor_rejects_bad_sizes(args, error, match):
     with pytest.raises(error, match=match):
@@ -274,6 +278,13 @@ X = torch.randn(2, 5, 16)
     (dict(x=X, mask=torch.ones(1, 2, 4, 5, 5, dtype=torch.bool)), ValueError, r"mask"),
     (dict(x=X, mask=torch.ones(5, 5)), TypeError, r"mask .*float32"),
     (dict(x=X, mask=torch.ones(5, 5, dtype=torch.int64)), TypeError, r"mask"),
+    (dict(x=X.double()), TypeError, r"x has dtype torch.float64, the module's.*torch.float32"),
+    (dict(x=X, context=torch.randn(2, 7, 16).half()), TypeError,
+     r"context has dtype torch.float16"),
+    (dict(x=X, context=torch.randn(2, 7, 16, device="meta")), ValueError,
+     r"context is on device meta"),
+    (dict(x=X, is_causal="no"), TypeError, r"is_causal must be a bool, got is_causal='no'"),
+    (dict(x=X, is_causal=1), TypeError, r"is_causal"),
 ])
 def test_forward_rejects_bad_inputs(kwargs, error, match):
     with pytest.raises(error, match=match):
@@ -290,3 +301,78 @@ def test_attend_rejects_bad_shapes(shapes, error, match):
     q, k, v = (torch.randn(s) for s in shapes)
     with pytest.raises(error, match=match):
         attend(q, k, v)
+
+
+Q4 = torch.zeros(1, 2, 3, 4)
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(q=Q4.long(), k=Q4.long(), v=Q4.long()), TypeError,
+     r"q must have a floating-point dtype, got torch.int64"),
+    (dict(q=Q4, k=Q4.double(), v=Q4), TypeError,
+     r"one dtype, got q torch.float32, k torch.float64, v torch.float32"),
+    (dict(q=Q4, k=Q4, v=Q4.to("meta")), ValueError, r"one device.*v on meta"),
+    (dict(q=Q4, k=torch.zeros(1, 2, 0, 4), v=torch.zeros(1, 2, 0, 4)), ValueError,
+     r"one key.*k \(1, 2, 0, 4\)"),
+    (dict(q=Q4, k=torch.zeros(1, 0, 3, 4), v=torch.zeros(1, 0, 3, 4)), ValueError,
+     r"kv_heads.*k \(1, 0, 3, 4\)"),
+    (dict(q=torch.zeros(1, 2, 3, 0), k=torch.zeros(1, 2, 3, 0), v=Q4), ValueError,
+     r"head_dim.*q \(1, 2, 3, 0\)"),
+    (dict(q=Q4, k=Q4, v=Q4, dropout_p=-0.5), ValueError, r"dropout_p=-0.5"),
+    (dict(q=Q4, k=Q4, v=Q4, dropout_p=1.5), ValueError, r"dropout_p=1.5"),
+    (dict(q=Q4, k=Q4, v=Q4, dropout_p=float("nan")), ValueError, r"dropout_p=nan"),
+    (dict(q=Q4, k=Q4, v=Q4, dropout_p=None), TypeError, r"dropout_p=None"),
+    (dict(q=Q4, k=Q4, v=Q4, scale="a"), TypeError, r"scale must be a real number.*'a'"),
+    (dict(q=Q4, k=Q4, v=Q4, scale=float("inf")), ValueError, r"scale must be a finite"),
+])
+def test_attend_rejects_bad_inputs(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        attend(**kwargs)
+
+
+def test_attend_accepts_numpy_and_int_scales():
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = torch.randn(3, 1, 2, 4, 8, generator=gen, dtype=DOUBLE)
+    for scale in (np.float32(0.5), 2, np.float64(0.25)):
+        torch.testing.assert_close(attend(q, k, v, scale=scale)[0],
+                                   F.scaled_dot_product_attention(q, k, v, scale=float(scale)))
+
+
+def large_half(gen, shape_q, shape_k, dv):
+    """float16 q = 100 everywhere and k = +-100 with key 0 all +100: q.k up to 640,000."""
+    q = torch.full(shape_q, 100.0, dtype=torch.float16)
+    k = (torch.randint(0, 2, shape_k, generator=gen) * 200 - 100).half()
+    k[..., 0, :] = 100.0
+    v = torch.randn(*shape_k[:-1], dv, generator=gen).half()
+    return q, k, v
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("seed", range(3))
+def test_attend_large_low_precision_inputs_do_not_overflow(dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (t.to(dtype) for t in large_half(gen, (2, 4, 5, 64), (2, 2, 7, 64), 8))
+    mask = torch.rand(5, 7, generator=gen) < 0.6
+    mask[:, 0] = True
+    out, weights = attend(q, k, v, mask)
+    assert out.dtype == weights.dtype == dtype and out.isfinite().all()
+    expected = F.scaled_dot_product_attention(q.double(), k.double(), v.double(),
+                                              attn_mask=mask, enable_gqa=True)
+    tol = 2e-3 if dtype == torch.float16 else 1e-2
+    torch.testing.assert_close(out.double(), expected, rtol=tol, atol=tol)
+
+
+def test_module_large_float16_inputs_do_not_overflow():
+    # identity projections: the module's attention sees x itself, exactly representable
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = large_half(gen, (1, 6, 128), (1, 9, 128), 128)
+    layer = MultiHeadAttention(128, 2, bias=False).half()
+    with torch.no_grad():
+        for proj in (layer.q_proj, layer.k_proj, layer.v_proj, layer.out_proj):
+            proj.weight.copy_(torch.eye(128))
+    out = layer(q, k)
+    assert out.dtype == torch.float16 and out.isfinite().all()
+    heads = [t.view(1, -1, 2, 64).transpose(1, 2).double() for t in (q, k)]
+    expected = F.scaled_dot_product_attention(heads[0], heads[1], heads[1])
+    torch.testing.assert_close(out.double(), expected.transpose(1, 2).reshape(1, 6, 128),
+                               rtol=2e-3, atol=2e-3)

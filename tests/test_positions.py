@@ -228,6 +228,13 @@ def test_rope_gradients_flow():
     (dict(x=torch.ones(4, 8), base=-10.0), ValueError, "base"),
     (dict(x=torch.ones(4, 8, dtype=torch.int64)), TypeError, "x"),
     (dict(x=np.ones((4, 8))), TypeError, "x"),
+    (dict(x=torch.ones(4, 8), positions="abc"), TypeError, "positions"),
+    (dict(x=torch.ones(4, 8), positions=[0, 1, None, 3]), TypeError, "positions"),
+    (dict(x=torch.ones(4, 8), positions=torch.ones(4, dtype=torch.bool)), TypeError, "positions"),
+    (dict(x=torch.ones(4, 8), base=float("inf")), ValueError, "base"),
+    (dict(x=torch.ones(4, 8), base=float("nan")), ValueError, "base"),
+    (dict(x=torch.ones(4, 8), base=True), ValueError, "base"),
+    (dict(x=torch.ones(4, 8), base=np.float32(-3.0)), ValueError, "base"),
 ])
 def test_rope_bad_input(kwargs, error, name):
     with pytest.raises(error, match=rf"\b{name}\b"):
@@ -324,3 +331,34 @@ def test_alibi_bias_bad_input(args, error, name):
 def test_alibi_slopes_bad_input(n, error):
     with pytest.raises(error, match="num_heads"):
         alibi_slopes(n)
+
+
+@pytest.mark.parametrize("base", [np.float32(10000.0), np.float64(10000.0), np.int64(10000),
+                                  10000])
+def test_rope_accepts_any_real_base(base):
+    x = torch.randn(2, 5, 8, dtype=torch.float64)
+    torch.testing.assert_close(apply_rope(x, base=base), apply_rope(x, base=10000.0))
+
+
+def test_rope_accepts_list_and_numpy_positions():
+    x = torch.randn(3, 8, dtype=torch.float64)
+    expected = apply_rope(x, torch.tensor([4, 9, 2]))
+    torch.testing.assert_close(apply_rope(x, [4, 9, 2]), expected)
+    torch.testing.assert_close(apply_rope(x, np.array([4, 9, 2])), expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.bool, torch.complex64,
+                                   "float32", np.float32])
+def test_alibi_needs_a_floating_dtype(dtype):
+    with pytest.raises(TypeError, match="dtype must be a floating-point torch.dtype"):
+        alibi_slopes(4, dtype=dtype)
+    with pytest.raises(TypeError, match="dtype must be a floating-point torch.dtype"):
+        alibi_bias(4, 3, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+def test_alibi_floating_dtypes(dtype):
+    slopes = alibi_slopes(8, dtype=dtype)
+    assert slopes.dtype == dtype
+    torch.testing.assert_close(slopes.double(), alibi_slopes(8, dtype=torch.float64),
+                               rtol=1e-2, atol=0)

@@ -267,8 +267,37 @@ def test_bad_shapes_name_the_shapes(shapes, message):
         (lambda: online_softmax(np.float64(3.0)), ValueError, r"x must have at least 1 dim.*\(\)"),
         (lambda: block_schedule(-1, 4), ValueError, "Lq must be a non-negative int, got -1"),
         (lambda: block_schedule(4, 2.0), TypeError, "Lk must be a non-negative int, got 2.0"),
+        (lambda: block_schedule(4, 4, causal="no"), TypeError,
+         "causal must be a bool .True or False., got causal='no'"),
+        (lambda: block_schedule(4, 4, causal=1), TypeError, "causal must be a bool"),
+        (lambda: flash_attention_numpy(**OK, causal="no"), TypeError,
+         "causal must be a bool .True or False., got causal='no'"),
+        (lambda: flash_attention_numpy(**OK, causal=None), TypeError, "causal must be a bool"),
+        (lambda: flash_attention_numpy(**OK, scale="a"), TypeError,
+         "scale must be a real number or None, got scale='a'"),
+        (lambda: flash_attention_numpy(**OK, scale=float("nan")), ValueError,
+         "scale must be a finite number, got scale=nan"),
+        (lambda: flash_attention_numpy(np.ones((3, 0)), np.ones((5, 0)), np.ones((5, 2))),
+         ValueError, r"dk >= 1.*Q has shape \(3, 0\), K has shape \(5, 0\)"),
+        (lambda: flash_attention_numpy(np.arange(4), np.ones((5, 4)), np.ones((5, 2))),
+         ValueError, r"Q must have at least 2 dimensions.*\(4,\)"),
+        (lambda: online_softmax_update(-np.inf, 0.0, np.float64(1.0)), ValueError,
+         r"block must have at least 1 dimension, got shape \(\)"),
+        (lambda: online_softmax_update(-np.inf, 0.0, np.array(["a"])), TypeError,
+         "block must hold real numbers"),
     ],
 )
 def test_other_bad_inputs(call, error, message):
     with pytest.raises(error, match=message):
         call()
+
+
+def test_numpy_bools_and_scalar_scales_are_accepted():
+    rng = np.random.default_rng(11)
+    Q, K, V = rng.normal(size=(5, 8)), rng.normal(size=(7, 8)), rng.normal(size=(7, 3))
+    for causal in (np.bool_(True), np.bool_(False)):
+        np.testing.assert_allclose(flash_attention_numpy(Q, K, V, causal=causal, block_size=2),
+                                   reference(Q, K, V, causal=bool(causal)), atol=1e-12)
+        assert block_schedule(5, 7, 2, causal) == block_schedule(5, 7, 2, bool(causal))
+    np.testing.assert_allclose(flash_attention_numpy(Q, K, V, scale=np.float32(0.5)),
+                               reference(Q, K, V, scale=0.5), atol=1e-12)

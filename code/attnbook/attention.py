@@ -5,6 +5,9 @@
 Built and explained in the book's chapter chapters/01-queries-keys-values.md.
 """
 
+import math
+import numbers
+
 import numpy as np
 
 
@@ -30,8 +33,8 @@ def softmax(x, axis: int = -1) -> np.ndarray:
 def _as_real_array(name: str, x) -> np.ndarray:
     x = np.asarray(x)
     if np.issubdtype(x.dtype, np.integer):
-        return x.astype(np.float64)
-    if not np.issubdtype(x.dtype, np.floating):
+        x = x.astype(np.float64)
+    elif not np.issubdtype(x.dtype, np.floating):
         raise TypeError(f"{name} must hold real numbers, got dtype {x.dtype}")
     if x.ndim < 2:
         raise ValueError(f"{name} must have at least 2 dimensions (..., length, dim), "
@@ -43,6 +46,9 @@ def _check_qkv(Q: np.ndarray, K: np.ndarray, V: np.ndarray) -> None:
     if Q.shape[-1] != K.shape[-1]:
         raise ValueError(f"Q and K must end in the same size dk: Q has shape {Q.shape}, "
                          f"K has shape {K.shape}")
+    if Q.shape[-1] == 0:
+        raise ValueError(f"Q and K must have dk >= 1 (the size they end in): Q has shape "
+                         f"{Q.shape}, K has shape {K.shape}")
     if K.shape[-2] != V.shape[-2]:
         raise ValueError(f"K and V must have the same length Lk: K has shape {K.shape}, "
                          f"V has shape {V.shape}")
@@ -53,6 +59,19 @@ def _check_qkv(Q: np.ndarray, K: np.ndarray, V: np.ndarray) -> None:
     except ValueError:
         raise ValueError(f"the leading (batch) dimensions of Q {Q.shape}, K {K.shape} and "
                          f"V {V.shape} do not broadcast") from None
+
+
+def _check_scale(scale, dk: int) -> float:
+    """`scale` as a Python float: 1/sqrt(dk) for None, else a finite real number."""
+    if scale is None:
+        return dk ** -0.5
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale must be a real number or None, got scale={scale!r} "
+                        f"of type {type(scale).__name__}")
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be a finite number, got scale={scale!r}")
+    # A Python float, so that float32 inputs stay float32 (a NumPy float64 would promote them).
+    return float(scale)
 
 
 def _as_mask(mask, scores_shape: tuple[int, ...]) -> np.ndarray:
@@ -79,19 +98,23 @@ def scaled_dot_product_attention(Q, K, V, mask=None, scale: float | None = None)
 
     Q is (..., Lq, dk), K is (..., Lk, dk) and V is (..., Lk, dv); leading dimensions
     (batch, heads) broadcast. `mask`, boolean or 0/1, broadcastable to (..., Lq, Lk), is
-    True where a query may attend to a key. `scale` defaults to 1/sqrt(dk).
+    True where a query may attend to a key. `scale`, a finite real number, defaults to
+    1/sqrt(dk). float16 input is computed in float32 (scores, softmax and weighted sum) and
+    the results are rounded back to float16, so that scores past float16's 65504 stay finite.
     Returns (output of shape (..., Lq, dv), weights of shape (..., Lq, Lk)). A query with
     no allowed key gets zero weights and a zero output.
     """
     Q, K, V = (_as_real_array(name, x) for name, x in (("Q", Q), ("K", K), ("V", V)))
     _check_qkv(Q, K, V)
-    # A Python float, so that float32 inputs stay float32 (a NumPy float64 would promote them).
-    scale = Q.shape[-1] ** -0.5 if scale is None else float(scale)
+    scale = _check_scale(scale, Q.shape[-1])
+    dtype = np.result_type(Q, K, V)
+    work = np.promote_types(dtype, np.float32)  # float16 -> float32; others unchanged
+    Q, K, V = (x.astype(work, copy=False) for x in (Q, K, V))
     scores = (Q @ np.swapaxes(K, -1, -2)) * scale
     if mask is not None:
         scores = np.where(_as_mask(mask, scores.shape), scores, -np.inf)
     weights = softmax(scores, axis=-1)
-    return weights @ V, weights
+    return (weights @ V).astype(dtype, copy=False), weights.astype(dtype, copy=False)
 
 
 __all__ = [

@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from attnbook.attention import _check_scale
+
 
 def _check_mask(mask, shape: tuple[int, ...], device: torch.device) -> torch.Tensor | None:
     """Return `mask` if it is a bool tensor broadcastable to `shape`; raise otherwise."""
@@ -56,11 +58,31 @@ def _check_qkv(q, k, v) -> None:
         if t.ndim != 4:
             raise ValueError(f"{name} must have 4 dimensions (batch, heads, length, dim), "
                              f"got shape {tuple(t.shape)}")
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must have a floating-point dtype, got {t.dtype}")
+    if not q.dtype == k.dtype == v.dtype:
+        raise TypeError(f"q, k and v must have one dtype, got q {q.dtype}, k {k.dtype}, "
+                        f"v {v.dtype}")
+    if not q.device == k.device == v.device:
+        raise ValueError(f"q, k and v must be on one device, got q on {q.device}, "
+                         f"k on {k.device}, v on {v.device}")
     b, h, _, d = q.shape
+    if k.shape[1] == 0 or k.shape[2] == 0 or d == 0:
+        raise ValueError(f"k must have at least one head (kv_heads) and one key, and q a "
+                         f"head_dim of at least 1, got q {tuple(q.shape)}, k {tuple(k.shape)}")
     if k.shape[0] != b or k.shape[3] != d or v.shape[:3] != k.shape[:3] or h % k.shape[1]:
         raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)} and v {tuple(v.shape)} do not "
                          "fit: k must be (batch, kv_heads, Lk, head_dim) and v (batch, kv_heads, "
                          "Lk, dim_v), with the heads of q a multiple of kv_heads")
+
+
+def _check_probability(name: str, p) -> float:
+    if isinstance(p, bool) or not isinstance(p, numbers.Real):
+        raise TypeError(f"{name} must be a number between 0 and 1, got {name}={p!r} "
+                        f"of type {type(p).__name__}")
+    if not 0.0 <= p <= 1.0:
+        raise ValueError(f"{name} must be a number between 0 and 1, got {name}={p!r}")
+    return float(p)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
@@ -71,21 +93,24 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     q is (B, H, Lq, d), k is (B, Hkv, Lk, d) and v is (B, Hkv, Lk, dv), with H a multiple of
     Hkv: query head h reads key/value head h // (H // Hkv). `mask` is boolean, broadcastable
     to (B, H, Lq, Lk), True where a query may attend to a key. Dropout with probability
-    `dropout_p` is applied to the weights. `scale` defaults to 1/sqrt(d).
+    `dropout_p` is applied to the weights. `scale` (a finite number) defaults to 1/sqrt(d).
+    float16 and bfloat16 inputs are computed in float32 (scores, softmax, weighted sum) and the
+    results returned in the input dtype. q, k and v share one floating dtype and one device.
     Returns (output (B, H, Lq, dv), weights (B, H, Lq, Lk)); a query with no allowed key gets
     zero weights and a zero output.
     """
     _check_qkv(q, k, v)
     (b, h, lq, d), (kv_heads, lk) = q.shape, k.shape[1:3]
     mask = _check_mask(mask, (b, h, lq, lk), q.device)
-    scale = d ** -0.5 if scale is None else scale
-    grouped = q.reshape(b, kv_heads, (h // kv_heads) * lq, d)  # a group's queries, stacked
-    scores = (grouped @ k.transpose(-2, -1) * scale).view(b, h, lq, lk)
-    weights = _masked_softmax(scores, mask)
+    scale, dropout_p = _check_scale(scale, d), _check_probability("dropout_p", dropout_p)
+    work = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+    rows = (h // kv_heads) * lq  # a group's queries, stacked
+    scores = (q.reshape(b, kv_heads, rows, d).to(work) @ k.transpose(-2, -1).to(work) * scale)
+    weights = _masked_softmax(scores.view(b, h, lq, lk), mask)
     if dropout_p > 0.0:
         weights = F.dropout(weights, p=dropout_p)
-    out = weights.view(b, kv_heads, -1, lk) @ v
-    return out.view(b, h, lq, v.shape[-1]), weights
+    out = weights.view(b, kv_heads, rows, lk) @ v.to(work)
+    return out.view(b, h, lq, v.shape[-1]).to(q.dtype), weights.to(q.dtype)
 
 
 def _check_sizes(d_model, num_heads, num_kv_heads, dropout) -> None:
@@ -99,16 +124,30 @@ def _check_sizes(d_model, num_heads, num_kv_heads, dropout) -> None:
         raise ValueError(f"d_model={d_model} is not divisible by num_heads={num_heads}")
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads={num_heads} is not divisible by num_kv_heads={num_kv_heads}")
-    if not isinstance(dropout, numbers.Real) or not 0.0 <= dropout <= 1.0:
-        raise ValueError(f"dropout must be a number between 0 and 1, got dropout={dropout!r}")
+    _check_probability("dropout", dropout)
 
 
-def _check_tokens(name: str, t, d_model: int, batch: int | None = None) -> None:
+def _check_tokens(name: str, t, d_model: int, weight: torch.Tensor,
+                  batch: int | None = None) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.ndim != 3 or t.shape[2] != d_model or (batch is not None and t.shape[0] != batch):
         wanted = f"({'batch' if batch is None else f'batch={batch}'}, length, d_model={d_model})"
         raise ValueError(f"{name} must have shape {wanted}, got {tuple(t.shape)}")
+    if t.dtype != weight.dtype and not _autocasting(t.device):
+        raise TypeError(f"{name} has dtype {t.dtype}, the module's parameters {weight.dtype}: "
+                        "convert one of them with .to(dtype)")
+    if t.device != weight.device:
+        raise ValueError(f"{name} is on device {t.device}, the module's parameters on "
+                         f"{weight.device}")
+
+
+def _autocasting(device: torch.device) -> bool:
+    """Is torch.autocast on for `device`? (Then nn.Linear casts the inputs itself.)"""
+    try:
+        return torch.is_autocast_enabled(device.type)
+    except TypeError:  # PyTorch before 2.4 takes no argument and answers for CUDA
+        return torch.is_autocast_enabled()
 
 
 def _split_heads(t: torch.Tensor, heads: int) -> torch.Tensor:
@@ -157,9 +196,11 @@ class MultiHeadAttention(nn.Module):
         (B, num_heads, Lq, Lk), after dropout. A query with no allowed key gets a zero
         attention result, so its output is `out_proj`'s bias (zero until trained).
         """
-        _check_tokens("x", x, self.d_model)
+        _check_tokens("x", x, self.d_model, self.q_proj.weight)
         context = x if context is None else context
-        _check_tokens("context", context, self.d_model, batch=x.shape[0])
+        _check_tokens("context", context, self.d_model, self.k_proj.weight, batch=x.shape[0])
+        if not isinstance(is_causal, bool):
+            raise TypeError(f"is_causal must be a bool, got is_causal={is_causal!r}")
         (b, lq, _), lk = x.shape, context.shape[1]
         mask = _check_mask(mask, (b, self.num_heads, lq, lk), x.device)
         if is_causal:

@@ -6,6 +6,7 @@ Built and explained in the book's chapter chapters/04-positions.md.
 """
 
 import math
+import numbers
 import operator
 
 import numpy as np
@@ -56,12 +57,19 @@ def _check_rope_args(x, positions, base: float) -> torch.Tensor:
     if x.ndim < 2 or x.shape[-1] == 0 or x.shape[-1] % 2:
         raise ValueError(f"x must have shape (..., L, d) with an even d >= 2, got shape "
                          f"{tuple(x.shape)} (d = {x.shape[-1] if x.ndim else None})")
-    if not (isinstance(base, (int, float)) and base > 0):
-        raise ValueError(f"base must be a positive number, got base = {base!r}")
+    if (isinstance(base, bool) or not isinstance(base, numbers.Real)
+            or not (math.isfinite(base) and base > 0)):
+        raise ValueError(f"base must be a positive number (finite, real), got base = {base!r}")
     length = x.shape[-2]
     if positions is None:
         return torch.arange(length, device=x.device)
-    positions = torch.as_tensor(positions, device=x.device)
+    try:
+        positions = torch.as_tensor(positions, device=x.device)
+    except (TypeError, ValueError, RuntimeError):
+        raise TypeError(f"positions must be a 1-D tensor of {length} positions, got "
+                        f"{type(positions).__name__} {positions!r:.60}") from None
+    if positions.dtype == torch.bool or positions.is_complex():
+        raise TypeError(f"positions must hold real numbers, got dtype {positions.dtype}")
     if positions.ndim != 1 or positions.shape[0] != length:
         raise ValueError(f"positions must be a 1-D tensor of length L = {length}, "
                          f"got shape {tuple(positions.shape)}")
@@ -73,7 +81,8 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor | None = None,
     """Rotary position embedding of queries or keys (chapter 4, "Rotary position embeddings").
 
     `x` has shape (..., L, d) with d even; row l is rotated as if it stood at `positions[l]`
-    (default: 0, 1, ..., L-1). Pairing is half-split, as in GPT-NeoX and Llama: coordinate i
+    (default: 0, 1, ..., L-1). `base` is any finite real number > 0 (NumPy scalars included).
+    Pairing is half-split, as in GPT-NeoX and Llama: coordinate i
     and coordinate i + d/2 form pair i, rotated by the angle position * base**(-2i/d).
     Returns a tensor of x's shape and dtype; angles are computed in float64 (float32 on MPS)
     and the rotation in float32, or float64 for float64 input.
@@ -99,9 +108,12 @@ def alibi_slopes(num_heads: int, *, dtype: torch.dtype = torch.float32,
 
     For a power of two n: 2**(-8/n), 2**(-16/n), ..., 2**(-8). Otherwise the slopes of the
     closest lower power of two n', then every other slope of 2n' (first, third, ...) until
-    there are num_heads. Returns a tensor of shape (num_heads,).
+    there are num_heads. Returns a tensor of shape (num_heads,) of the floating-point `dtype`.
     """
     num_heads = _positive_int("num_heads", num_heads)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating-point torch.dtype (slopes are fractions), "
+                        f"got dtype = {dtype!r}")
     lower = 2 ** int(math.log2(num_heads))
     slopes = _geometric_slopes(lower)
     if lower < num_heads:

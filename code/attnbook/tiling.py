@@ -7,7 +7,7 @@ Built and explained in the book's chapter chapters/11-tiling.md.
 
 import numpy as np
 
-from attnbook.attention import _as_real_array, _check_qkv
+from attnbook.attention import _as_real_array, _check_qkv, _check_scale
 
 
 def _check_block_size(block_size) -> int:
@@ -19,14 +19,20 @@ def _check_block_size(block_size) -> int:
     return int(block_size)
 
 
-def _as_scores(x) -> np.ndarray:
+def _check_causal(causal) -> bool:
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"causal must be a bool (True or False), got causal={causal!r}")
+    return bool(causal)
+
+
+def _as_scores(x, name: str = "x") -> np.ndarray:
     x = np.asarray(x)
     if np.issubdtype(x.dtype, np.integer):
         x = x.astype(np.float64)
     if not np.issubdtype(x.dtype, np.floating):
-        raise TypeError(f"x must hold real numbers, got dtype {x.dtype}")
+        raise TypeError(f"{name} must hold real numbers, got dtype {x.dtype}")
     if x.ndim == 0:
-        raise ValueError(f"x must have at least 1 dimension, got shape {x.shape}")
+        raise ValueError(f"{name} must have at least 1 dimension, got shape {x.shape}")
     return x
 
 
@@ -44,7 +50,7 @@ def online_softmax_update(m, l, block) -> tuple[np.ndarray, np.ndarray]:
     Chapter 11, "Softmax from a stream of blocks": afterwards l = sum(exp(x - m)) over every
     score seen so far. Start from m = -inf, l = 0.
     """
-    block = _as_scores(block)
+    block = _as_scores(block, "block")
     m_new, shift, alpha = _new_max(np.asarray(m, block.dtype), block)
     return m_new, alpha * l + np.exp(block - shift[..., None]).sum(axis=-1)
 
@@ -82,7 +88,7 @@ def block_schedule(Lq: int, Lk: int, block_size: int = 64,
     Each is (q0, q1, k0, k1, needs_mask): query rows q0..q1-1 against key columns k0..k1-1.
     With `causal`, tiles above the diagonal (aligned bottom-right) are left out.
     """
-    block_size = _check_block_size(block_size)
+    block_size, causal = _check_block_size(block_size), _check_causal(causal)
     for name, n in (("Lq", Lq), ("Lk", Lk)):
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
             raise TypeError(f"{name} must be a non-negative int, got {n!r}")
@@ -124,16 +130,17 @@ def flash_attention_numpy(Q, K, V, causal: bool = False, block_size: int = 64,
     Equal to attnbook.attention.scaled_dot_product_attention up to rounding, but it never holds
     more than one block_size x block_size tile of scores. `causal` lets query i see key j iff
     j <= i + (Lk - Lq) (aligned bottom-right); a query with no allowed key gets zeros.
-    `scale` defaults to 1/sqrt(d). float16 input is computed in float32. Returns (..., Lq, dv).
+    `scale`, a finite number, defaults to 1/sqrt(d). float16 input is computed in float32.
+    Returns (..., Lq, dv).
     """
-    block_size = _check_block_size(block_size)
+    block_size, causal = _check_block_size(block_size), _check_causal(causal)
     Q, K, V = (_as_real_array(name, x) for name, x in (("Q", Q), ("K", K), ("V", V)))
     _check_qkv(Q, K, V)
+    scale = _check_scale(scale, Q.shape[-1])
     dtype = np.result_type(Q, K, V)
     work = np.promote_types(dtype, np.float32)
     batch = np.broadcast_shapes(Q.shape[:-2], K.shape[:-2], V.shape[:-2])
     Q, K, V = (np.broadcast_to(x.astype(work, copy=False), batch + x.shape[-2:]) for x in (Q, K, V))
-    scale = Q.shape[-1] ** -0.5 if scale is None else float(scale)
     lq, offset = Q.shape[-2], K.shape[-2] - Q.shape[-2]
     out = np.empty(batch + (lq, V.shape[-1]), dtype)
     for q0 in range(0, lq, block_size):
