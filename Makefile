@@ -8,8 +8,16 @@ STAMP := $(VENV)/.installed
 BOOK_FLAGS := -W -n --keep-going
 export PYTHONHASHSEED := 0
 
-.PHONY: book test tangle notebooks check-sync lint pytest site-verified venv clean
+.PHONY: book test tangle notebooks check-sync lint pytest site-verified site-check api-reference \
+	mathjax venv clean
 VERIFIED := _build/verified
+# MathJax is served by the site itself (no CDN: math is typeset offline). It comes once from the
+# npm registry, like the venv; _config.yml's html_static_path copies it into every build.
+MATHJAX_VERSION := 3.2.2
+MATHJAX_DIR := $(VENV)/mathjax
+MATHJAX := $(MATHJAX_DIR)/static/mathjax/tex-mml-chtml.js
+# The site `make site-check` opens in a browser: by default the one `make test` builds.
+SITE ?= $(VERIFIED)/_build/html
 
 venv: $(STAMP)
 
@@ -20,6 +28,25 @@ $(STAMP): requirements.txt pyproject.toml
 	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
 	touch $@
 
+## mathjax: MathJax $(MATHJAX_VERSION) from the npm registry: the TeX-to-HTML bundle, its fonts and the
+## components it loads on demand (the SVG output and the other bundles are left out)
+mathjax: $(MATHJAX)
+
+$(MATHJAX):
+	@command -v npm >/dev/null || { echo "make: npm is needed to fetch MathJax (apt-get install npm)"; exit 1; }
+	rm -rf $(MATHJAX_DIR) && mkdir -p $(MATHJAX_DIR)/static/mathjax
+	cd $(MATHJAX_DIR) && npm pack --silent mathjax@$(MATHJAX_VERSION) >/dev/null \
+		&& tar xzf mathjax-$(MATHJAX_VERSION).tgz && rm mathjax-$(MATHJAX_VERSION).tgz
+	cd $(MATHJAX_DIR)/package/es5 && cp -r tex-mml-chtml.js core.js loader.js startup.js \
+		input output ui a11y adaptors sre ../../static/mathjax/
+	rm -rf $(MATHJAX_DIR)/static/mathjax/output/svg $(MATHJAX_DIR)/static/mathjax/output/svg.js
+	cp $(MATHJAX_DIR)/package/LICENSE $(MATHJAX_DIR)/static/mathjax/
+	rm -rf $(MATHJAX_DIR)/package
+
+## api-reference: write book/api.md (generated, not committed) from the package and the chapters
+api-reference: $(STAMP)
+	$(PY) tools/api_reference.py book/api.md
+
 ## tangle: write code/attnbook/ and the notebooks' sources from chapters/
 tangle: $(STAMP)
 	$(PY) tools/tangle.py
@@ -29,7 +56,7 @@ notebooks: $(STAMP)
 	$(PY) tools/tangle.py --execute $(if $(FORCE),--force)
 
 ## book: build the site into _build/html, executing every chapter (cached between builds)
-book: $(STAMP)
+book: $(STAMP) $(MATHJAX) api-reference
 	$(VENV)/bin/jupyter-book build . $(BOOK_FLAGS)
 	@echo "The book is in _build/html/index.html"
 
@@ -47,15 +74,20 @@ pytest: $(STAMP)
 
 ## site-verified: build the site with -W from the notebooks pytest just verified, executing nothing
 ## again (see tools/verified_cache.py); the HTML is in _build/verified/_build/html
-site-verified: $(STAMP)
+site-verified: $(STAMP) $(MATHJAX) api-reference
 	rm -rf $(VERIFIED)
 	$(PY) tools/verified_cache.py $(VERIFIED)/_build/.jupyter_cache --times _build/notebook-times.json
 	$(VENV)/bin/jupyter-book build . --path-output $(VERIFIED) $(BOOK_FLAGS)
 
-## test: every check, timed: sync, lint, tests and every chapter (nbval), then the site
+## site-check: open every page of $(SITE) in headless Chromium (installed with apt-get if missing):
+## no console errors, math typeset, images loaded, internal links and Colab links resolve
+site-check: $(STAMP)
+	$(PY) tools/site_check.py $(SITE)
+
+## test: every check, timed: sync, lint, tests and every chapter (nbval), then the site, in a browser
 test: $(STAMP)
 	@start=$$(date +%s); \
-	$(MAKE) --no-print-directory check-sync lint pytest site-verified && \
+	$(MAKE) --no-print-directory check-sync lint pytest site-verified site-check && \
 	echo "make test: all checks passed in $$(( $$(date +%s) - start )) s"
 
 clean:
