@@ -124,7 +124,10 @@ def module_source(chapter: Chapter, cells: list[str]) -> str:
         '"""\n'
     )
     exports = "__all__ = [\n" + "".join(f'    "{name}",\n' for name in names) + "]\n"
-    return f"{header(chapter.relpath)}{docstring}\n{body}\n\n\n{exports}"
+    # isort's layout: one blank line after a closing import block, two after a definition.
+    last = ast.parse(body).body[-1]
+    gap = "\n\n" if isinstance(last, (ast.Import, ast.ImportFrom)) else "\n\n\n"
+    return f"{header(chapter.relpath)}{docstring}\n{body}{gap}{exports}"
 
 
 def init_source(chapters: list[Chapter]) -> str:

@@ -1,0 +1,271 @@
+"""attnbook.bert (chapter 7) against transformers' BertForMaskedLM, and its input checks."""
+
+import pytest
+import torch
+
+from attnbook.bert import BERT, BERTConfig, mask_tokens
+
+transformers = pytest.importorskip("transformers")
+DOUBLE = torch.float64
+
+
+def random_hf_bert(seed, layers=2, hidden=32, heads=4, vocab=100, types=2, std=0.3, **extra):
+    torch.manual_seed(seed)
+    config = transformers.BertConfig(vocab_size=vocab, hidden_size=hidden,
+                                     num_hidden_layers=layers, num_attention_heads=heads,
+                                     intermediate_size=2 * hidden, max_position_embeddings=20,
+                                     type_vocab_size=types, **extra)
+    model = transformers.BertForMaskedLM(config).eval()
+    if std is not None:
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.normal_(0.0, std)
+    return model
+
+
+def random_batch(g, batch, length, vocab, types):
+    ids = torch.randint(0, vocab, (batch, length), generator=g)
+    token_types = torch.randint(0, types, (batch, length), generator=g)
+    lengths = torch.randint(1, length + 1, (batch,), generator=g)
+    lengths[0] = length
+    real = torch.arange(length)[None, :] < lengths[:, None]
+    return ids, token_types, real
+
+
+SIZES = [  # layers, hidden, heads, vocab, token types
+    (2, 32, 4, 100, 2), (1, 16, 1, 37, 2), (3, 24, 3, 64, 3), (2, 64, 8, 200, 2), (1, 8, 2, 11, 1)]
+
+
+@pytest.mark.parametrize("seed", range(len(SIZES)))
+def test_from_hf_bert_matches_transformers(seed):
+    layers, hidden, heads, vocab, types = SIZES[seed]
+    hf = random_hf_bert(seed, layers, hidden, heads, vocab, types)
+    ours = BERT.from_hf_bert(hf)
+    g = torch.Generator().manual_seed(seed)
+    for batch, length in [(3, 12), (1, 1), (4, 20)]:
+        ids, token_types, real = random_batch(g, batch, length, vocab, types)
+        with torch.no_grad():
+            theirs = hf(input_ids=ids, token_type_ids=token_types,
+                        attention_mask=real.long()).logits
+            mine = ours(ids, token_types, attention_mask=real)
+            mine_int = ours(ids, token_types, attention_mask=real.long())
+        assert mine.shape == (batch, length, vocab)
+        torch.testing.assert_close(mine[real], theirs[real], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(mine_int, mine)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_from_hf_bert_float64_and_default_init(seed):
+    hf = random_hf_bert(seed, std=None)  # transformers' own initialisation
+    g = torch.Generator().manual_seed(seed)
+    ids, token_types, real = random_batch(g, 3, 10, 100, 2)
+    with torch.no_grad():
+        theirs = hf(input_ids=ids, token_type_ids=token_types, attention_mask=real.long()).logits
+        torch.testing.assert_close(BERT.from_hf_bert(hf)(ids, token_types, real)[real],
+                                   theirs[real], atol=1e-5, rtol=1e-5)
+        hf64 = random_hf_bert(seed).to(DOUBLE)
+        ours64 = BERT.from_hf_bert(hf64)
+        assert ours64.embeddings.word.weight.dtype == DOUBLE
+        theirs = hf64(input_ids=ids, token_type_ids=token_types, attention_mask=real.long()).logits
+        torch.testing.assert_close(ours64(ids, token_types, real)[real], theirs[real],
+                                   atol=1e-10, rtol=1e-10)
+
+
+def test_from_hf_bert_without_token_types_and_mask():
+    hf = random_hf_bert(7)
+    ours = BERT.from_hf_bert(hf)
+    ids = torch.randint(0, 100, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids), hf(input_ids=ids).logits, atol=1e-4, rtol=1e-4)
+
+
+def test_from_hf_bert_copies_config_and_mode():
+    hf = random_hf_bert(0, hidden_dropout_prob=0.2, layer_norm_eps=1e-7, pad_token_id=3)
+    ours = BERT.from_hf_bert(hf.train())
+    c = ours.config
+    assert (c.vocab_size, c.d_model, c.num_layers, c.num_heads, c.d_ff, c.max_position) == \
+        (100, 32, 2, 4, 64, 20)
+    assert (c.dropout, c.eps, c.pad_id, c.type_vocab_size) == (0.2, 1e-7, 3, 2)
+    assert ours.training
+    assert not BERT.from_hf_bert(hf.eval()).training
+
+
+def test_from_hf_bert_refuses_what_it_cannot_copy():
+    with pytest.raises(TypeError, match="model must be a transformers BertForMaskedLM"):
+        BERT.from_hf_bert(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="hidden_act"):
+        BERT.from_hf_bert(random_hf_bert(0, hidden_act="relu"))
+    with pytest.raises(ValueError, match="not tied"):
+        BERT.from_hf_bert(random_hf_bert(0, tie_word_embeddings=False))
+
+
+@pytest.mark.parametrize("batch,length", [(1, 1), (2, 7), (5, 16)])
+def test_output_shapes(batch, length):
+    torch.manual_seed(0)
+    config = BERTConfig(vocab_size=30, d_model=16, num_layers=2, num_heads=2, d_ff=24,
+                        max_position=16, dropout=0.0)
+    model = BERT(config).eval()
+    ids = torch.randint(0, 30, (batch, length))
+    assert model(ids).shape == (batch, length, 30)
+    assert model.encode(ids).shape == (batch, length, 16)
+    # token types default to zeros; a mask of all True changes nothing
+    torch.testing.assert_close(model(ids), model(ids, torch.zeros_like(ids),
+                                                 torch.ones(batch, length, dtype=torch.bool)))
+
+
+def test_tied_output_matrix_and_parameter_count():
+    config = BERTConfig(vocab_size=50, d_model=16, num_layers=2, num_heads=4, d_ff=32,
+                        max_position=12)
+    model = BERT(config)
+    d, V, f, P = 16, 50, 32, 12
+    layer = 4 * (d * d + d) + 2 * d * f + f + d + 4 * d
+    assert sum(p.numel() for p in model.parameters()) == \
+        (V + P + 2) * d + 2 * d + 2 * layer + d * d + 3 * d + V
+    ids = torch.tensor([[1, 2, 3]])
+    before = model.eval()(ids)
+    with torch.no_grad():
+        model.embeddings.word.weight[7] += torch.randn(16)  # word 7 is not in the input
+    after = model(ids)
+    assert not torch.allclose(before[..., 7], after[..., 7])  # ...but its output score moved
+    assert torch.equal(model.embeddings.word.weight.new_zeros(16),
+                       BERT(config).embeddings.word.weight[config.pad_id])
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_padding_does_not_change_real_positions(seed):
+    g = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    model = BERT(BERTConfig(vocab_size=40, d_model=32, num_layers=2, num_heads=4, d_ff=64,
+                            max_position=24, dropout=0.3)).eval()
+    ids, token_types, real = random_batch(g, 4, 24, 40, 2)
+    other_ids, other_types, _ = random_batch(g, 4, 24, 40, 2)
+    other_ids = torch.where(real, ids, other_ids)
+    other_types = torch.where(real, token_types, other_types)
+    with torch.no_grad():
+        a = model(ids, token_types, real)
+        b = model(other_ids, other_types, real.long())
+        # the same sequences, unpadded, one at a time
+        for i, n in enumerate(real.sum(1).tolist()):
+            alone = model(ids[i:i + 1, :n], token_types[i:i + 1, :n])
+            torch.testing.assert_close(a[i, :n], alone[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(a[real], b[real])
+
+
+def test_fully_padded_sequence_gives_finite_scores():
+    model = BERT(BERTConfig(vocab_size=20, d_model=8, num_layers=1, num_heads=2, d_ff=8,
+                            max_position=5)).eval()
+    mask = torch.tensor([[True, True, False], [False, False, False]])
+    out = model(torch.ones(2, 3, dtype=torch.long), attention_mask=mask)
+    assert torch.isfinite(out).all()
+
+
+def test_dropout_only_in_training():
+    torch.manual_seed(0)
+    model = BERT(BERTConfig(vocab_size=20, d_model=16, num_layers=1, num_heads=2, d_ff=16,
+                            max_position=8, dropout=0.5))
+    ids = torch.randint(0, 20, (2, 8))
+    assert not torch.equal(model.train()(ids), model(ids))
+    assert torch.equal(model.eval()(ids), model(ids))
+
+
+SMALL = BERTConfig(vocab_size=10, d_model=8, num_layers=1, num_heads=2, d_ff=8, max_position=6)
+IDS = torch.ones(2, 4, dtype=torch.long)
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(input_ids=[[1, 2]]), TypeError, "input_ids must be a torch.Tensor"),
+    (dict(input_ids=torch.ones(2, 4)), TypeError, "input_ids must hold integer ids.*float32"),
+    (dict(input_ids=torch.ones(2, 4, dtype=torch.bool)), TypeError, "input_ids must hold integer"),
+    (dict(input_ids=torch.ones(4, dtype=torch.long)), ValueError, r"input_ids must have shape.*\(4,\)"),
+    (dict(input_ids=torch.ones(1, 2, 3, dtype=torch.long)), ValueError, "input_ids must have shape"),
+    (dict(input_ids=torch.ones(2, 0, dtype=torch.long)), ValueError, "input_ids must have shape"),
+    (dict(input_ids=torch.tensor([[1, 10]])), ValueError, r"input_ids must lie in \[0, vocab_size=10\).*10"),
+    (dict(input_ids=torch.tensor([[-1, 3]])), ValueError, "input_ids must lie in .*-1"),
+    (dict(input_ids=torch.ones(1, 7, dtype=torch.long)), ValueError, "input_ids has length 7.*max_position=6"),
+    (dict(input_ids=IDS, token_type_ids=torch.full((2, 4), 2)), ValueError,
+     r"token_type_ids must lie in \[0, type_vocab_size=2\)"),
+    (dict(input_ids=IDS, token_type_ids=torch.zeros(2, 3, dtype=torch.long)), ValueError,
+     r"token_type_ids must have the shape of input_ids \(2, 4\)"),
+    (dict(input_ids=IDS, token_type_ids=torch.zeros(2, 4)), TypeError, "token_type_ids must hold integer"),
+    (dict(input_ids=IDS, attention_mask=torch.ones(2, 5)), ValueError, r"attention_mask must be.*\(2, 5\)"),
+    (dict(input_ids=IDS, attention_mask=[[1, 1, 1, 1]] * 2), ValueError, "attention_mask must be a tensor"),
+    (dict(input_ids=IDS, attention_mask=torch.full((2, 4), 2)), ValueError, "attention_mask must be boolean or hold only 0 and 1"),
+    (dict(input_ids=IDS, attention_mask=torch.full((2, 4), 0.5)), ValueError, "attention_mask must be boolean"),
+])
+def test_bad_inputs(kwargs, error, match):
+    model = BERT(SMALL)
+    with pytest.raises(error, match=match):
+        model(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(d_model=10, num_heads=4), ValueError, "d_model=10 is not divisible by num_heads=4"),
+    (dict(vocab_size=0), ValueError, "vocab_size must be at least 1, got vocab_size=0"),
+    (dict(num_layers=2.0), TypeError, "num_layers must be an int"),
+    (dict(max_position=True), TypeError, "max_position must be an int"),
+    (dict(pad_id=30522), ValueError, "pad_id must be below vocab_size=30522"),
+    (dict(pad_id=-1), ValueError, "pad_id must be at least 0"),
+    (dict(dropout=1.5), ValueError, "dropout must be a number between 0 and 1, got dropout=1.5"),
+    (dict(eps=0.0), ValueError, "eps must be a positive number"),
+])
+def test_bad_config(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        BERTConfig(**kwargs)
+
+
+def test_bad_model_argument():
+    with pytest.raises(TypeError, match="config must be a BERTConfig, got dict"):
+        BERT({"vocab_size": 10})
+
+
+def test_config_defaults_are_bert_base():
+    c = BERTConfig()
+    assert (c.vocab_size, c.d_model, c.num_layers, c.num_heads, c.d_ff, c.max_position,
+            c.type_vocab_size, c.eps, c.pad_id) == (30522, 768, 12, 12, 3072, 512, 2, 1e-12, 0)
+    with torch.device("meta"):
+        assert sum(p.numel() for p in BERT(c).parameters()) == 109_514_298
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_mask_tokens_follows_the_80_10_10_rule(seed):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(5, 500, (400, 500), generator=g)
+    can = torch.rand(ids.shape, generator=g) < 0.8
+    corrupted, labels = mask_tokens(ids, 4, 500, can_mask=can, p=0.2, generator=g)
+    chosen = labels != -100
+    n = int(chosen.sum())
+    assert abs(n / int(can.sum()) - 0.2) < 0.01
+    assert not chosen[~can].any()
+    assert torch.equal(labels[chosen], ids[chosen]) and (labels[~chosen] == -100).all()
+    assert torch.equal(corrupted[~chosen], ids[~chosen])
+    masked = float((corrupted[chosen] == 4).float().mean())
+    kept = float((corrupted[chosen] == ids[chosen]).float().mean())
+    assert abs(masked - 0.8) < 0.01 and abs(kept - 0.1) < 0.01
+    assert abs(1 - masked - kept - 0.1) < 0.01  # the rest became random tokens
+    assert corrupted.max() < 500 and corrupted.min() >= 0
+
+
+def test_mask_tokens_reproducible_and_edge_cases():
+    ids = torch.randint(0, 50, (8, 30), generator=torch.Generator().manual_seed(0))
+    a = mask_tokens(ids, 3, 50, generator=torch.Generator().manual_seed(5))
+    b = mask_tokens(ids, 3, 50, generator=torch.Generator().manual_seed(5))
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    corrupted, labels = mask_tokens(ids, 3, 50, p=0.0)
+    assert torch.equal(corrupted, ids) and (labels == -100).all()
+    _, labels = mask_tokens(ids, 3, 50, p=1.0)
+    assert torch.equal(labels, ids)
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(mask_id=50), ValueError, "mask_id must be below vocab_size=50"),
+    (dict(mask_id=-1), ValueError, "mask_id must be at least 0"),
+    (dict(p=1.5), ValueError, "p must be a probability between 0 and 1, got p=1.5"),
+    (dict(can_mask=torch.ones(2, 3, dtype=torch.bool)), ValueError, "can_mask must be a bool tensor"),
+    (dict(can_mask=torch.ones(4, 6)), ValueError, "can_mask must be a bool tensor"),
+    (dict(input_ids=torch.full((4, 6), 50)), ValueError, r"input_ids must lie in \[0, vocab_size=50\)"),
+])
+def test_mask_tokens_bad_arguments(kwargs, error, match):
+    args = dict(input_ids=torch.ones(4, 6, dtype=torch.long), mask_id=3, vocab_size=50)
+    args.update(kwargs)
+    with pytest.raises(error, match=match):
+        mask_tokens(**args)
