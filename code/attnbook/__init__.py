@@ -5,6 +5,18 @@
 Modules, in the order the book builds them:
 
 - attnbook.attention: Queries, keys and values (chapters/01-queries-keys-values.md)
+- attnbook.scaling: Why divide by √d (chapters/02-scaling.md)
+- attnbook.heads: Heads split the width (chapters/03-heads.md)
+- attnbook.positions: Where am I? Positions (chapters/04-positions.md)
+- attnbook.masks: Masks (chapters/05-masks.md)
+- attnbook.blocks: The Transformer block (chapters/06-blocks.md)
+- attnbook.bert: Encoder-only: BERT (chapters/07-bert.md)
+- attnbook.gpt: Decoder-only: GPT (chapters/08-gpt.md)
+- attnbook.encdec: Encoder-decoder: the original Transformer (chapters/09-encoder-decoder.md)
+- attnbook.models: Encoder-decoder: the original Transformer (chapters/09-encoder-decoder.md)
+- attnbook.cost: The cost of attention (chapters/10-cost.md)
+- attnbook.tiling: Tiling and online softmax (chapters/11-tiling.md)
+- attnbook.kernels: A FlashAttention kernel in Triton (chapters/12-flash-attention-triton.md)
 """
 
 import importlib
@@ -12,6 +24,18 @@ import importlib
 __version__ = "0.1.0"
 __all__ = [
     "attention",
+    "scaling",
+    "heads",
+    "positions",
+    "masks",
+    "blocks",
+    "bert",
+    "gpt",
+    "encdec",
+    "models",
+    "cost",
+    "tiling",
+    "kernels",
 ]
 
 

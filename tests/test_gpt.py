@@ -1,0 +1,331 @@
+"""attnbook.gpt (chapter 8) against transformers' GPT-2, its own uncached path, and bad input."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from attnbook.gpt import GPT, CharTokenizer, GPTConfig, KVCache
+
+transformers = pytest.importorskip("transformers")
+transformers.logging.set_verbosity_error()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """These models are tiny: one thread is as fast, and much faster on a busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny_gpt(seed=0, context=32, dtype=torch.float32, **sizes):
+    torch.manual_seed(seed)
+    kwargs = dict(vocab_size=50, context_length=context, d_model=32, num_layers=2, num_heads=4,
+                  dropout=0.0) | sizes
+    return GPT(GPTConfig(**kwargs)).to(dtype).eval()
+
+
+def random_hf_gpt2(seed=0, spread=0.2, **overrides):
+    torch.manual_seed(seed)
+    config = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=100,
+                                     n_positions=64, bos_token_id=0, eos_token_id=0,
+                                     **overrides)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    if spread:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.normal_(1.0 if ("ln_" in name and name.endswith("weight")) else 0.0, spread)
+    return model
+
+
+# --- configuration ---------------------------------------------------------------------------
+
+def test_config_defaults_are_gpt2_small_and_max_position_is_an_alias():
+    c = GPTConfig()
+    assert (c.vocab_size, c.context_length, c.d_model, c.num_layers, c.num_heads, c.d_ff) == \
+        (50257, 1024, 768, 12, 12, 3072)
+    assert (c.eps, c.bias, c.head_dim, c.max_position) == (1e-5, True, 64, 1024)
+    assert GPTConfig(max_position=64).context_length == 64
+    assert GPTConfig(context_length=64, max_position=64).max_position == 64
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(d_model=100, num_heads=12), ValueError, "num_heads=12"),
+    (dict(context_length=64, max_position=32), ValueError, "max_position=32"),
+    (dict(vocab_size=0), ValueError, "vocab_size=0"),
+    (dict(num_layers=2.0), TypeError, "num_layers=2.0"),
+    (dict(dropout=1.5), ValueError, "dropout=1.5"),
+    (dict(eps=0.0), ValueError, "eps=0.0"),
+    (dict(bias="yes"), TypeError, "bias='yes'"),
+    (dict(d_ff=0), ValueError, "d_ff=0"),
+])
+def test_bad_configs(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        GPTConfig(**kwargs)
+
+
+# --- against transformers' GPT-2 ------------------------------------------------------------
+
+@pytest.mark.parametrize("seed", range(3))
+def test_logits_equal_transformers_gpt2(seed):
+    hf = random_hf_gpt2(seed)
+    ours = GPT.from_hf_gpt2(hf)
+    assert not ours.training
+    g = torch.Generator().manual_seed(seed)
+    for b, length in [(1, 1), (2, 17), (3, 64)]:
+        ids = torch.randint(100, (b, length), generator=g)
+        with torch.no_grad():
+            expected = hf(ids).logits
+            torch.testing.assert_close(ours(ids), expected, atol=1e-4, rtol=0)
+        assert expected.std() > 1 or length == 1
+
+
+def test_logits_equal_untouched_random_gpt2_and_parameter_count():
+    hf = random_hf_gpt2(spread=0)  # transformers' own initialisation
+    ours = GPT.from_hf_gpt2(hf)
+    ids = torch.randint(100, (2, 64))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids), hf(ids).logits, atol=1e-4, rtol=0)
+    assert sum(p.numel() for p in ours.parameters()) == sum(p.numel() for p in hf.parameters())
+
+
+def test_greedy_generation_equals_transformers_generate():
+    hf = random_hf_gpt2(1)
+    ours = GPT.from_hf_gpt2(hf)
+    prompts = torch.randint(100, (3, 5), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        theirs = hf.generate(prompts, max_new_tokens=25, do_sample=False, pad_token_id=0,
+                             eos_token_id=None)
+    for use_cache in (True, False):
+        assert torch.equal(ours.generate(prompts, 25, temperature=0, use_cache=use_cache), theirs)
+
+
+def test_conversion_keeps_training_mode_and_dtype():
+    hf = random_hf_gpt2().train().double()
+    ours = GPT.from_hf_gpt2(hf)
+    assert ours.training and ours.tok_emb.weight.dtype == torch.float64
+    assert ours.config.dropout == hf.config.resid_pdrop
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (dict(activation_function="relu"), "activation_function='relu'"),
+    (dict(scale_attn_by_inverse_layer_idx=True), "scale_attn_by_inverse_layer_idx=True"),
+])
+def test_conversion_refuses_what_it_does_not_implement(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        GPT.from_hf_gpt2(random_hf_gpt2(spread=0, **overrides))
+
+
+def test_conversion_refuses_other_objects():
+    with pytest.raises(TypeError, match="GPT2LMHeadModel"):
+        GPT.from_hf_gpt2(torch.nn.Linear(2, 2))
+
+
+# --- the model --------------------------------------------------------------------------------
+
+def test_causal_and_shapes():
+    model = tiny_gpt()
+    idx = torch.randint(50, (2, 20))
+    changed = idx.clone()
+    changed[:, 12:] = (changed[:, 12:] + 1) % 50
+    with torch.no_grad():
+        a, b = model(idx), model(changed)
+    assert a.shape == (2, 20, 50)
+    assert torch.equal(a[:, :12], b[:, :12]) and not torch.allclose(a[:, 12:], b[:, 12:])
+    assert model(torch.tensor([[3]])).shape == (1, 1, 50)
+
+
+def test_initial_loss_is_near_log_vocab():
+    model = tiny_gpt()
+    idx = torch.randint(50, (4, 32))
+    with torch.no_grad():
+        loss = F.cross_entropy(model(idx[:, :-1]).flatten(0, 1), idx[:, 1:].flatten())
+    assert abs(loss.item() - math.log(50)) < 0.05
+
+
+def test_model_trains():
+    model = tiny_gpt().train()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    idx = torch.arange(32).repeat(8, 1) % 7  # a periodic sequence: easy to learn
+    for _ in range(60):
+        loss = F.cross_entropy(model(idx[:, :-1]).flatten(0, 1), idx[:, 1:].flatten())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert loss.item() < 0.5
+
+
+# --- the KV cache -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("seed", range(4))
+def test_prefill_and_steps_equal_one_pass(seed):
+    g = torch.Generator().manual_seed(seed)
+    model = tiny_gpt(seed)
+    b = int(torch.randint(1, 4, (1,), generator=g))
+    length = int(torch.randint(2, 33, (1,), generator=g))
+    prefill = int(torch.randint(1, length, (1,), generator=g))
+    idx = torch.randint(50, (b, length), generator=g)
+    with torch.no_grad():
+        full = model(idx)
+        cache = model.make_kv_cache(b)
+        parts = [model(idx[:, :prefill], kv_cache=cache)]
+        parts += [model(idx[:, t:t + 1], kv_cache=cache) for t in range(prefill, length)]
+    torch.testing.assert_close(torch.cat(parts, 1), full, atol=1e-5, rtol=0)
+    assert cache.length == length
+
+
+def test_chunks_of_any_size_and_float64():
+    model = tiny_gpt(dtype=torch.float64)
+    idx = torch.randint(50, (2, 30))
+    cache = model.make_kv_cache(2)
+    parts = [model(idx[:, a:b], kv_cache=cache) for a, b in [(0, 4), (4, 5), (5, 17), (17, 30)]]
+    torch.testing.assert_close(torch.cat(parts, 1), model(idx), atol=1e-12, rtol=0)
+    assert cache.keys.dtype == torch.float64
+
+
+def test_cached_forward_works_with_gradients_enabled():
+    model = tiny_gpt()
+    idx = torch.randint(50, (1, 10))
+    cache = model.make_kv_cache(1)
+    out = torch.cat([model(idx[:, :4], kv_cache=cache), model(idx[:, 4:], kv_cache=cache)], 1)
+    torch.testing.assert_close(out, model(idx), atol=1e-5, rtol=0)
+
+
+def test_reset_and_smaller_capacity():
+    model = tiny_gpt()
+    idx = torch.randint(50, (2, 8))
+    cache = model.make_kv_cache(2, capacity=8)
+    first = model(idx, kv_cache=cache)
+    cache.reset()
+    torch.testing.assert_close(model(idx, kv_cache=cache), first)
+    one = model.make_kv_cache(1, capacity=1)
+    torch.testing.assert_close(model(idx[:1, :1], kv_cache=one), model(idx[:1, :1]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_cache_memory_formula(dtype):
+    model = tiny_gpt(dtype=dtype)
+    cache = model.make_kv_cache(3)
+    c = model.config
+    expected = 2 * c.num_layers * 3 * c.num_heads * c.context_length * c.head_dim * dtype.itemsize
+    assert cache.nbytes == cache.keys.nbytes + cache.values.nbytes == expected
+    assert cache.keys.shape == (c.num_layers, 3, c.num_heads, c.context_length, c.head_dim)
+    meta = KVCache(96, 1, 96, 2048, 128, torch.float16, device="meta")
+    assert meta.nbytes == 2 * 96 * 96 * 2048 * 128 * 2
+
+
+# --- generation ------------------------------------------------------------------------------
+
+def plain_greedy(model, idx, n):
+    limit = model.config.context_length
+    with torch.no_grad():
+        for _ in range(n):
+            idx = torch.cat([idx, model(idx[:, -limit:])[:, -1].argmax(-1, keepdim=True)], 1)
+    return idx
+
+
+@pytest.mark.parametrize("prompt_len, new", [(1, 10), (5, 40), (32, 5), (40, 3)])
+def test_greedy_with_and_without_cache(prompt_len, new):
+    model = tiny_gpt()
+    prompt = torch.randint(50, (2, prompt_len))
+    expected = plain_greedy(model, prompt, new)
+    for use_cache in (True, False):
+        out = model.generate(prompt, new, temperature=0, use_cache=use_cache)
+        assert out.shape == (2, prompt_len + new) and torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_sampling_with_and_without_cache_same_seed(seed):
+    model = tiny_gpt(seed)
+    prompt = torch.randint(50, (3, 4))
+    outs = []
+    for use_cache in (True, False):
+        torch.manual_seed(seed)
+        outs.append(model.generate(prompt, 45, temperature=0.9, top_k=20, use_cache=use_cache))
+    assert torch.equal(*outs) and torch.equal(outs[0][:, :4], prompt)
+    by_generator = [model.generate(prompt, 45, generator=torch.Generator().manual_seed(seed),
+                                   use_cache=use_cache) for use_cache in (True, False)]
+    assert torch.equal(*by_generator)
+
+
+def test_top_k_one_is_greedy_and_zero_new_tokens():
+    model = tiny_gpt()
+    prompt = torch.randint(50, (2, 3))
+    assert torch.equal(model.generate(prompt, 12, top_k=1),
+                       model.generate(prompt, 12, temperature=0))
+    assert torch.equal(model.generate(prompt, 0), prompt)
+
+
+def test_generate_restores_training_mode_and_keeps_graph_free():
+    model = tiny_gpt().train()
+    out = model.generate(torch.zeros(1, 1, dtype=torch.long), 5)
+    assert model.training and not out.requires_grad
+
+
+# --- bad input --------------------------------------------------------------------------------
+
+MODEL = tiny_gpt()
+
+
+def full_cache(batch):
+    cache = MODEL.make_kv_cache(batch)
+    MODEL(torch.zeros(batch, 30, dtype=torch.long), kv_cache=cache)
+    return cache
+
+
+@pytest.mark.parametrize("call, error, match", [
+    (lambda: MODEL(torch.zeros(2, 3)), TypeError, "idx must hold integer"),
+    (lambda: MODEL([[1, 2]]), TypeError, "idx must be a torch.Tensor"),
+    (lambda: MODEL(torch.zeros(3, dtype=torch.long)), ValueError, r"idx must have shape"),
+    (lambda: MODEL(torch.full((1, 3), 50)), ValueError, "vocab_size=50"),
+    (lambda: MODEL(torch.zeros(1, 33, dtype=torch.long)), ValueError,
+     "length 33, more than context_length=32"),
+    (lambda: MODEL(torch.zeros(2, 3, dtype=torch.long), kv_cache=full_cache(2)), ValueError,
+     r"idx of length 3 does not fit: kv_cache holds 30 .* capacity 32"),
+    (lambda: MODEL(torch.zeros(2, 1, dtype=torch.long), kv_cache=MODEL.make_kv_cache(3)),
+     ValueError, "batch_size=3, but idx has batch size 2"),
+    (lambda: MODEL(torch.zeros(1, 1, dtype=torch.long), kv_cache="cache"), TypeError,
+     "kv_cache must be a KVCache"),
+    (lambda: MODEL(torch.zeros(1, 1, dtype=torch.long),
+                   kv_cache=tiny_gpt(num_layers=3).make_kv_cache(1)), ValueError, "layers"),
+    (lambda: MODEL.make_kv_cache(0), ValueError, "batch_size=0"),
+    (lambda: MODEL.make_kv_cache(1, capacity=33), ValueError, "capacity=33"),
+    (lambda: MODEL.generate(torch.zeros(1, 1, dtype=torch.long), -1), ValueError,
+     "max_new_tokens=-1"),
+    (lambda: MODEL.generate(torch.zeros(1, 1, dtype=torch.long), 2, temperature=-1.0),
+     ValueError, "temperature=-1.0"),
+    (lambda: MODEL.generate(torch.zeros(1, 1, dtype=torch.long), 2, top_k=0), ValueError,
+     "top_k=0"),
+    (lambda: MODEL.generate(torch.zeros(1, 1), 2), TypeError, "idx must hold integer"),
+    (lambda: GPT("config"), TypeError, "config must be a GPTConfig"),
+])
+def test_bad_input(call, error, match):
+    with pytest.raises(error, match=match):
+        call()
+
+
+def test_refused_chunk_leaves_the_cache_unchanged():
+    cache = full_cache(2)
+    keys = cache.keys.clone()
+    with pytest.raises(ValueError):
+        MODEL(torch.zeros(2, 3, dtype=torch.long), kv_cache=cache)
+    assert cache.length == 30 and torch.equal(cache.keys, keys)
+
+
+# --- the tokenizer ----------------------------------------------------------------------------
+
+def test_char_tokenizer_round_trip_and_errors():
+    tok = CharTokenizer("hello, world\n")
+    assert tok.vocab_size == len(set("hello, world\n"))
+    ids = tok.encode("low, hello")
+    assert ids.dtype == torch.int64 and tok.decode(ids) == "low, hello"
+    assert tok.itos == sorted(tok.itos)
+    with pytest.raises(ValueError, match=r"\['z'\]"):
+        tok.encode("zoo")
+    with pytest.raises(ValueError, match="vocab_size=10"):
+        tok.decode([0, 10])
+    with pytest.raises(ValueError, match="non-empty"):
+        CharTokenizer("")
