@@ -13,14 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from attnbook.blocks import TransformerBlock
-
-
-def _check_int(name: str, value, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {name}={value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be at least {minimum}, got {name}={value}")
-    return int(value)
+from attnbook.masks import _as_int  # chapter 5's int check, shared by the models
 
 
 @dataclass
@@ -47,7 +40,7 @@ class BERTConfig:
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "num_layers", "num_heads", "d_ff", "max_position",
                      "type_vocab_size"):
-            setattr(self, name, _check_int(name, getattr(self, name), minimum=1))
+            setattr(self, name, _as_int(name, getattr(self, name), minimum=1))
         if self.d_model % self.num_heads:
             raise ValueError(f"d_model={self.d_model} is not divisible by "
                              f"num_heads={self.num_heads}")
@@ -57,7 +50,7 @@ class BERTConfig:
                              f"dropout={self.dropout!r}")
         if not isinstance(self.eps, numbers.Real) or not self.eps > 0:
             raise ValueError(f"eps must be a positive number, got eps={self.eps!r}")
-        if self.pad_id is not None and _check_int("pad_id", self.pad_id, 0) >= self.vocab_size:
+        if self.pad_id is not None and _as_int("pad_id", self.pad_id, 0) >= self.vocab_size:
             raise ValueError(f"pad_id must be below vocab_size={self.vocab_size}, "
                              f"got pad_id={self.pad_id}")
 
@@ -280,8 +273,8 @@ def mask_tokens(input_ids: torch.Tensor, mask_id: int, vocab_size: int, *,
     `ignore_index` of `torch.nn.functional.cross_entropy`, elsewhere. `generator` (on the
     device of `input_ids`) makes the draw reproducible.
     """
-    _check_ids("input_ids", input_ids, "vocab_size", _check_int("vocab_size", vocab_size, 1))
-    if not 0 <= _check_int("mask_id", mask_id, 0) < vocab_size:
+    _check_ids("input_ids", input_ids, "vocab_size", _as_int("vocab_size", vocab_size, 1))
+    if not 0 <= _as_int("mask_id", mask_id, 0) < vocab_size:
         raise ValueError(f"mask_id must be below vocab_size={vocab_size}, got mask_id={mask_id}")
     if isinstance(p, bool) or not isinstance(p, numbers.Real) or not 0.0 <= p <= 1.0:
         raise ValueError(f"p must be a probability between 0 and 1, got p={p!r}")

@@ -14,15 +14,9 @@ from typing import TypeVar
 import numpy as np
 import torch
 
+from attnbook.masks import _as_int
+
 _T = TypeVar("_T")
-
-
-def _check_int(name: str, value, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {name}={value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be at least {minimum}, got {name}={value}")
-    return int(value)
 
 
 def _allowed_pairs(q_len: int, k_len: int, causal: bool) -> int:
@@ -43,10 +37,10 @@ def attention_flops(q_len: int, k_len: int, head_dim: int, num_heads: int = 1, b
     `causal=True` only the pairs allowed by a bottom-right aligned causal mask are counted: the
     work of a kernel that skips forbidden scores.
     """
-    q_len, k_len = _check_int("q_len", q_len), _check_int("k_len", k_len)
-    head_dim = _check_int("head_dim", head_dim)
-    num_heads, batch = _check_int("num_heads", num_heads), _check_int("batch", batch)
-    value_dim = head_dim if value_dim is None else _check_int("value_dim", value_dim)
+    q_len, k_len = _as_int("q_len", q_len, 1), _as_int("k_len", k_len, 1)
+    head_dim = _as_int("head_dim", head_dim, 1)
+    num_heads, batch = _as_int("num_heads", num_heads, 1), _as_int("batch", batch, 1)
+    value_dim = head_dim if value_dim is None else _as_int("value_dim", value_dim, 1)
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got causal={causal!r}")
     pairs = _allowed_pairs(q_len, k_len, causal)
@@ -64,7 +58,7 @@ def time_call(fn: Callable[[], object], repeats: int = 5, warmup: int = 1,
     """
     if not callable(fn):
         raise TypeError(f"fn must be callable, got {type(fn).__name__}")
-    repeats, warmup = _check_int("repeats", repeats), _check_int("warmup", warmup, 0)
+    repeats, warmup = _as_int("repeats", repeats, 1), _as_int("warmup", warmup, 0)
     if isinstance(min_time_s, bool) or not isinstance(min_time_s, numbers.Real) or min_time_s < 0:
         raise ValueError(f"min_time_s must be a number >= 0, got min_time_s={min_time_s!r}")
     cuda = device is not None and torch.device(device).type == "cuda"
@@ -111,9 +105,9 @@ def score_matrix_bytes(q_len: int, k_len: int, num_heads: int = 1, batch: int = 
                        dtype_bytes: int = 4) -> int:
     """Bytes of one (batch, num_heads, q_len, k_len) matrix of scores or weights (chapter 10,
     "The memory of the score matrix"); `dtype_bytes` is 4 for float32, 2 for float16."""
-    return (_check_int("q_len", q_len) * _check_int("k_len", k_len)
-            * _check_int("num_heads", num_heads) * _check_int("batch", batch)
-            * _check_int("dtype_bytes", dtype_bytes))
+    return (_as_int("q_len", q_len, 1) * _as_int("k_len", k_len, 1)
+            * _as_int("num_heads", num_heads, 1) * _as_int("batch", batch, 1)
+            * _as_int("dtype_bytes", dtype_bytes, 1))
 
 
 def numpy_peak_bytes(fn: Callable[[], _T]) -> tuple[_T, int]:
@@ -166,8 +160,8 @@ def kv_cache_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int,
     """Bytes a KV cache adds per token: a key and a value of `head_dim` numbers for each of
     `num_kv_heads` heads in each of `num_layers` layers (chapter 10, "The KV cache").
     `dtype_bytes` is 2 for float16 (the default) and bfloat16, 4 for float32."""
-    return (2 * _check_int("num_layers", num_layers) * _check_int("num_kv_heads", num_kv_heads)
-            * _check_int("head_dim", head_dim) * _check_int("dtype_bytes", dtype_bytes))
+    return (2 * _as_int("num_layers", num_layers, 1) * _as_int("num_kv_heads", num_kv_heads, 1)
+            * _as_int("head_dim", head_dim, 1) * _as_int("dtype_bytes", dtype_bytes, 1))
 
 
 __all__ = [

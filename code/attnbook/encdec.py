@@ -6,23 +6,14 @@ Built and explained in the book's chapter chapters/09-encoder-decoder.md.
 """
 
 import math
-import numbers
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from attnbook.blocks import TransformerBlock
-from attnbook.masks import attention_mask, padding_mask
+from attnbook.masks import _as_int, attention_mask, padding_mask
 from attnbook.positions import sinusoidal_encoding
-
-
-def _check_int(name: str, value, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {name}={value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be at least {minimum}, got {name}={value}")
-    return int(value)
 
 
 @dataclass
@@ -53,17 +44,17 @@ class EncoderDecoderConfig:
 
     def __post_init__(self) -> None:
         for name in ("src_vocab", "tgt_vocab", "d_model", "num_heads", "num_layers", "max_len"):
-            setattr(self, name, _check_int(name, getattr(self, name), 1))
+            setattr(self, name, _as_int(name, getattr(self, name), 1))
         if self.num_decoder_layers is None:
             self.num_decoder_layers = self.num_layers
-        self.num_decoder_layers = _check_int("num_decoder_layers", self.num_decoder_layers, 1)
+        self.num_decoder_layers = _as_int("num_decoder_layers", self.num_decoder_layers, 1)
         if self.d_ff is not None:
-            self.d_ff = _check_int("d_ff", self.d_ff, 1)
+            self.d_ff = _as_int("d_ff", self.d_ff, 1)
         if self.d_model % self.num_heads:
             raise ValueError(f"d_model={self.d_model} is not divisible by "
                              f"num_heads={self.num_heads}")
         for name in ("pad_id", "bos_id", "eos_id"):
-            if _check_int(name, getattr(self, name), 0) >= self.tgt_vocab:
+            if _as_int(name, getattr(self, name), 0) >= self.tgt_vocab:
                 raise ValueError(f"{name}={getattr(self, name)} is not below "
                                  f"tgt_vocab={self.tgt_vocab}")
         if self.pad_id >= self.src_vocab:
@@ -199,7 +190,7 @@ def _greedy_decode(model: EncoderDecoder, src: torch.Tensor, max_len: int | None
     after BOS, up to and including EOS, then pad_id. Recomputes the decoder at each step.
     """
     c = model.config
-    max_len = c.max_len if max_len is None else _check_int("max_len", max_len, 1)
+    max_len = c.max_len if max_len is None else _as_int("max_len", max_len, 1)
     if max_len > c.max_len:
         raise ValueError(f"max_len={max_len} is more than the model's max_len={c.max_len}")
     src_padding = model.source_padding(src, src_lengths)

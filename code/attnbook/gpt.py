@@ -15,15 +15,7 @@ from torch import nn
 
 from attnbook.blocks import TransformerBlock
 from attnbook.heads import attend
-from attnbook.masks import causal_mask
-
-
-def _check_int(name: str, value, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {name}={value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be at least {minimum}, got {name}={value}")
-    return int(value)
+from attnbook.masks import _as_int, causal_mask
 
 
 def _check_real(name: str, value, low: float, high: float = math.inf) -> float:
@@ -59,9 +51,9 @@ class GPTConfig:
             raise ValueError(f"context_length={self.context_length} and its alias "
                              f"max_position={self.max_position} differ")
         for name in ("vocab_size", "context_length", "d_model", "num_layers", "num_heads"):
-            setattr(self, name, _check_int(name, getattr(self, name), minimum=1))
+            setattr(self, name, _as_int(name, getattr(self, name), minimum=1))
         self.max_position = self.context_length
-        self.d_ff = 4 * self.d_model if self.d_ff is None else _check_int("d_ff", self.d_ff, 1)
+        self.d_ff = 4 * self.d_model if self.d_ff is None else _as_int("d_ff", self.d_ff, 1)
         if self.d_model % self.num_heads:
             raise ValueError(f"d_model={self.d_model} is not divisible by "
                              f"num_heads={self.num_heads}")
@@ -241,7 +233,7 @@ class KVCache:
                  device: torch.device | str | None = None) -> None:
         sizes = dict(num_layers=num_layers, batch_size=batch_size, num_heads=num_heads,
                      capacity=capacity, head_dim=head_dim)
-        shape = tuple(_check_int(name, value, 1) for name, value in sizes.items())
+        shape = tuple(_as_int(name, value, 1) for name, value in sizes.items())
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
         self.values = torch.zeros(shape, dtype=dtype, device=device)
         self.length = 0
@@ -281,7 +273,7 @@ class KVCache:
 
 def _make_kv_cache(model: nn.Module, batch_size: int, capacity: int | None) -> KVCache:
     c, weight = model.config, model.tok_emb.weight
-    capacity = c.context_length if capacity is None else _check_int("capacity", capacity, 1)
+    capacity = c.context_length if capacity is None else _as_int("capacity", capacity, 1)
     if capacity > c.context_length:
         raise ValueError(f"capacity={capacity} exceeds context_length={c.context_length}")
     return KVCache(c.num_layers, batch_size, c.num_heads, capacity, c.head_dim,
@@ -348,9 +340,9 @@ def _generate(model: nn.Module, idx: torch.Tensor, max_new_tokens: int, temperat
     limit = model.config.context_length
     _check_idx(model, idx[:, -limit:] if isinstance(idx, torch.Tensor) and idx.ndim == 2
                else idx, None)
-    max_new_tokens = _check_int("max_new_tokens", max_new_tokens, 0)
+    max_new_tokens = _as_int("max_new_tokens", max_new_tokens, 0)
     temperature = _check_real("temperature", temperature, 0.0)
-    top_k = None if top_k is None else _check_int("top_k", top_k, 1)
+    top_k = None if top_k is None else _as_int("top_k", top_k, 1)
     if not isinstance(use_cache, bool):
         raise TypeError(f"use_cache must be a bool, got use_cache={use_cache!r}")
     was_training, seq, cache = model.training, idx, None

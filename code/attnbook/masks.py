@@ -15,14 +15,14 @@ import torch
 def _as_int(name: str, value, minimum: int | None = None) -> int:
     """`value` as a Python int (at least `minimum`), or an error that names `name`."""
     if isinstance(value, bool):
-        raise TypeError(f"{name} must be an int, got the bool {value!r}")
+        raise TypeError(f"{name} must be an int, got {name}={value!r}, a bool")
     try:
         value = operator.index(value)
     except TypeError:
-        raise TypeError(f"{name} must be an int, got {value!r} of type "
+        raise TypeError(f"{name} must be an int, got {name}={value!r} of type "
                         f"{type(value).__name__}") from None
     if minimum is not None and value < minimum:
-        raise ValueError(f"{name} must be at least {minimum}, got {value}")
+        raise ValueError(f"{name} must be at least {minimum}, got {name}={value}")
     return value
 
 
