@@ -13,13 +13,7 @@ from attnbook.masks import attention_mask, causal_mask, padding_mask
 DOUBLE = torch.float64
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Small layers: one thread is as fast, and does not stall on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _randomise(module, seed=0, std=0.3):

@@ -14,13 +14,7 @@ from attnbook.positions import sinusoidal_encoding
 PAD, BOS, EOS, VOCAB = 0, 1, 2, 11
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models: one thread is as fast, and does not stall on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _model(seed=0, dtype=torch.float64, **overrides):
