@@ -118,8 +118,16 @@ def public_names(source: str) -> list[str]:
 def module_source(chapter: Chapter, cells: list[str]) -> str:
     body = "\n\n\n".join(cells)
     names = public_names(body)
+    # The module says what it is in one line: the chapter's title, or a docstring that opens
+    # its first cell (for a second module of a chapter, which does something narrower).
+    first = ast.parse(body).body[0] if body.strip() else None
+    title = f"{chapter.title}."
+    if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) \
+            and isinstance(first.value.value, str):
+        title = first.value.value.strip()
+        body = "\n".join(body.splitlines()[first.end_lineno:]).lstrip("\n")
     docstring = (
-        f'"""{chapter.title}.\n\n'
+        f'"""{title}\n\n'
         f"Built and explained in the book's chapter {chapter.relpath}.\n"
         '"""\n'
     )

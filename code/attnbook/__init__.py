@@ -17,6 +17,7 @@ Modules, in the order the book builds them:
 - attnbook.cost: The cost of attention (chapters/10-cost.md)
 - attnbook.tiling: Tiling and online softmax (chapters/11-tiling.md)
 - attnbook.kernels: A FlashAttention kernel in Triton (chapters/12-flash-attention-triton.md)
+- attnbook.compile_check: A FlashAttention kernel in Triton (chapters/12-flash-attention-triton.md)
 """
 
 import importlib
@@ -36,6 +37,7 @@ __all__ = [
     "cost",
     "tiling",
     "kernels",
+    "compile_check",
 ]
 
 

@@ -72,16 +72,13 @@ def _forward_loop(q, K, V, rows, Lq, Lk, hi, skn, skd, svn, svd, qk_scale,
                   CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   HEAD_DIM: tl.constexpr):
     # Online softmax of one query tile over the key tiles starting below hi.
-    d = tl.arange(0, HEAD_DIM)
-    cols = tl.arange(0, BLOCK_N)
-    k_ptrs = K + cols[:, None] * skn + d[None, :] * skd
-    v_ptrs = V + cols[:, None] * svn + d[None, :] * svd
     m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    for _ in range(0, hi, BLOCK_N):
-        k = tl.load(k_ptrs, mask=cols[:, None] < Lk, other=0.0)
-        v = tl.load(v_ptrs, mask=cols[:, None] < Lk, other=0.0)
+    for start_n in range(0, hi, BLOCK_N):
+        cols = start_n + tl.arange(0, BLOCK_N)
+        k = _load_rows(K, cols, Lk, skn, skd, HEAD_DIM)
+        v = _load_rows(V, cols, Lk, svn, svd, HEAD_DIM)
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
         ok = cols[None, :] < Lk
         if CAUSAL:
@@ -94,9 +91,6 @@ def _forward_loop(q, K, V, rows, Lq, Lk, hi, skn, skd, svn, svd, qk_scale,
         l = l * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         m = m_new
-        cols += BLOCK_N
-        k_ptrs += BLOCK_N * skn
-        v_ptrs += BLOCK_N * svn
     return acc, l, m
 
 
@@ -125,24 +119,25 @@ def _forward_kernel(Q, K, V, O, LSE,
 
 
 _LOG2E = 1.4426950408889634  # exp(x) == exp2(x * log2(e))
-_SMEM_BUDGET = 56 * 1024  # bytes of shared memory for one program: a T4's 64 KB less headroom
+_NUM_WARPS, _NUM_STAGES = 4, 2  # threads per program / 32, and tiles loaded ahead
+
+# Rows per tile (BLOCK_M = BLOCK_N), by kernel and element size (2: float16 and bfloat16, 4:
+# float32), then head dimension: found by compiling, as explained above.
+_TILE_ROWS = {
+    ("forward", 2): {16: 64, 32: 64, 64: 64, 128: 64},
+    ("forward", 4): {16: 64, 32: 32, 64: 32, 128: 16},
+    ("dkdv", 2): {16: 64, 32: 64, 64: 64, 128: 32},
+    ("dkdv", 4): {16: 32, 32: 16, 64: 16, 128: 16},
+    ("dq", 2): {16: 64, 32: 64, 64: 64, 128: 32},
+    ("dq", 4): {16: 64, 32: 32, 64: 32, 128: 16},
+}
 
 
-def _smem_estimate(block: int, head_dim: int, element_size: int, backward: bool) -> int:
-    # Forward: Q, plus K and V double-buffered (5 D-wide tiles) and the P tile. Backward: 2 tiles
-    # kept, 2 streamed and double-buffered (6 D-wide tiles), and the P and dS tiles.
-    tiles, squares = (6, 2) if backward else (5, 1)
-    return (tiles * block * head_dim + squares * block * block) * element_size
+def _tile_rows(kernel: str, head_dim: int, element_size: int) -> int:
+    return _TILE_ROWS[kernel, element_size][head_dim]
 
 
-def _block_size(head_dim: int, element_size: int, backward: bool) -> int:
-    for block in (64, 32):
-        if _smem_estimate(block, head_dim, element_size, backward) <= _SMEM_BUDGET:
-            return block
-    return 16  # the smallest tile tl.dot accepts
-
-
-_BLOCKS: dict = {}  # (kernel, head_dim, dtype) -> the block size that compiled
+_BLOCKS: dict = {}  # (kernel, head_dim, dtype) -> the block size that launched
 
 
 def _strides(*tensors: torch.Tensor) -> list[int]:
@@ -157,7 +152,8 @@ def _launch(kernel, length: int, heads: int, block: int, args: tuple, **meta) ->
     while True:
         try:
             kernel[(triton.cdiv(length, block), heads)](
-                *args, **meta, BLOCK_M=block, BLOCK_N=block, num_warps=4, num_stages=2)
+                *args, **meta, BLOCK_M=block, BLOCK_N=block, num_warps=_NUM_WARPS,
+                num_stages=_NUM_STAGES)
             _BLOCKS[key] = block
             return
         except triton.runtime.OutOfResources:
@@ -172,7 +168,7 @@ def _forward(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.T
     o = torch.empty((B, H, Lq, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, H, Lq), dtype=torch.float32, device=q.device)
     args = (q, k, v, o, lse, *_strides(q, k, v, o), H, Lq, k.shape[2], scale * _LOG2E)
-    block = _block_size(D, q.element_size(), backward=False)
+    block = _tile_rows("forward", D, q.element_size())
     _launch(_forward_kernel, Lq, B * H, block, args, CAUSAL=causal, HEAD_DIM=D)
     return o, lse
 
@@ -182,15 +178,12 @@ def _dkdv_loop(k, v, Q, DO, LSE, DELTA, cols, lo, Lq, Lk, sqm, sqd, sdm, sdd, qk
                CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                HEAD_DIM: tl.constexpr):
     # dK and dV of one key tile: sums over the query tiles from row lo on.
-    d = tl.arange(0, HEAD_DIM)
-    rows = lo + tl.arange(0, BLOCK_M)
-    q_ptrs = Q + rows[:, None] * sqm + d[None, :] * sqd
-    do_ptrs = DO + rows[:, None] * sdm + d[None, :] * sdd
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-    for _ in range(lo, Lq, BLOCK_M):
-        q = tl.load(q_ptrs, mask=rows[:, None] < Lq, other=0.0)
-        do = tl.load(do_ptrs, mask=rows[:, None] < Lq, other=0.0)
+    for start_m in range(lo, Lq, BLOCK_M):
+        rows = start_m + tl.arange(0, BLOCK_M)
+        q = _load_rows(Q, rows, Lq, sqm, sqd, HEAD_DIM)
+        do = _load_rows(DO, rows, Lq, sdm, sdd, HEAD_DIM)
         lse = tl.load(LSE + rows, mask=rows < Lq, other=0.0)
         delta = tl.load(DELTA + rows, mask=rows < Lq, other=0.0)
         ok = (rows[:, None] < Lq) & (cols[None, :] < Lk)
@@ -202,9 +195,6 @@ def _dkdv_loop(k, v, Q, DO, LSE, DELTA, cols, lo, Lq, Lk, sqm, sqd, sdm, sdd, qk
         dp = tl.dot(do, tl.trans(v), input_precision="ieee")
         ds = p * (dp - delta[:, None])
         dk += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision="ieee")
-        rows += BLOCK_M
-        q_ptrs += BLOCK_M * sqm
-        do_ptrs += BLOCK_M * sdm
     return dk, dv
 
 
@@ -237,14 +227,11 @@ def _dq_loop(q, do, lse, delta, K, V, rows, hi, Lq, Lk, skn, skd, svn, svd, qk_s
              CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
              HEAD_DIM: tl.constexpr):
     # dQ of one query tile: a sum over the key tiles starting below hi.
-    d = tl.arange(0, HEAD_DIM)
-    cols = tl.arange(0, BLOCK_N)
-    k_ptrs = K + cols[:, None] * skn + d[None, :] * skd
-    v_ptrs = V + cols[:, None] * svn + d[None, :] * svd
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    for _ in range(0, hi, BLOCK_N):
-        k = tl.load(k_ptrs, mask=cols[:, None] < Lk, other=0.0)
-        v = tl.load(v_ptrs, mask=cols[:, None] < Lk, other=0.0)
+    for start_n in range(0, hi, BLOCK_N):
+        cols = start_n + tl.arange(0, BLOCK_N)
+        k = _load_rows(K, cols, Lk, skn, skd, HEAD_DIM)
+        v = _load_rows(V, cols, Lk, svn, svd, HEAD_DIM)
         ok = (rows[:, None] < Lq) & (cols[None, :] < Lk)
         if CAUSAL:
             ok = ok & (cols[None, :] <= rows[:, None] + (Lk - Lq))
@@ -253,9 +240,6 @@ def _dq_loop(q, do, lse, delta, K, V, rows, hi, Lq, Lk, skn, skd, svn, svd, qk_s
         dp = tl.dot(do, tl.trans(v), input_precision="ieee")
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k, input_precision="ieee")
-        cols += BLOCK_N
-        k_ptrs += BLOCK_N * skn
-        v_ptrs += BLOCK_N * svn
     return dq
 
 
@@ -287,17 +271,18 @@ def _backward(q, k, v, o, lse, do, causal: bool, scale: float):
     # dQ, dK, dV (contiguous, in the inputs' dtype) from the forward's O and logsumexp.
     B, H, Lq, D = q.shape
     Lk = k.shape[2]
-    block = _block_size(D, q.element_size(), backward=True)
     delta = torch.empty_like(lse)
-    _delta_kernel[(triton.cdiv(Lq, block), B * H)](o, do, delta, *_strides(o, do), H, Lq,
-                                                   BLOCK_M=block, HEAD_DIM=D)
+    _delta_kernel[(triton.cdiv(Lq, 32), B * H)](o, do, delta, *_strides(o, do), H, Lq,
+                                                BLOCK_M=32, HEAD_DIM=D)
     dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
     strides = _strides(q, k, v, do)
     meta = dict(CAUSAL=causal, HEAD_DIM=D)
-    _launch(_dkdv_kernel, Lk, B * H, block, (q, k, v, do, dk, dv, lse, delta, *strides,
-            *dk.stride(), H, Lq, Lk, scale * _LOG2E, scale), **meta)
-    _launch(_dq_kernel, Lq, B * H, block, (q, k, v, do, dq, lse, delta, *strides,
-            *dq.stride(), H, Lq, Lk, scale * _LOG2E, scale), **meta)
+    _launch(_dkdv_kernel, Lk, B * H, _tile_rows("dkdv", D, q.element_size()),
+            (q, k, v, do, dk, dv, lse, delta, *strides, *dk.stride(), H, Lq, Lk,
+             scale * _LOG2E, scale), **meta)
+    _launch(_dq_kernel, Lq, B * H, _tile_rows("dq", D, q.element_size()),
+            (q, k, v, do, dq, lse, delta, *strides, *dq.stride(), H, Lq, Lk, scale * _LOG2E,
+             scale), **meta)
     return dq, dk, dv
 
 
