@@ -3,8 +3,9 @@
 A chapter is a MyST Markdown notebook. Its front matter names the module it owns
 (`attnbook: {module: attention}`), and every code cell tagged `export` goes, in order, into
 `code/attnbook/<module>.py`. A cell tagged `export:<name>` goes into `code/attnbook/<name>.py`
-instead, for the rare chapter that owns a second module. The same chapter becomes `notebooks/<chapter>.ipynb`: its cells
-behind one setup cell that, on Colab only, installs the package from the repository named in
+instead, for the rare chapter that owns a second module; `attnbook: {describe: {<name>: ...}}`
+gives that module its one-line docstring. The same chapter becomes `notebooks/<chapter>.ipynb`:
+its cells behind one setup cell that, on Colab only, installs the package from the repository named in
 `_config.yml`.
 
     python tools/tangle.py              write code/ and the notebooks' sources (keeps outputs)
@@ -65,6 +66,11 @@ class Chapter:
     def module(self) -> str | None:
         return self.notebook.metadata.get("attnbook", {}).get("module")
 
+    @property
+    def descriptions(self) -> dict:
+        """One line about each second module, from `attnbook: {describe: {name: line}}`."""
+        return self.notebook.metadata.get("attnbook", {}).get("describe", {})
+
     def exports(self) -> dict[str, list[str]]:
         """Exported cell sources by module name, in the chapter's order."""
         modules: dict[str, list[str]] = {}
@@ -115,17 +121,12 @@ def public_names(source: str) -> list[str]:
     return [name for name in defined or gathered if not name.startswith("_")]
 
 
-def module_source(chapter: Chapter, cells: list[str]) -> str:
+def module_source(chapter: Chapter, module: str, cells: list[str]) -> str:
     body = "\n\n\n".join(cells)
     names = public_names(body)
-    # The module says what it is in one line: the chapter's title, or a docstring that opens
-    # its first cell (for a second module of a chapter, which does something narrower).
-    first = ast.parse(body).body[0] if body.strip() else None
-    title = f"{chapter.title}."
-    if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) \
-            and isinstance(first.value.value, str):
-        title = first.value.value.strip()
-        body = "\n".join(body.splitlines()[first.end_lineno:]).lstrip("\n")
+    # The module says what it is in one line: the chapter's title, or for a second module of a
+    # chapter, which does something narrower, its line in the front matter's `describe`.
+    title = chapter.descriptions.get(module, f"{chapter.title}.")
     docstring = (
         f'"""{title}\n\n'
         f"Built and explained in the book's chapter {chapter.relpath}.\n"
@@ -167,7 +168,7 @@ def package_files(chapters: list[Chapter]) -> dict[str, str]:
             rel = (PACKAGE / f"{module}.py").relative_to(ROOT).as_posix()
             if rel in files:
                 raise ValueError(f"module {module!r} is claimed by two chapters")
-            files[rel] = module_source(chapter, cells)
+            files[rel] = module_source(chapter, module, cells)
     files[(PACKAGE / "__init__.py").relative_to(ROOT).as_posix()] = init_source(chapters)
     return files
 
