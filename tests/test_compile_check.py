@@ -51,8 +51,10 @@ def test_report_describes_the_compiled_kernel():
 
 def test_float32_products_do_not_use_tensor_cores():
     # input_precision="ieee" asks for true float32 products: no TF32 tensor-core instructions.
-    (r,) = compile_kernels([dict(kernel="dq", gpu="A100", dtype="float32", head_dim=16)])
+    (r,) = compile_kernels([dict(kernel="dq", gpu="A100", dtype="float32", head_dim=16,
+                                 block=None)])  # None: the launcher's tile
     assert not r.tensor_cores
+    assert r.block == kernels._tile_rows("dq", 16, 4)
 
 
 def test_gpus_are_named_with_their_limits():

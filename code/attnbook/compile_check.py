@@ -171,8 +171,9 @@ def _check_request(request: dict) -> None:
                          ("head_dim", (16, 32, 64, 128))):
         if request[key] not in allowed:
             raise ValueError(f"request {key} must be one of {allowed}, got {request[key]!r}")
-    if request.get("block", 16) not in (16, 32, 64, 128):
-        raise ValueError(f"request block must be 16, 32, 64 or 128, got {request['block']!r}")
+    if request.get("block") not in (None, 16, 32, 64, 128):
+        raise ValueError("request block must be None (the launcher's), 16, 32, 64 or 128, got "
+                         f"{request['block']!r}")
 
 
 def _main() -> None:
