@@ -1,16 +1,20 @@
 """The tangler and the sync check, run on a copy of the repository."""
 
 import json
+import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import nbformat
 import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "book" / "_ext"))
+sys.path.insert(0, str(ROOT / "tools"))
+import tangle as tangler  # noqa: E402
 from colab_links import colab_url  # noqa: E402
 
 
@@ -18,7 +22,8 @@ from colab_links import colab_url  # noqa: E402
 def book_copy(tmp_path):
     for name in ["chapters", "tools", "code", "notebooks"]:
         shutil.copytree(ROOT / name, tmp_path / name, ignore=shutil.ignore_patterns("__pycache__"))
-    for name in ["_config.yml", "pyproject.toml"]:
+    for name in ["_config.yml", "pyproject.toml", "book/references.bib"]:
+        (tmp_path / name).parent.mkdir(exist_ok=True)
         shutil.copy(ROOT / name, tmp_path / name)
     return tmp_path
 
@@ -144,3 +149,42 @@ def test_a_prose_only_edit_keeps_the_outputs(book_copy):
     assert [c.get("outputs") for c in cells] == outputs_before
     assert any("Consider the sentence" in "".join(c["source"]) for c in cells)
     assert "01-queries-keys-values.ipynb" not in tangle(book_copy, "--check").stderr
+
+
+def test_text_cells_become_plain_markdown_for_colab():
+    cited = {"dao2022": "Dao et al., 2022", "two2001": "One and Two, 2001"}
+    text = ("An *{term}`online softmax <online softmax>`* and {term}`tiling` "
+            "{cite}`dao2022, two2001`.\n\n"
+            "````{admonition} Solutions\n:class: dropdown\n\n1. ```python\n   x = 1\n   ```\n````\n"
+            "```{admonition} Note\nPlain.\n```")
+    assert tangler.plain_markdown(text, cited) == (
+        "An *online softmax* and tiling (Dao et al., 2022; One and Two, 2001).\n\n"
+        "<details>\n<summary>Solutions</summary>\n\n1. ```python\n   x = 1\n   ```\n\n"
+        "</details>\n**Note**\n\nPlain.")
+    with pytest.raises(ValueError, match="nobody2020.*cited but not in book/references.bib"):
+        tangler.plain_markdown("{cite}`nobody2020`", cited)
+
+
+def test_citations_come_from_the_bibliography():
+    cited = tangler.citations()
+    assert cited["vaswani2017attention"] == "Vaswani et al., 2017"
+    assert cited["milakov2018online"] == "Milakov and Gimelshein, 2018"
+
+
+def test_glued_values_come_from_the_notebooks_own_outputs():
+    record = nbformat.v4.new_output(
+        "display_data", data={"application/papermill.record/text/plain": "0.87451"},
+        metadata={"scrapbook": {"name": "ratio", "mime_prefix": "application/papermill.record/"}})
+    code = nbformat.v4.new_code_cell("glue('ratio', 0.87451)", outputs=[record])
+    text = nbformat.v4.new_markdown_cell(
+        "{glue:text}`ratio:.1%`, {glue:text}`ratio` and {glue:text}`later:.2f`")
+    filled = tangler.fill_glue(nbformat.v4.new_notebook(cells=[code, text]))
+    assert filled.cells[1].source == "87.5%, 0.87451 and {glue:text}`later:.2f`"
+
+
+def test_committed_notebooks_show_no_myst_markup():
+    markup = re.compile(r"\{(term|cite|glue:text|admonition)\}")
+    for path in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        for cell in json.loads(path.read_text())["cells"]:
+            if cell["cell_type"] == "markdown":
+                assert not markup.search("".join(cell["source"])), path

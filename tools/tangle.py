@@ -12,8 +12,13 @@ its cells behind one setup cell that, on Colab only, installs the package from t
     python tools/tangle.py --execute    ... and run every notebook whose source changed
     python tools/tangle.py --check      fail if code/ or notebooks/ differ from the chapters
 
-The output depends only on the chapters, `_config.yml` and `pyproject.toml`: running it twice
-gives the same bytes.
+The notebooks' text cells are plain Markdown, for Colab and Jupyter, which do not know MyST: a
+glossary term shows as its text, a citation as (Author et al., year) from book/references.bib, a
+dropdown admonition as an HTML <details>, and a glued number as the value the notebook's own
+outputs hold, formatted as on the site.
+
+The output depends only on the chapters, `_config.yml`, `pyproject.toml`, `book/references.bib`
+and the notebooks' outputs: running it twice gives the same bytes.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import argparse
 import ast
 import copy
 import difflib
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CHAPTERS = ROOT / "chapters"
 PACKAGE = ROOT / "code" / "attnbook"
 NOTEBOOKS = ROOT / "notebooks"
+REFERENCES = ROOT / "book" / "references.bib"
 EXPORT_TAG = "export"  # and "export:<module>"
 # Cell metadata that belongs to the notebook file, not to the chapter's content.
 VOLATILE_CELL_METADATA = ("execution", "collapsed", "scrolled")
@@ -193,16 +200,90 @@ def setup_cell_source() -> str:
     )
 
 
+TERM = re.compile(r"\{term\}`([^`]*?)(?:\s*<[^`]*>)?`")  # {term}`text <entry>` or {term}`entry`
+CITE = re.compile(r"\{cite\}`([^`]*)`")
+GLUE = re.compile(r"\{glue:text\}`([^`]*)`")
+ADMONITION = re.compile(
+    r"^(?P<fence>`{3,}|:{3,})\{admonition\}[ \t]*(?P<title>[^\n]*)\n"
+    r"(?P<options>(?::[\w-]+:[^\n]*\n)*)"
+    r"(?P<body>.*?)^(?P=fence)[ \t]*$",
+    re.MULTILINE | re.DOTALL,
+)
+
+
+def citations() -> dict[str, str]:
+    """'Author et al., year' for each entry of the book's BibTeX file, by key."""
+    found = {}
+    for entry in re.split(r"^@", REFERENCES.read_text(), flags=re.MULTILINE)[1:]:
+        key = entry.split("{", 1)[1].split(",", 1)[0].strip()
+        authors = re.search(r"author\s*=\s*\{(.*)\}\s*,?\s*$", entry, re.MULTILINE).group(1)
+        year = re.search(r"year\s*=\s*\{?(\d{4})", entry).group(1)
+        surnames = [a.split(",")[0].strip(" {}") for a in authors.split(" and ")]
+        who = surnames[0] if len(surnames) == 1 else (
+            " and ".join(surnames) if len(surnames) == 2 else f"{surnames[0]} et al.")
+        found[key] = f"{who}, {year}"
+    return found
+
+
+def plain_markdown(text: str, cited: dict[str, str]) -> str:
+    """A text cell of a chapter with MyST's roles and directives as plain Markdown. Glue roles
+    stay: their values come from the executed notebook (fill_glue)."""
+
+    def cite(match):
+        keys = [k.strip() for k in match.group(1).split(",")]
+        missing = [k for k in keys if k not in cited]
+        if missing:
+            raise ValueError(f"{missing} cited but not in {REFERENCES.relative_to(ROOT)}")
+        return "(" + "; ".join(cited[k] for k in keys) + ")"
+
+    def admonition(match):
+        title, body = match.group("title").strip(), match.group("body").strip("\n")
+        if "dropdown" in match.group("options"):
+            return f"<details>\n<summary>{title}</summary>\n\n{body}\n\n</details>"
+        return f"**{title}**\n\n{body}"
+
+    text = ADMONITION.sub(admonition, text)
+    text = TERM.sub(lambda m: m.group(1), text)
+    return CITE.sub(cite, text)
+
+
+def fill_glue(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
+    """Replace each {glue:text}`name:format` of the text cells by the value the notebook's
+    outputs hold for `name`, formatted as myst-nb formats it on the site."""
+    from myst_nb.core.variables import format_plain_text
+
+    values = {}
+    for cell in nb.cells:
+        for output in cell.get("outputs", []) if cell.cell_type == "code" else []:
+            name = output.get("metadata", {}).get("scrapbook", {}).get("name")
+            if name:
+                values[name] = output["data"]["application/papermill.record/text/plain"]
+
+    def paste(match):
+        name, _, spec = match.group(1).partition(":")
+        if name not in values:
+            return match.group(0)  # not executed yet
+        return format_plain_text(values[name], spec or "s")
+
+    for cell in nb.cells:
+        if cell.cell_type == "markdown":
+            cell.source = GLUE.sub(paste, cell.source)
+    return nb
+
+
 def notebook_source(chapter: Chapter) -> nbformat.NotebookNode:
-    """The chapter as a Jupyter notebook, without outputs."""
+    """The chapter as a Jupyter notebook, without outputs (and so with glue roles unfilled)."""
     setup = nbformat.v4.new_code_cell(setup_cell_source())
     setup.metadata["tags"] = ["nbval-ignore-output"]
     cells = [setup]
+    cited = citations()
     for cell in chapter.notebook.cells:
         cell = copy.deepcopy(cell)
         if cell.cell_type == "code":
             cell.outputs = []
             cell.execution_count = None
+        elif cell.cell_type == "markdown":
+            cell.source = plain_markdown(cell.source, cited)
         cells.append(cell)
     for index, cell in enumerate(cells):
         cell.id = f"cell-{index:03d}"
@@ -253,6 +334,15 @@ def with_outputs_of(executed: nbformat.NotebookNode, fresh: nbformat.NotebookNod
     return fresh
 
 
+def expected_notebook(chapter: Chapter, old: nbformat.NotebookNode | None):
+    """What the chapter makes of its notebook: with `old`'s outputs (and glued values) where
+    `old` ran the same code, otherwise without outputs."""
+    fresh = notebook_source(chapter)
+    if old is not None and same_code(old, fresh) and not never_executed(old):
+        return fill_glue(with_outputs_of(old, fresh))
+    return fresh
+
+
 def never_executed(nb: nbformat.NotebookNode) -> bool:
     return any(cell.cell_type == "code" and cell.execution_count is None for cell in nb.cells)
 
@@ -296,16 +386,16 @@ def write(execute_changed: bool, force: bool, only: list[str]) -> None:
         if only and not any(chapter.slug.startswith(prefix) for prefix in only):
             continue
         path = notebook_path(chapter)
-        fresh = notebook_source(chapter)
         old = nbformat.read(path, as_version=4) if path.exists() else None
-        unchanged = old is not None and dumps(strip_outputs(old)) == dumps(fresh)
+        fresh = expected_notebook(chapter, old)
+        unchanged = old is not None and dumps(strip_outputs(old)) == dumps(strip_outputs(fresh))
         if unchanged and not force and not (execute_changed and never_executed(old)):
             continue
         if old is not None and not force and same_code(old, fresh) and not never_executed(old):
-            fresh = with_outputs_of(old, fresh)  # only prose changed: outputs depend on code alone
+            pass  # only prose changed: outputs depend on code alone, and were kept
         elif execute_changed or force:
             print(f"executing {chapter.relpath} ...", flush=True)
-            fresh = execute(fresh)
+            fresh = fill_glue(execute(notebook_source(chapter)))
         elif old is not None:
             print(f"{path.relative_to(ROOT)}: source changed, outputs dropped (make notebooks)")
         path.write_text(dumps(fresh))
@@ -347,7 +437,8 @@ def check() -> int:
             problems.append(f"{rel}: missing (run make notebooks)")
             continue
         committed = nbformat.read(path, as_version=4)
-        if dumps(strip_outputs(committed)) != dumps(notebook_source(chapter)):
+        expected = strip_outputs(expected_notebook(chapter, committed))
+        if dumps(strip_outputs(committed)) != dumps(expected):
             problems.append(f"{rel}: out of date with {chapter.relpath} (run make notebooks)")
         elif never_executed(committed):
             problems.append(f"{rel}: has cells that were never executed (run make notebooks)")
