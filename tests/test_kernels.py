@@ -290,3 +290,20 @@ def test_benchmark_small_mode_writes_csv_and_plot(tmp_path):
         if r["provider"] in ("ours", "sdpa-math", "naive"):
             assert r["status"] == "ok" and float(r["tflops"]) > 0 and float(r["ms"]) > 0
     assert (tmp_path / "flash_attention.png").stat().st_size > 1000
+
+
+def test_benchmark_writes_its_csv_without_matplotlib(monkeypatch):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import flash_attention as benchmark
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now fails
+    assert benchmark.plot([], ROOT / "never-written.png") is False
+
+
+def test_gpu_session_script_is_valid_bash():
+    script = ROOT / "benchmarks" / "gpu_session.sh"
+    result = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert os.access(script, os.X_OK)
