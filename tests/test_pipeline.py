@@ -107,17 +107,23 @@ def test_verified_cache_refuses_a_notebook_that_does_not_match(book_copy):
     assert "does not match chapters/01-queries-keys-values.md" in result.stderr
 
 
+def tangle_extra_chapter(root: Path, front_matter: str, title: str, cells: dict) -> dict:
+    """Tangle the book with one more chapter, whose code cells are {tag: source}; the sources
+    of the modules it writes, by module name."""
+    code = "".join(f"```{{code-cell}} ipython3\n:tags: [{tag}]\n\n{source}\n```\n\n"
+                   for tag, source in cells.items())
+    (root / "chapters" / "99-extra.md").write_text(
+        f"---\nattnbook:\n{front_matter}---\n\n# {title}\n\n{code}")
+    assert tangle(root).returncode == 0
+    names = ["extra"] + [tag.split(":", 1)[1] for tag in cells if ":" in tag]
+    return {name: (root / "code" / "attnbook" / f"{name}.py").read_text() for name in names}
+
+
 def test_a_cell_can_export_to_a_second_module(book_copy):
-    chapter = book_copy / "chapters" / "99-extra.md"
-    chapter.write_text(
-        "---\nattnbook:\n  module: extra\n---\n\n# Extra\n\n"
-        "```{code-cell} ipython3\n:tags: [export]\n\ndef helper():\n    return 1\n```\n\n"
-        "```{code-cell} ipython3\n:tags: [export:gathered]\n\n"
-        "from attnbook.extra import helper\n```\n"
-    )
-    assert tangle(book_copy).returncode == 0
-    extra = (book_copy / "code" / "attnbook" / "extra.py").read_text()
-    gathered = (book_copy / "code" / "attnbook" / "gathered.py").read_text()
+    modules = tangle_extra_chapter(book_copy, "  module: extra\n", "Extra", {
+        "export": "def helper():\n    return 1",
+        "export:gathered": "from attnbook.extra import helper"})
+    extra, gathered = modules["extra"], modules["gathered"]
     assert "def helper():" in extra and '__all__ = [\n    "helper",\n]' in extra
     assert "from attnbook.extra import helper" in gathered and '"helper"' in gathered
     init = (book_copy / "code" / "attnbook" / "__init__.py").read_text()
@@ -125,18 +131,11 @@ def test_a_cell_can_export_to_a_second_module(book_copy):
 
 
 def test_a_second_module_is_described_by_the_front_matter(book_copy):
-    chapter = book_copy / "chapters" / "99-extra.md"
-    chapter.write_text(
-        "---\nattnbook:\n  module: extra\n  describe:\n    narrow: Only the narrow part.\n"
-        "---\n\n# Extra things\n\n"
-        "```{code-cell} ipython3\n:tags: [export]\n\nA = 1\n```\n\n"
-        "```{code-cell} ipython3\n:tags: [export:narrow]\n\nB = 2\n```\n"
-    )
-    assert tangle(book_copy).returncode == 0
-    extra = (book_copy / "code" / "attnbook" / "extra.py").read_text()
-    narrow = (book_copy / "code" / "attnbook" / "narrow.py").read_text()
-    assert '"""Extra things.\n\nBuilt and explained' in extra
-    assert '"""Only the narrow part.\n\nBuilt and explained' in narrow
+    modules = tangle_extra_chapter(
+        book_copy, "  module: extra\n  describe:\n    narrow: Only the narrow part.\n",
+        "Extra things", {"export": "A = 1", "export:narrow": "B = 2"})
+    assert '"""Extra things.\n\nBuilt and explained' in modules["extra"]
+    assert '"""Only the narrow part.\n\nBuilt and explained' in modules["narrow"]
 
 
 def test_a_prose_only_edit_keeps_the_outputs(book_copy):

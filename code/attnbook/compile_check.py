@@ -184,23 +184,25 @@ def _main() -> None:
     json.dump([asdict(r) for r in results], sys.stdout)
 
 
+def choose_tiles(compiled: list[Compiled]) -> dict:
+    """The launcher's rule for tile sizes, applied to compiled candidates: {(kernel, head_dim):
+    rows}. For each kernel and head dimension, the largest of 64 and 32 rows whose kernel
+    compiles without register spills for the A100 and the H100 and fits the shared memory of
+    every GPU compiled for; 16, the smallest tile tl.dot accepts, where neither does.
+    """
+    ok = {}
+    for c in compiled:
+        key = (c.kernel, c.head_dim, c.block)
+        ok[key] = ok.get(key, True) and c.fits and (c.gpu == "T4" or c.spill_bytes == 0)
+    return {(k, d): next((b for b in (64, 32) if ok.get((k, d, b))), 16) for k, d, _ in ok}
+
+
 def largest_tiles(dtype: str, head_dims=(16, 32, 64, 128), kernels=KERNELS,
                   workers: int | None = None) -> dict:
-    """The launcher's rule for tile sizes, by compiling: {(kernel, head_dim): rows}.
-
-    For each kernel and head dimension, the largest of 64 and 32 rows whose kernel compiles
-    without register spills for the A100 and the H100 and fits the shared memory of all of GPUS;
-    16, the smallest tile tl.dot accepts, where neither does.
-    """
+    """choose_tiles over 64- and 32-row tiles of `kernels` and `head_dims`, on all of GPUS."""
     candidates = [dict(kernel=k, dtype=dtype, head_dim=d, block=b, gpu=g)
                   for k in kernels for d in head_dims for b in (64, 32) for g in GPUS]
-    ok = {}
-    for c in compile_kernels(candidates, workers):
-        key = (c.kernel, c.head_dim, c.block)
-        good = c.fits and (c.gpu == "T4" or c.spill_bytes == 0)
-        ok[key] = ok.get(key, True) and good
-    return {(k, d): next((b for b in (64, 32) if ok[k, d, b]), 16)
-            for k in kernels for d in head_dims}
+    return choose_tiles(compile_kernels(candidates, workers))
 
 
 __all__ = [
@@ -210,5 +212,6 @@ __all__ = [
     "DTYPES",
     "Compiled",
     "compile_kernels",
+    "choose_tiles",
     "largest_tiles",
 ]
