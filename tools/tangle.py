@@ -17,8 +17,10 @@ glossary term shows as its text, a citation as (Author et al., year) from book/r
 dropdown admonition as an HTML <details>, and a glued number as the value the notebook's own
 outputs hold, formatted as on the site.
 
-The output depends only on the chapters, `_config.yml`, `pyproject.toml`, `book/references.bib`
-and the notebooks' outputs: running it twice gives the same bytes.
+The output depends only on the chapters, `_config.yml`, `pyproject.toml`, `book/references.bib`,
+the notebooks' outputs and the commit that last changed the package (which the notebooks install
+on Colab): running it twice gives the same bytes. While the package has uncommitted changes, the
+notebooks keep the commit they name; after committing, `make tangle` pins the new one.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import ast
 import copy
 import difflib
 import re
+import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +45,9 @@ CHAPTERS = ROOT / "chapters"
 PACKAGE = ROOT / "code" / "attnbook"
 NOTEBOOKS = ROOT / "notebooks"
 REFERENCES = ROOT / "book" / "references.bib"
+# Package data (the corpus snapshot), committed as it is: the one part of code/attnbook/ that no
+# chapter generates.
+DATA = PACKAGE / "data"
 EXPORT_TAG = "export"  # and "export:<module>"
 # Cell metadata that belongs to the notebook file, not to the chapter's content.
 VOLATILE_CELL_METADATA = ("execution", "collapsed", "scrolled")
@@ -78,6 +84,16 @@ class Chapter:
         """One line about each second module, from `attnbook: {describe: {name: line}}`."""
         return self.notebook.metadata.get("attnbook", {}).get("describe", {})
 
+    @property
+    def wants_gpu(self) -> bool:
+        """Whether the chapter has a GPU path worth a free Colab user's GPU quota."""
+        return bool(self.notebook.metadata.get("attnbook", {}).get("gpu", False))
+
+    @property
+    def colab_install(self) -> list[str]:
+        """What the chapter needs on Colab beyond the package and Colab's own packages."""
+        return list(self.notebook.metadata.get("attnbook", {}).get("colab_install", []))
+
     def exports(self) -> dict[str, list[str]]:
         """Exported cell sources by module name, in the chapter's order."""
         modules: dict[str, list[str]] = {}
@@ -93,7 +109,8 @@ class Chapter:
 
 
 def read_chapters() -> list[Chapter]:
-    paths = sorted(CHAPTERS.glob("[0-9][0-9]-*.md"))
+    # Numbered chapters, then the appendices (a1-..., a2-...).
+    paths = sorted(CHAPTERS.glob("[0-9][0-9]-*.md")) + sorted(CHAPTERS.glob("a[0-9]-*.md"))
     return [Chapter(path, jupytext.read(path, fmt="md:myst")) for path in paths]
 
 
@@ -180,23 +197,65 @@ def package_files(chapters: list[Chapter]) -> dict[str, str]:
     return files
 
 
-def setup_cell_source() -> str:
-    url, branch = repository()
+# The package a notebook installs on Colab is the one it was executed with: the commit that last
+# changed these paths, while the working tree holds no other change to them.
+PACKAGE_PATHS = ("code", "pyproject.toml")
+UNPINNED = "UNCOMMITTED"  # what a notebook names before its package is committed
+
+
+def git(*args: str) -> str | None:
+    try:
+        done = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True)
+    except FileNotFoundError:
+        return None
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+def package_commit() -> str | None:
+    """The commit whose package the working tree holds, or None when code/ or pyproject.toml has
+    uncommitted changes (or this is no git clone), so that no commit holds it yet."""
+    if git("status", "--porcelain", "--untracked-files=all", "--", *PACKAGE_PATHS) != "":
+        return None
+    return git("log", "-1", "--format=%H", "--", *PACKAGE_PATHS) or None
+
+
+def pinned_commit(nb: nbformat.NotebookNode | None) -> str | None:
+    """The commit a notebook's setup cell installs."""
+    if nb is None or not nb.cells:
+        return None
+    found = re.search(r'^COMMIT = "(\w+)"$', nb.cells[0].source, re.MULTILINE)
+    return found.group(1) if found else None
+
+
+def setup_cell_source(chapter: Chapter, commit: str) -> str:
+    url, _ = repository()
+    extra = "".join(f", {requirement!r}" for requirement in chapter.colab_install)
     return (
-        "# Setup. On Google Colab this installs the book's package from its repository;\n"
-        "# anywhere else it only reports the hardware this notebook runs on.\n"
+        "# Setup. On Google Colab this installs the book's package, at the commit this notebook\n"
+        "# was executed with, and nothing that Colab already has; anywhere else it only reports\n"
+        "# the package and the hardware the notebook runs on.\n"
+        "import subprocess\n"
         "import sys\n"
-        "\n"
-        'if "google.colab" in sys.modules:\n'
-        "    import subprocess\n"
-        "\n"
-        f'    package = "attnbook[notebook] @ git+{url}@{branch}"\n'
-        '    subprocess.run([sys.executable, "-m", "pip", "install", "-q", package], check=True)\n'
+        "from importlib.metadata import version\n"
         "\n"
         "import torch\n"
         "\n"
-        'device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none (CPU only)"\n'
-        'print("GPU:", device)'
+        f'COMMIT = "{commit}"\n'
+        "\n"
+        'if "google.colab" in sys.modules:\n'
+        f'    packages = [f"attnbook @ git+{url}@{{COMMIT}}"{extra}]\n'
+        '    pip = subprocess.run([sys.executable, "-m", "pip", "install", *packages],\n'
+        "                         capture_output=True, text=True)\n"
+        "    if pip.returncode != 0:\n"
+        "        print(pip.stdout[-4000:], pip.stderr[-4000:], sep=\"\\n\")\n"
+        '        raise RuntimeError("pip could not install the book\'s package: its output is above")\n'
+        '    done = [line for line in pip.stdout.splitlines() if line.startswith("Successfully")]\n'
+        '    installed = done[-1] if done else "nothing new installed"\n'
+        "else:\n"
+        '    installed = "not on Colab, nothing installed"\n'
+        "\n"
+        'gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none (CPU only)"\n'
+        'print(f"attnbook {version(\'attnbook\')} ({installed}); GPU: {gpu}")'
     )
 
 
@@ -271,9 +330,10 @@ def fill_glue(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
     return nb
 
 
-def notebook_source(chapter: Chapter) -> nbformat.NotebookNode:
-    """The chapter as a Jupyter notebook, without outputs (and so with glue roles unfilled)."""
-    setup = nbformat.v4.new_code_cell(setup_cell_source())
+def notebook_source(chapter: Chapter, commit: str) -> nbformat.NotebookNode:
+    """The chapter as a Jupyter notebook, without outputs (and so with glue roles unfilled),
+    whose setup cell installs the package at `commit` on Colab."""
+    setup = nbformat.v4.new_code_cell(setup_cell_source(chapter, commit))
     setup.metadata["tags"] = ["nbval-ignore-output"]
     cells = [setup]
     cited = citations()
@@ -291,10 +351,11 @@ def notebook_source(chapter: Chapter) -> nbformat.NotebookNode:
     nb.metadata = {
         "kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"},
         "language_info": {"name": "python"},
-        # Colab opens the notebook on a GPU runtime when one is free.
-        "accelerator": "GPU",
-        "colab": {"provenance": [], "gpuType": "T4"},
+        "colab": {"provenance": []},
     }
+    if chapter.wants_gpu:  # Colab opens it on a GPU runtime, when one is free
+        nb.metadata["accelerator"] = "GPU"
+        nb.metadata["colab"]["gpuType"] = "T4"
     nb.nbformat, nb.nbformat_minor = 4, 5
     return nb
 
@@ -318,8 +379,12 @@ def dumps(nb: nbformat.NotebookNode) -> str:
 
 
 def same_code(a: nbformat.NotebookNode, b: nbformat.NotebookNode) -> bool:
+    """Whether two notebooks run the same code. The setup cell is left out: on Colab it installs
+    the package, and anywhere else its outputs depend on nothing that it pins."""
+
     def code(nb):
-        return [(c.source, c.metadata) for c in strip_outputs(nb).cells if c.cell_type == "code"]
+        cells = strip_outputs(nb).cells[1:]
+        return [(c.source, c.metadata) for c in cells if c.cell_type == "code"]
 
     return code(a) == code(b)
 
@@ -334,10 +399,10 @@ def with_outputs_of(executed: nbformat.NotebookNode, fresh: nbformat.NotebookNod
     return fresh
 
 
-def expected_notebook(chapter: Chapter, old: nbformat.NotebookNode | None):
-    """What the chapter makes of its notebook: with `old`'s outputs (and glued values) where
-    `old` ran the same code, otherwise without outputs."""
-    fresh = notebook_source(chapter)
+def expected_notebook(chapter: Chapter, old: nbformat.NotebookNode | None, commit: str):
+    """What the chapter makes of its notebook, installing the package at `commit`: with `old`'s
+    outputs (and glued values) where `old` ran the same code, otherwise without outputs."""
+    fresh = notebook_source(chapter, commit)
     if old is not None and same_code(old, fresh) and not never_executed(old):
         return fill_glue(with_outputs_of(old, fresh))
     return fresh
@@ -387,7 +452,8 @@ def write(execute_changed: bool, force: bool, only: list[str]) -> None:
             continue
         path = notebook_path(chapter)
         old = nbformat.read(path, as_version=4) if path.exists() else None
-        fresh = expected_notebook(chapter, old)
+        commit = package_commit() or pinned_commit(old) or UNPINNED
+        fresh = expected_notebook(chapter, old, commit)
         unchanged = old is not None and dumps(strip_outputs(old)) == dumps(strip_outputs(fresh))
         if unchanged and not force and not (execute_changed and never_executed(old)):
             continue
@@ -395,7 +461,7 @@ def write(execute_changed: bool, force: bool, only: list[str]) -> None:
             pass  # only prose changed: outputs depend on code alone, and were kept
         elif execute_changed or force:
             print(f"executing {chapter.relpath} ...", flush=True)
-            fresh = fill_glue(execute(notebook_source(chapter)))
+            fresh = fill_glue(execute(notebook_source(chapter, commit)))
         elif old is not None:
             print(f"{path.relative_to(ROOT)}: source changed, outputs dropped (make notebooks)")
         path.write_text(dumps(fresh))
@@ -406,7 +472,7 @@ def existing_package_files() -> list[str]:
     return [
         p.relative_to(ROOT).as_posix()
         for p in PACKAGE.rglob("*")
-        if p.is_file() and "__pycache__" not in p.parts
+        if p.is_file() and "__pycache__" not in p.parts and DATA not in p.parents
     ]
 
 
@@ -429,6 +495,10 @@ def check() -> int:
             problems.append(f"{rel}: differs from its chapter (run make tangle)\n" + "\n".join(diff))
 
     wanted = {notebook_path(c): c for c in chapters}
+    commit = package_commit()
+    if commit is None:
+        print("tangle check: code/ or pyproject.toml has uncommitted changes, so the commit that "
+              "the notebooks install is not checked (commit, then make tangle)", file=sys.stderr)
     for path in sorted(set(NOTEBOOKS.glob("*.ipynb")) - set(wanted)):
         problems.append(f"{path.relative_to(ROOT)}: no chapter produces it")
     for path, chapter in sorted(wanted.items()):
@@ -437,7 +507,11 @@ def check() -> int:
             problems.append(f"{rel}: missing (run make notebooks)")
             continue
         committed = nbformat.read(path, as_version=4)
-        expected = strip_outputs(expected_notebook(chapter, committed))
+        pinned = pinned_commit(committed)
+        if commit is not None and pinned != commit:
+            problems.append(f"{rel}: installs the package of commit {pinned}, but the package is "
+                            f"that of {commit} (run make tangle and commit the notebooks)")
+        expected = strip_outputs(expected_notebook(chapter, committed, commit or pinned or UNPINNED))
         if dumps(strip_outputs(committed)) != dumps(expected):
             problems.append(f"{rel}: out of date with {chapter.relpath} (run make notebooks)")
         elif never_executed(committed):

@@ -11,6 +11,7 @@ Modules, in the order the book builds them:
 - attnbook.masks: Masks (chapters/05-masks.md)
 - attnbook.blocks: The Transformer block (chapters/06-blocks.md)
 - attnbook.bert: Encoder-only: BERT (chapters/07-bert.md)
+- attnbook.corpus: Encoder-only: BERT (chapters/07-bert.md)
 - attnbook.gpt: Decoder-only: GPT (chapters/08-gpt.md)
 - attnbook.encdec: Encoder-decoder: the original Transformer (chapters/09-encoder-decoder.md)
 - attnbook.models: Encoder-decoder: the original Transformer (chapters/09-encoder-decoder.md)
@@ -18,6 +19,7 @@ Modules, in the order the book builds them:
 - attnbook.tiling: Tiling and online softmax (chapters/11-tiling.md)
 - attnbook.kernels: A FlashAttention kernel in Triton (chapters/12-flash-attention-triton.md)
 - attnbook.compile_check: A FlashAttention kernel in Triton (chapters/12-flash-attention-triton.md)
+- attnbook.notebook: Appendix: the package's conventions (chapters/a1-conventions.md)
 """
 
 import importlib
@@ -31,6 +33,7 @@ __all__ = [
     "masks",
     "blocks",
     "bert",
+    "corpus",
     "gpt",
     "encdec",
     "models",
@@ -38,6 +41,7 @@ __all__ = [
     "tiling",
     "kernels",
     "compile_check",
+    "notebook",
 ]
 
 
