@@ -8,8 +8,8 @@ STAMP := $(VENV)/.installed
 BOOK_FLAGS := -W -n --keep-going
 export PYTHONHASHSEED := 0
 
-.PHONY: book test tangle notebooks check-sync lint pytest site-verified site-check api-reference \
-	mathjax venv clean
+.PHONY: book test test-package test-portable colab-check tangle notebooks check-sync lint pytest site-verified \
+	site-check api-reference mathjax venv clean
 VERIFIED := _build/verified
 # MathJax is served by the site itself (no CDN: math is typeset offline). It comes once from the
 # npm registry, like the venv; _config.yml's html_static_path copies it into every build.
@@ -67,10 +67,26 @@ check-sync: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check code tools tests book/_ext notebooks conftest.py
 
+NBVAL := --nbval --nbval-sanitize-with tests/nbval_sanitize.cfg -p no:cacheprovider
+
 ## pytest: package tests, then every notebook re-executed and compared by nbval
 pytest: $(STAMP)
-	$(VENV)/bin/pytest tests notebooks --nbval --nbval-sanitize-with tests/nbval_sanitize.cfg \
-		--durations=5 -p no:cacheprovider
+	$(VENV)/bin/pytest tests notebooks $(NBVAL) --durations=5
+
+## test-package: the package's own tests (not the book's pipeline) with whatever Python runs them,
+## for the CI matrix of Python versions: PYTHON=python3.13 make test-package, in an environment
+## that has the package, pytest and hypothesis (see .github/workflows/test.yml)
+PACKAGE_TESTS := tests --ignore=tests/test_pipeline.py --ignore=tests/test_site_tools.py
+test-package:
+	$(or $(PYTHON),python3) -m pytest $(PACKAGE_TESTS) -p no:cacheprovider -q
+
+## test-portable: every notebook compared again with PyTorch, MKL and OpenMP made to choose other
+## CPU kernels, so that a digit that depends on the machine fails here, not on a reader's machine
+## (on a CPU without AVX2 these settings change nothing; PORTABLE= to choose others)
+PORTABLE ?= ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 OMP_NUM_THREADS=1
+test-portable: $(STAMP)
+	@echo "test-portable: $(PORTABLE)"
+	env $(PORTABLE) $(VENV)/bin/pytest notebooks $(NBVAL) -q
 
 ## site-verified: build the site with -W from the notebooks pytest just verified, executing nothing
 ## again (see tools/verified_cache.py); the HTML is in _build/verified/_build/html
@@ -83,6 +99,21 @@ site-verified: $(STAMP) $(MATHJAX) api-reference
 ## no console errors, math typeset, images loaded, internal links and Colab links resolve
 site-check: $(STAMP)
 	$(PY) tools/site_check.py $(SITE)
+
+## colab-check: every notebook alone, top to bottom, in an environment like Colab's (Python 3.12,
+## the newest numpy, torch, matplotlib and transformers, none of requirements.txt), its own first
+## cell installing the package from this clone (tools/colab_check.py). Not part of `make test`:
+## it downloads the newest torch (a CUDA build of about 3 GB on Linux) into .venv-colab.
+# The first Python 3.12 that runs (a pyenv shim may name one that does not).
+COLAB_PYTHON ?= $(firstword $(foreach p,python3.12 $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12),\
+	$(if $(shell $(p) -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null && echo ok),$(p))))
+COLAB_VENV := .venv-colab
+COLAB_PACKAGES := numpy matplotlib transformers torch tqdm scikit-learn ipykernel nbclient nbformat pyyaml
+colab-check:
+	test -x $(COLAB_VENV)/bin/python || $(COLAB_PYTHON) -m venv $(COLAB_VENV)
+	$(COLAB_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(COLAB_VENV)/bin/python -m pip install --quiet --upgrade $(COLAB_PACKAGES)
+	$(COLAB_VENV)/bin/python tools/colab_check.py
 
 ## test: every check, timed: sync, lint, tests and every chapter (nbval), then the site, in a browser
 test: $(STAMP)

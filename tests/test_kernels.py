@@ -6,6 +6,7 @@ combination) with B x H = 1 x 2.
 """
 
 import csv
+import importlib.util
 import math
 import os
 import subprocess
@@ -289,7 +290,10 @@ def test_benchmark_small_mode_writes_csv_and_plot(tmp_path):
         assert r["status"] in ("ok", "unavailable")
         if r["provider"] in ("ours", "sdpa-math", "naive"):
             assert r["status"] == "ok" and float(r["tflops"]) > 0 and float(r["ms"]) > 0
-    assert (tmp_path / "flash_attention.png").stat().st_size > 1000
+    if importlib.util.find_spec("matplotlib"):  # without it, the CSV alone (the test below)
+        assert (tmp_path / "flash_attention.png").stat().st_size > 1000
+    else:
+        assert "matplotlib" in result.stdout + result.stderr
 
 
 def test_benchmark_writes_its_csv_without_matplotlib(monkeypatch):

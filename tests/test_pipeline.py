@@ -78,11 +78,80 @@ def test_modules_say_where_they_come_from():
         assert "Do not edit" in first_line
 
 
-def test_notebooks_install_from_the_configured_repository():
+def test_notebooks_install_the_package_alone_at_one_commit():
     config = yaml.safe_load((ROOT / "_config.yml").read_text())["repository"]
+    pins = set()
     for path in (ROOT / "notebooks").glob("*.ipynb"):
-        setup = json.loads(path.read_text())["cells"][0]
-        assert f"git+{config['url']}@{config['branch']}" in "".join(setup["source"]), path
+        setup = "".join(json.loads(path.read_text())["cells"][0]["source"])
+        assert 'f"attnbook @ git+' + config["url"] + '@{COMMIT}"' in setup, path
+        assert "[notebook]" not in setup and "myst" not in setup, path  # no book toolchain
+        pins.add(tangler.pinned_commit(nbformat.read(path, as_version=4)))
+    assert len(pins) == 1 and re.fullmatch(r"[0-9a-f]{40}|UNCOMMITTED", pins.pop())
+
+
+def git(root: Path, *args: str) -> str:
+    return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=root,
+                          check=True, capture_output=True, text=True).stdout.strip()
+
+
+def test_notebooks_pin_the_commit_of_their_package(book_copy):
+    git(book_copy, "init", "-q")
+    git(book_copy, "add", "-A")
+    git(book_copy, "commit", "-qm", "book")
+    first = git(book_copy, "rev-parse", "HEAD")
+    notebook = book_copy / "notebooks" / "05-masks.ipynb"
+    outputs = [c.get("outputs") for c in json.loads(notebook.read_text())["cells"]]
+    assert tangle(book_copy).returncode == 0
+    assert tangler.pinned_commit(nbformat.read(notebook, as_version=4)) == first
+    assert [c.get("outputs") for c in json.loads(notebook.read_text())["cells"]] == outputs
+    git(book_copy, "commit", "-qam", "pin")
+    assert "installs the package" not in tangle(book_copy, "--check").stderr
+
+    # A package change: while uncommitted it can't be pinned, and --check only says so ...
+    module = book_copy / "code" / "attnbook" / "masks.py"
+    module.write_text(module.read_text() + "\nEXTRA = 1\n")
+    result = tangle(book_copy, "--check")
+    assert "uncommitted changes" in result.stderr and "installs the package" not in result.stderr
+    # ... once committed, a notebook that still installs the old commit fails the check.
+    git(book_copy, "commit", "-qam", "change the package")
+    result = tangle(book_copy, "--check")
+    assert result.returncode == 1
+    assert f"05-masks.ipynb: installs the package of commit {first}" in result.stderr
+
+
+def test_only_chapters_with_a_gpu_path_ask_colab_for_a_gpu():
+    for chapter in tangler.read_chapters():
+        metadata = json.loads(tangler.notebook_path(chapter).read_text())["metadata"]
+        assert ("accelerator" in metadata) == chapter.wants_gpu, chapter.relpath
+    wanting = {c.slug[:2] for c in tangler.read_chapters() if c.wants_gpu}
+    assert "12" in wanting and "01" not in wanting
+
+
+def test_a_chapter_can_ask_colab_for_more_packages(book_copy):
+    tangle_extra_chapter(book_copy, "  module: extra\n  colab_install: [some-package==1.0]\n",
+                         "Extra", {"export": "A = 1"})
+    setup = json.loads((book_copy / "notebooks" / "99-extra.ipynb").read_text())["cells"][0]
+    assert "@{COMMIT}\", 'some-package==1.0']" in "".join(setup["source"])
+
+
+def test_setup_cell_runs_and_reports_what_it_did():
+    chapter = tangler.read_chapters()[0]
+    printed = subprocess.run([sys.executable, "-c", tangler.setup_cell_source(chapter, "abc")],
+                             capture_output=True, text=True, check=True).stdout
+    assert re.fullmatch(r"attnbook \S+ \(not on Colab, nothing installed\); GPU: .+\n", printed)
+
+
+def test_colab_check_installs_from_this_clone_under_a_stand_in_colab(tmp_path):
+    import colab_check
+
+    nb = nbformat.read(ROOT / "notebooks" / "01-queries-keys-values.ipynb", as_version=4)
+    setup = colab_check.pointed_at_this_clone(nb).cells[0].source
+    assert f"git+file://{ROOT}@{{COMMIT}}" in setup and "github.com" not in setup
+    folder = colab_check.stand_in(tmp_path)
+    found = subprocess.run(
+        [sys.executable, "-c", "import sys; print('google.colab' in sys.modules)"],
+        env={"PYTHONPATH": str(folder), "PATH": "/usr/bin:/bin"}, capture_output=True, text=True)
+    assert found.stdout.strip() == "True"
 
 
 def test_colab_url():

@@ -19,6 +19,7 @@ Modules, in the order the book builds them:
 - attnbook.tiling: Tiling and online softmax (chapters/11-tiling.md)
 - attnbook.kernels: A FlashAttention kernel in Triton (chapters/12-flash-attention-triton.md)
 - attnbook.compile_check: A FlashAttention kernel in Triton (chapters/12-flash-attention-triton.md)
+- attnbook.conventions: Appendix: the package's conventions (chapters/a1-conventions.md)
 - attnbook.notebook: Appendix: the package's conventions (chapters/a1-conventions.md)
 """
 
@@ -41,6 +42,7 @@ __all__ = [
     "tiling",
     "kernels",
     "compile_check",
+    "conventions",
     "notebook",
 ]
 

@@ -1,0 +1,96 @@
+"""attnbook.conventions (appendix A): one error policy, one check per concept."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from attnbook import conventions as c
+
+
+@pytest.mark.parametrize("value, minimum", [(3, None), (np.int32(5), 1), (0, 0), (-2, None)])
+def test_check_int_returns_a_python_int(value, minimum):
+    got = c.check_int("n", value, minimum)
+    assert got == value and type(got) is int
+
+
+@pytest.mark.parametrize("value, error", [(True, TypeError), (np.True_, TypeError),
+                                          (2.0, TypeError), ("2", TypeError), (None, TypeError),
+                                          (0, ValueError)])
+def test_check_int_names_the_argument_and_its_value(value, error):
+    with pytest.raises(error, match=r"num_heads must be .*got num_heads=" + repr(value)[:4]):
+        c.check_int("num_heads", value, minimum=1)
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+def test_non_finite_settings_are_refused(value):
+    for check in (c.check_real, c.check_positive, c.check_probability):
+        with pytest.raises(ValueError, match="must be a finite number"):
+            check("eps", value)
+    with pytest.raises(ValueError, match="scale"):
+        c.check_scale(value, 16)
+
+
+def test_intervals_and_their_ends():
+    assert c.check_probability("p", 0) == 0.0 and c.check_probability("p", 1) == 1.0
+    with pytest.raises(ValueError, match=r"in \[0.0, 1.0\]"):
+        c.check_probability("p", 1.0000001)
+    with pytest.raises(ValueError, match=r"in \(0.0, inf\]"):
+        c.check_positive("eps", 0.0)
+    assert c.check_real("x", 2, 0, 2) == 2.0
+    with pytest.raises(ValueError, match=r"\[0, 2\)"):
+        c.check_real("x", 2, 0, 2, open_high=True)
+
+
+@pytest.mark.parametrize("value", [True, "yes", 0.5, None])
+def test_bools_are_not_numbers_and_numbers_are_not_bools(value):
+    with pytest.raises(TypeError):
+        c.check_real("eps", True)
+    if not isinstance(value, bool):
+        with pytest.raises(TypeError, match=f"causal must be True or False, got causal={value!r}"):
+            c.check_bool("causal", value)
+
+
+def test_scale_defaults_to_one_over_root_d():
+    assert c.check_scale(None, 64) == 0.125 and c.check_scale(3, 64) == 3.0
+    with pytest.raises(TypeError):
+        c.check_scale("big", 64)
+
+
+def test_choice():
+    assert c.check_choice("norm", "layer", ("layer", "rms")) == "layer"
+    with pytest.raises(ValueError, match=r"norm must be one of \['layer', 'rms'\], got norm=3"):
+        c.check_choice("norm", 3, ("rms", "layer"))
+
+
+def test_device():
+    assert c.check_device("device", "cpu") == torch.device("cpu")
+    with pytest.raises(ValueError, match="device must name a device"):
+        c.check_device("device", "gpu0")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="this machine has no CUDA GPU"):
+            c.check_device("device", "cuda:0")
+
+
+def test_token_ids_become_int64_and_are_range_checked():
+    ids = c.check_token_ids("ids", torch.tensor([[0, 7]], dtype=torch.uint8), 8)
+    assert ids.dtype == torch.int64 and ids.tolist() == [[0, 7]]
+    labels = ids.clone()
+    labels[0, 0] = -100  # the label that uint8 would have wrapped to 156
+    assert labels[0, 0] == -100
+    with pytest.raises(ValueError, match=r"ids must lie in \[0, vocab_size=8\), got values from 0 to 8"):
+        c.check_token_ids("ids", torch.tensor([0, 8]), 8)
+    for bad in (torch.tensor([1.0]), torch.tensor([True]), [1, 2]):
+        with pytest.raises(TypeError, match="ids must"):
+            c.check_token_ids("ids", bad, 8)
+
+
+@pytest.mark.parametrize("dtype, work", [(torch.float16, torch.float32),
+                                         (torch.bfloat16, torch.float32),
+                                         (torch.float32, torch.float32),
+                                         (torch.float64, torch.float64),
+                                         (np.float16, np.float32), (np.float64, np.float64),
+                                         ("float16", np.float32)])
+def test_compute_dtype(dtype, work):
+    assert c.compute_dtype(dtype) == work
