@@ -158,7 +158,7 @@ def compiler(request):
     compiler = _Compiler(None if os.environ.get("ATTNBOOK_COMPILE_CACHE") == "0" else CACHE)
     first, larger = [], []
     for item in request.session.items:
-        if item.module is not request.module:
+        if getattr(item, "module", None) is not request.module:  # nbval cells have none
             continue
         name = getattr(item, "originalname", item.name)
         if (name == "test_tile_table_is_the_largest_tile_that_compiles_cleanly"
