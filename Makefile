@@ -82,7 +82,7 @@ test-package:
 
 ## test-portable: every notebook compared again with PyTorch, MKL and OpenMP made to choose other
 ## CPU kernels, so that a digit that depends on the machine fails here, not on a reader's machine
-## (on a CPU without AVX2 these settings change nothing; PORTABLE= to choose others)
+## (without AVX2 only the thread count changes; PORTABLE="..." to choose other settings)
 PORTABLE ?= ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 OMP_NUM_THREADS=1
 test-portable: $(STAMP)
 	@echo "test-portable: $(PORTABLE)"
