@@ -94,3 +94,31 @@ def test_token_ids_become_int64_and_are_range_checked():
                                          ("float16", np.float32)])
 def test_compute_dtype(dtype, work):
     assert c.compute_dtype(dtype) == work
+
+
+def test_check_array():
+    assert c.check_array("x", [[1, 2]], min_ndim=2).dtype == np.float64
+    f16 = np.zeros((2, 3), np.float16)
+    assert c.check_array("x", f16) is f16  # no copy, dtype kept
+    with pytest.raises(TypeError, match="Q must hold real numbers, got Q of dtype <U1"):
+        c.check_array("Q", [["a"]])
+    with pytest.raises(TypeError, match="complex"):
+        c.check_array("Q", np.ones((2, 2), np.complex64))
+    with pytest.raises(ValueError, match=r"Q must have at least 2 dimensions, got shape \(3,\)"):
+        c.check_array("Q", [1.0, 2.0, 3.0], min_ndim=2)
+
+
+def test_check_tensor():
+    x = torch.zeros(2, 3, 8)
+    assert c.check_tensor("x", x, ndim=(2, 3), size=8) is x
+    assert c.check_tensor("x", x, ndim=3) is x and c.check_tensor("x", x) is x
+    with pytest.raises(TypeError, match="x must be a torch.Tensor, got x=\\[1.0\\] of type list"):
+        c.check_tensor("x", [1.0])
+    with pytest.raises(TypeError, match="x must be a floating-point tensor, got dtype torch.int64"):
+        c.check_tensor("x", torch.zeros(2, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"x must have 2 or 3 dimensions, got shape \(8,\)"):
+        c.check_tensor("x", torch.zeros(8), ndim=(2, 3))
+    with pytest.raises(ValueError, match=r"x must end in a dimension of size 4, got shape \(2, 8\)"):
+        c.check_tensor("x", torch.zeros(2, 8), size=4)
+    with pytest.raises(ValueError, match="size 4"):
+        c.check_tensor("x", torch.tensor(1.0), size=4)

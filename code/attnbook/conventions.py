@@ -96,6 +96,36 @@ def check_token_ids(name: str, ids, vocab_size: int) -> torch.Tensor:
     return ids.long()
 
 
+def check_array(name: str, x, min_ndim: int = 0) -> np.ndarray:
+    """`x` as a NumPy array of real numbers with at least `min_ndim` axes; integers become float64."""
+    x = np.asarray(x)
+    if np.issubdtype(x.dtype, np.integer):
+        x = x.astype(np.float64)
+    elif not np.issubdtype(x.dtype, np.floating):
+        raise TypeError(f"{name} must hold real numbers, got {name} of dtype {x.dtype}")
+    if x.ndim < min_ndim:
+        raise ValueError(f"{name} must have at least {min_ndim} dimensions, got shape {x.shape}")
+    return x
+
+
+def check_tensor(name: str, x, ndim: int | tuple[int, ...] | None = None,
+                 size: int | None = None) -> torch.Tensor:
+    """`x`, a floating-point torch.Tensor with `ndim` dimensions (one count or a tuple of them)
+    whose last dimension is `size`; None means any."""
+    if not isinstance(x, torch.Tensor):
+        raise _type_error(name, x, "a torch.Tensor")
+    if not x.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
+    ndims = (ndim,) if isinstance(ndim, int) else ndim
+    if ndims is not None and x.dim() not in ndims:
+        raise ValueError(f"{name} must have {' or '.join(map(str, ndims))} dimensions, "
+                         f"got shape {tuple(x.shape)}")
+    if size is not None and (x.dim() == 0 or x.shape[-1] != size):
+        raise ValueError(f"{name} must end in a dimension of size {size}, "
+                         f"got shape {tuple(x.shape)}")
+    return x
+
+
 def compute_dtype(dtype):
     """The dtype a sum over `dtype` data is accumulated in: float32 for float16 and bfloat16.
 
@@ -117,5 +147,7 @@ __all__ = [
     "check_choice",
     "check_device",
     "check_token_ids",
+    "check_array",
+    "check_tensor",
     "compute_dtype",
 ]
