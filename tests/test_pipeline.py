@@ -188,8 +188,11 @@ def tangle_extra_chapter(root: Path, front_matter: str, title: str, cells: dict)
     return {name: (root / "code" / "attnbook" / f"{name}.py").read_text() for name in names}
 
 
+GATHERED = "  module: extra\n  describe:\n    gathered: The helper again.\n"
+
+
 def test_a_cell_can_export_to_a_second_module(book_copy):
-    modules = tangle_extra_chapter(book_copy, "  module: extra\n", "Extra", {
+    modules = tangle_extra_chapter(book_copy, GATHERED, "Extra", {
         "export": "def helper():\n    return 1",
         "export:gathered": "from attnbook.extra import helper"})
     extra, gathered = modules["extra"], modules["gathered"]
@@ -205,6 +208,44 @@ def test_a_second_module_is_described_by_the_front_matter(book_copy):
         "Extra things", {"export": "A = 1", "export:narrow": "B = 2"})
     assert '"""Extra things.\n\nBuilt and explained' in modules["extra"]
     assert '"""Only the narrow part.\n\nBuilt and explained' in modules["narrow"]
+
+
+def test_a_second_module_without_a_description_is_refused(book_copy):
+    with pytest.raises(AssertionError):
+        tangle_extra_chapter(book_copy, "  module: extra\n", "Extra",
+                             {"export": "A = 1", "export:narrow": "B = 2"})
+    assert "module 'narrow' needs a line in `describe`" in tangle(book_copy).stderr
+
+
+def test_the_package_index_describes_each_module_as_its_docstring_does():
+    files = tangler.package_files(tangler.read_chapters())
+    init = files.pop("code/attnbook/__init__.py")
+    for path, source in files.items():
+        first = source.split('"""')[1].splitlines()[0]
+        listed = init.split(f"- attnbook.{Path(path).stem} (")[1].split('"""')[0].split("\n- ")[0]
+        assert " ".join(listed.split()[1:]) == first, path
+
+
+def test_generated_lines_lead_back_to_their_chapter_section(book_copy):
+    chapter = book_copy / "chapters" / "99-extra.md"
+    chapter.write_text(
+        "---\nattnbook:\n  module: extra\n---\n\n# Extra\n\n"
+        "```{code-cell} ipython3\n:tags: [export]\n\nimport math\n\nA = math.pi\n```\n\n"
+        "## Second part\n\nText.\n\n```python\n## not a heading\n```\n\n"
+        "```{code-cell} ipython3\n:tags: [export]\n\ndef f():\n    return A\n```\n")
+    assert tangle(book_copy).returncode == 0
+    source = (book_copy / "code" / "attnbook" / "extra.py").read_text()
+    body = source.split('"""', 2)[2]
+    # __all__ first, then each cell behind a marker that names its chapter and section
+    assert body.startswith('\n\n__all__ = [\n    "A",\n    "f",\n]\n\n'
+                           '# chapters/99-extra.md, "Extra"\nimport math\n')
+    assert '\n\n\n# chapters/99-extra.md, "Second part"\ndef f():\n' in body
+    files = tangler.package_files(tangler.read_chapters())
+    for chapter in tangler.read_chapters():
+        for module, cells in chapter.exports().items():
+            text = files[f"code/attnbook/{module}.py"]
+            markers = re.findall(rf'^# {re.escape(chapter.relpath)}, "(.*)"$', text, re.MULTILINE)
+            assert markers == [cell.section or chapter.title for cell in cells], module
 
 
 def test_a_prose_only_edit_keeps_the_outputs(book_copy):

@@ -31,7 +31,7 @@ from pathlib import Path
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from tangle import EXPORT_TAG, ROOT, Chapter, read_chapters  # noqa: E402
+from tangle import ROOT, Chapter, public_names, read_chapters  # noqa: E402
 
 OUT = ROOT / "book" / "api.md"
 PACKAGE = "attnbook"
@@ -83,21 +83,6 @@ def headings(md, text: str) -> list[tuple[int, str, str]]:
     return found
 
 
-def defined_names(source: str) -> list[str]:
-    """The top-level names an export cell defines (what tools/tangle.py exports from it)."""
-    names = []
-    for node in ast.parse(source).body:
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            names.append(node.name)
-        elif isinstance(node, ast.Assign):
-            names.extend(t.id for t in node.targets if isinstance(t, ast.Name))
-        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-            names.append(node.target.id)
-        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith(PACKAGE + "."):
-            names.extend(alias.asname or alias.name for alias in node.names)
-    return names
-
-
 def assigned_source(source: str, name: str) -> str | None:
     """The right-hand side of `name = ...` in an export cell, as source text."""
     for node in ast.parse(source).body:
@@ -119,33 +104,27 @@ def export_sections(chapters: list[Chapter]) -> tuple[dict, dict]:
     for chapter in chapters:
         slugs: list[str] = []
         current: tuple[str | None, str | None] = (None, None)
-        for cell in chapter.notebook.cells:
-            if cell.cell_type == "markdown":
-                for level, title, slug_text in headings(md, cell.source):
-                    slug = None
-                    if level <= depth:  # as myst_parser's compute_unique_slug
-                        slug = default_slugify(slug_text)
-                        i = 1
-                        while slug in slugs:
-                            slug, i = f"{default_slugify(slug_text)}-{i}", i + 1
-                        slugs.append(slug)
-                    if level == 1:
-                        current = (None, None)
-                    elif level == 2:
-                        current = (title, slug)
+        section_at: dict[int, tuple[str | None, str | None]] = {}  # cell index -> its section
+        for index, cell in enumerate(chapter.notebook.cells):
+            section_at[index] = current
+            if cell.cell_type != "markdown":
                 continue
-            if cell.cell_type != "code":
-                continue
-            for tag in cell.metadata.get("tags", []):
-                if tag == EXPORT_TAG:
-                    module = chapter.module
-                elif tag.startswith(EXPORT_TAG + ":"):
-                    module = tag.split(":", 1)[1]
-                else:
-                    continue
-                for name in defined_names(cell.source):
-                    sections[module, name] = Section(chapter, *current)
-                    sources[module, name] = cell.source
+            for level, title, slug_text in headings(md, cell.source):
+                slug = None
+                if level <= depth:  # as myst_parser's compute_unique_slug
+                    slug = default_slugify(slug_text)
+                    i = 1
+                    while slug in slugs:
+                        slug, i = f"{default_slugify(slug_text)}-{i}", i + 1
+                    slugs.append(slug)
+                if level == 1:
+                    current = (None, None)
+                elif level == 2:
+                    current = (title, slug)
+        for cell in chapter.export_cells():  # the tangler's own reading of the export cells
+            for name in public_names(cell.source):
+                sections[cell.module, name] = Section(chapter, *section_at[cell.index])
+                sources[cell.module, name] = cell.source
     return sections, sources
 
 

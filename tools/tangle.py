@@ -4,7 +4,10 @@ A chapter is a MyST Markdown notebook. Its front matter names the module it owns
 (`attnbook: {module: attention}`), and every code cell tagged `export` goes, in order, into
 `code/attnbook/<module>.py`. A cell tagged `export:<name>` goes into `code/attnbook/<name>.py`
 instead, for the rare chapter that owns a second module; `attnbook: {describe: {<name>: ...}}`
-gives that module its one-line docstring. The same chapter becomes `notebooks/<chapter>.ipynb`:
+gives a module its one-line docstring (a second module must have one; the chapter's own module
+defaults to the chapter's title). A module starts with `__all__`, and each of its cells follows a
+comment naming the chapter file and the section the cell sits in, so that any generated line
+leads back to the prose that explains it. The same chapter becomes `notebooks/<chapter>.ipynb`:
 its cells behind one setup cell that, on Colab only, installs the package from the repository named in
 `_config.yml`.
 
@@ -32,6 +35,7 @@ import difflib
 import re
 import subprocess
 import sys
+import textwrap
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -93,18 +97,50 @@ class Chapter:
         """What the chapter needs on Colab beyond the package and Colab's own packages."""
         return list(self.notebook.metadata.get("attnbook", {}).get("colab_install", []))
 
-    def exports(self) -> dict[str, list[str]]:
-        """Exported cell sources by module name, in the chapter's order."""
-        modules: dict[str, list[str]] = {}
-        for cell in self.notebook.cells:
+    def export_cells(self) -> list[ExportCell]:
+        """The chapter's exported code cells, in order: the one reader of which cell feeds which
+        module, shared by this tangler and tools/api_reference.py."""
+        cells, section = [], None
+        for index, cell in enumerate(self.notebook.cells):
+            if cell.cell_type == "markdown":
+                for title in HEADING.findall(FENCE.sub("", cell.source)):
+                    section = title.strip()
+                continue
             for tag in cell.metadata.get("tags", []) if cell.cell_type == "code" else []:
-                if tag == EXPORT_TAG:
-                    if not self.module:
-                        raise ValueError(f"{self.relpath} exports cells but names no module")
-                    modules.setdefault(self.module, []).append(cell.source.strip())
-                elif tag.startswith(EXPORT_TAG + ":"):
-                    modules.setdefault(tag.split(":", 1)[1], []).append(cell.source.strip())
+                if tag == EXPORT_TAG and not self.module:
+                    raise ValueError(f"{self.relpath} exports cells but names no module")
+                if tag == EXPORT_TAG or tag.startswith(EXPORT_TAG + ":"):
+                    module = self.module if tag == EXPORT_TAG else tag.split(":", 1)[1]
+                    cells.append(ExportCell(module, cell.source.strip(), index, section))
+        return cells
+
+    def exports(self) -> dict[str, list[ExportCell]]:
+        """Exported cells by module name, in the chapter's order."""
+        modules: dict[str, list[ExportCell]] = {}
+        for cell in self.export_cells():
+            modules.setdefault(cell.module, []).append(cell)
         return modules
+
+    def description(self, module: str) -> str:
+        """The module's one-line docstring: its line in the front matter's `describe`, else (for
+        the chapter's own module) the chapter's title."""
+        if module in self.descriptions:
+            return self.descriptions[module]
+        if module != self.module:
+            raise ValueError(f"{self.relpath}: module {module!r} needs a line in `describe`")
+        return f"{self.title}."
+
+
+@dataclass(frozen=True)
+class ExportCell:
+    module: str
+    source: str
+    index: int  # the cell's position in the chapter
+    section: str | None  # the nearest heading above the cell (None: none but the title)
+
+
+HEADING = re.compile(r"^#{1,6}[ \t]+(.+?)[ \t#]*$", re.MULTILINE)
+FENCE = re.compile(r"^(`{3,}|:{3,}).*?^\1[ \t]*$", re.MULTILINE | re.DOTALL)
 
 
 def read_chapters() -> list[Chapter]:
@@ -133,40 +169,46 @@ def header(source: str) -> str:
 
 
 def public_names(source: str) -> list[str]:
-    """Top-level functions, classes and constants that do not start with an underscore. A module
-    that defines nothing and only gathers names from other attnbook modules exports those."""
+    """The names a cell (or a module) exports: its top-level functions, classes and UPPER_CASE
+    constants that do not start with an underscore. A module that defines nothing and only
+    gathers names from other attnbook modules exports those."""
     defined, gathered = [], []
     for node in ast.parse(source).body:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             defined.append(node.name)
-        elif isinstance(node, ast.Assign):
-            defined.extend(t.id for t in node.targets if isinstance(t, ast.Name) and t.id.isupper())
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            defined.extend(t.id for t in targets if isinstance(t, ast.Name) and t.id.isupper())
         elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("attnbook."):
             gathered.extend(alias.asname or alias.name for alias in node.names)
     return [name for name in defined or gathered if not name.startswith("_")]
 
 
-def module_source(chapter: Chapter, module: str, cells: list[str]) -> str:
-    body = "\n\n\n".join(cells)
-    names = public_names(body)
-    # The module says what it is in one line: the chapter's title, or for a second module of a
-    # chapter, which does something narrower, its line in the front matter's `describe`.
-    title = chapter.descriptions.get(module, f"{chapter.title}.")
+def marker(chapter: Chapter, cell: ExportCell) -> str:
+    """The comment above each generated cell: where in the book to read about it and change it."""
+    return f'# {chapter.relpath}, "{cell.section or chapter.title}"\n'
+
+
+def module_source(chapter: Chapter, module: str, cells: list[ExportCell]) -> str:
+    """One module: its header, a one-line docstring, `__all__`, then each cell behind a marker
+    naming its chapter and section."""
     docstring = (
-        f'"""{title}\n\n'
+        f'"""{chapter.description(module)}\n\n'
         f"Built and explained in the book's chapter {chapter.relpath}.\n"
         '"""\n'
     )
+    names = public_names("\n\n".join(cell.source for cell in cells))
     exports = "__all__ = [\n" + "".join(f'    "{name}",\n' for name in names) + "]\n"
-    # isort's layout: one blank line after a closing import block, two after a definition.
-    last = ast.parse(body).body[-1]
-    gap = "\n\n" if isinstance(last, (ast.Import, ast.ImportFrom)) else "\n\n\n"
-    return f"{header(chapter.relpath)}{docstring}\n{body}{gap}{exports}"
+    body = "\n\n\n".join(marker(chapter, cell) + cell.source for cell in cells)
+    return f"{header(chapter.relpath)}{docstring}\n{exports}\n{body}\n"
 
 
 def init_source(chapters: list[Chapter]) -> str:
     modules = [(m, c) for c in chapters for m in c.exports()]
-    listing = "".join(f"- attnbook.{m}: {c.title} ({c.relpath})\n" for m, c in modules)
+    listing = "".join(f"- attnbook.{m} ({c.relpath}):\n"
+                      + textwrap.fill(c.description(m), 96, initial_indent="  ",
+                                      subsequent_indent="  ") + "\n"
+                      for m, c in modules)
     names = "".join(f'    "{m}",\n' for m, _ in modules)
     return (
         f"{header('the chapters in chapters/')}"
@@ -273,15 +315,14 @@ ADMONITION = re.compile(
 
 def citations() -> dict[str, str]:
     """'Author et al., year' for each entry of the book's BibTeX file, by key."""
+    from pybtex.database import parse_file  # the parser sphinxcontrib-bibtex uses for the site
+
     found = {}
-    for entry in re.split(r"^@", REFERENCES.read_text(), flags=re.MULTILINE)[1:]:
-        key = entry.split("{", 1)[1].split(",", 1)[0].strip()
-        authors = re.search(r"author\s*=\s*\{(.*)\}\s*,?\s*$", entry, re.MULTILINE).group(1)
-        year = re.search(r"year\s*=\s*\{?(\d{4})", entry).group(1)
-        surnames = [a.split(",")[0].strip(" {}") for a in authors.split(" and ")]
+    for key, entry in parse_file(REFERENCES, bib_format="bibtex").entries.items():
+        surnames = [" ".join(p.last_names).strip("{}") for p in entry.persons["author"]]
         who = surnames[0] if len(surnames) == 1 else (
             " and ".join(surnames) if len(surnames) == 2 else f"{surnames[0]} et al.")
-        found[key] = f"{who}, {year}"
+        found[key] = f"{who}, {entry.fields['year']}"
     return found
 
 
