@@ -6,8 +6,9 @@
 A *code line* is a line of a module that is not blank, a comment or a docstring. A *check line* is
 a code line of a statement that only checks: a `raise`, an `if` whose every branch raises, a `try`
 whose handlers only raise, an `assert`, or a call of a function whose name starts with `check_` or
-`_check` (the call's own line, in whatever statement it sits). The counts are what issue 12's goal
-figures are stated in.
+`_check` (the call's own line, in whatever statement it sits). *Written* check lines leave out
+those calls: they are the checks spelled out where they stand, rather than delegated to a check
+function. These are the figures issue 12's goals are stated in.
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ def code_lines(source: str) -> set[int]:
     return lines
 
 
-def check_lines(source: str) -> set[int]:
+def check_lines(source: str, calls: bool = True) -> set[int]:
+    """The lines of checks written out, and with `calls` also of calls to check functions."""
     lines = set()
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, (ast.Raise, ast.Assert)) or (isinstance(node, ast.If) and _raising_if(node)):
@@ -66,7 +68,7 @@ def check_lines(source: str) -> set[int]:
         elif isinstance(node, ast.Try) and node.handlers and all(_only_raises(h.body)
                                                                 for h in node.handlers):
             lines |= _lines(node)
-        elif _is_check_call(node):
+        elif calls and _is_check_call(node):
             lines |= _lines(node)
     return lines
 
@@ -85,15 +87,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rev", help="a git revision instead of the working tree")
     args = parser.parse_args()
-    print(f"{'module':<18}{'lines':>7}{'code':>7}{'checks':>8}{'share':>8}")
-    totals = [0, 0, 0]
+    print(f"{'module':<18}{'lines':>7}{'code':>7}{'checks':>8}{'share':>7}"
+          f"{'written':>9}{'share':>7}")
+    totals = [0, 0, 0, 0]
+
+    def show(name, row):
+        print(f"{name:<18}{row[0]:>7}{row[1]:>7}{row[2]:>8}{row[2] / max(row[1], 1):>7.0%}"
+              f"{row[3]:>9}{row[3] / max(row[1], 1):>7.0%}")
+
     for name, source in sources(args.rev).items():
         code = code_lines(source)
-        checks = check_lines(source) & code
-        row = [len(source.splitlines()), len(code), len(checks)]
+        row = [len(source.splitlines()), len(code), len(check_lines(source) & code),
+               len(check_lines(source, calls=False) & code)]
         totals = [t + r for t, r in zip(totals, row)]
-        print(f"{name:<18}{row[0]:>7}{row[1]:>7}{row[2]:>8}{row[2] / max(row[1], 1):>8.0%}")
-    print(f"{'total':<18}{totals[0]:>7}{totals[1]:>7}{totals[2]:>8}{totals[2] / totals[1]:>8.0%}")
+        show(name, row)
+    show("total", totals)
 
 
 if __name__ == "__main__":
