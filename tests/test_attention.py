@@ -170,11 +170,11 @@ def test_integer_and_empty_inputs_are_checked_like_floats(arrays, message):
 @pytest.mark.parametrize(
     "scale, error, message",
     [
-        ("a", TypeError, r"scale must be a real number or None, got scale='a' of type str"),
+        ("a", TypeError, r"scale must be a real number, got scale='a' of type str"),
         (True, TypeError, r"scale must be a real number.*scale=True"),
         (np.ones(2), TypeError, r"scale must be a real number.*ndarray"),
-        (float("nan"), ValueError, r"scale must be a finite number, got scale=nan"),
-        (-np.inf, ValueError, r"scale must be a finite number, got scale=-inf"),
+        (float("nan"), ValueError, r"scale must be a finite number.*got scale=nan"),
+        (-np.inf, ValueError, r"scale must be a finite number.*got scale=-inf"),
     ],
 )
 def test_bad_scales(scale, error, message):
@@ -209,3 +209,73 @@ def test_large_float16_inputs_are_computed_in_float32(seed):
     np.testing.assert_allclose(out.astype(np.float64), torch_reference(Q, K, V, mask),
                                rtol=2e-3, atol=2e-3)
     np.testing.assert_allclose(weights.astype(np.float64).sum(-1), 1.0, rtol=2e-3)
+
+
+# --- issue 12: no silent wrong answers --------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_non_finite_scores_give_nan_as_in_torch(bad):
+    x = np.array([[0.0, bad, 1.0], [0.0, 2.0, 1.0]])
+    expected = torch.softmax(torch.from_numpy(x), -1).numpy()
+    with np.errstate(invalid="ignore"):
+        np.testing.assert_array_equal(np.isnan(softmax(x)), np.isnan(expected))
+        np.testing.assert_allclose(softmax(x)[1], expected[1], rtol=1e-12)
+        if bad != -np.inf:  # -inf is a forbidden key, not a wrong number
+            assert np.isnan(softmax(x)[0]).all()
+
+
+@pytest.mark.parametrize("where", ["Q", "K"])
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_non_finite_queries_or_keys_give_nan_not_zeros(where, bad):
+    rng = np.random.default_rng(5)
+    arrays = {"Q": rng.normal(size=(3, 4)), "K": rng.normal(size=(5, 4)),
+              "V": rng.normal(size=(5, 2))}
+    arrays[where][1 if where == "Q" else 0, 2] = bad
+    with np.errstate(invalid="ignore"):
+        out, weights = scaled_dot_product_attention(**arrays)
+        expected = torch_reference(**arrays)
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(expected))
+    assert np.isnan(out).any() and np.isnan(weights).any()
+    if where == "Q":  # only the query's own row is lost
+        assert np.isnan(out[1]).all() and np.isfinite(np.delete(out, 1, 0)).all()
+
+
+def test_scores_that_overflow_float32_give_nan_and_masked_rows_stay_zero():
+    Q = np.full((2, 4), 1e20, np.float32)
+    K, V = np.full((3, 4), 1e20, np.float32), np.ones((3, 2), np.float32)
+    mask = np.array([[True, True, True], [False, False, False]])
+    with np.errstate(over="ignore", invalid="ignore"):
+        out, weights = scaled_dot_product_attention(Q, K, V, mask=mask)
+    assert np.isnan(out[0]).all() and np.isnan(weights[0]).all()  # inf - inf: lost, and seen
+    assert (out[1] == 0).all() and (weights[1] == 0).all()  # no allowed key: the convention
+
+
+def test_float16_softmax_sums_in_float32():
+    p = softmax(np.zeros(70000, np.float16))
+    assert p.dtype == np.float16
+    assert abs(p.astype(np.float64).sum() - 1) < 1e-2  # in float16 the sum overflowed: zeros
+    x = np.random.default_rng(0).normal(size=(4, 3000)).astype(np.float16)
+    np.testing.assert_allclose(softmax(x).astype(np.float64), softmax(x.astype(np.float64)),
+                               rtol=2e-3, atol=1e-6)
+
+
+def test_empty_arrays():
+    assert softmax(np.zeros((3, 0))).shape == (3, 0)  # softmax over an empty axis: empty
+    assert softmax(np.zeros((0, 4))).shape == (0, 4)
+    assert softmax(np.zeros((3, 0)), axis=0).shape == (3, 0)
+    out, weights = scaled_dot_product_attention(np.ones((0, 8)), np.ones((4, 8)), np.ones((4, 2)))
+    assert out.shape == (0, 2) and weights.shape == (0, 4)
+    out, weights = scaled_dot_product_attention(*(np.ones((0, 3, 8)),) * 3)
+    assert out.shape == (0, 3, 8) and weights.shape == (0, 3, 3)
+    with pytest.raises(ValueError, match=r"K must have at least one key.*\(0, 8\)"):
+        scaled_dot_product_attention(np.ones((3, 8)), np.ones((0, 8)), np.ones((0, 2)))
+
+
+def test_check_qkv_is_public_and_returns_real_arrays():
+    from attnbook.attention import check_qkv
+
+    Q, K, V = check_qkv(np.ones((3, 4), int), np.ones((5, 4)), np.ones((5, 2), np.float32))
+    assert Q.dtype == np.float64 and V.dtype == np.float32
+    with pytest.raises(ValueError, match=r"leading \(batch\) dimensions.*Q has shape \(2, 3, 4\)"):
+        check_qkv(np.ones((2, 3, 4)), np.ones((3, 5, 4)), np.ones((3, 5, 2)))

@@ -181,14 +181,14 @@ IDS = torch.ones(2, 4, dtype=torch.long)
     (dict(input_ids=torch.ones(2, 0, dtype=torch.long)), ValueError, "input_ids must have shape"),
     (dict(input_ids=torch.tensor([[1, 10]])), ValueError, r"input_ids must lie in \[0, vocab_size=10\).*10"),
     (dict(input_ids=torch.tensor([[-1, 3]])), ValueError, "input_ids must lie in .*-1"),
-    (dict(input_ids=torch.ones(1, 7, dtype=torch.long)), ValueError, "input_ids has length 7.*max_position=6"),
+    (dict(input_ids=torch.ones(1, 7, dtype=torch.long)), ValueError, r"input_ids must have shape.*max_position=6, got \(1, 7\)"),
     (dict(input_ids=IDS, token_type_ids=torch.full((2, 4), 2)), ValueError,
-     r"token_type_ids must lie in \[0, type_vocab_size=2\)"),
+     r"token_type_ids must lie in \[0, vocab_size=2\)"),
     (dict(input_ids=IDS, token_type_ids=torch.zeros(2, 3, dtype=torch.long)), ValueError,
-     r"token_type_ids must have the shape of input_ids \(2, 4\)"),
+     r"token_type_ids must be a tensor of the shape of input_ids \(2, 4\)"),
     (dict(input_ids=IDS, token_type_ids=torch.zeros(2, 4)), TypeError, "token_type_ids must hold integer"),
     (dict(input_ids=IDS, attention_mask=torch.ones(2, 5)), ValueError, r"attention_mask must be.*\(2, 5\)"),
-    (dict(input_ids=IDS, attention_mask=[[1, 1, 1, 1]] * 2), ValueError, "attention_mask must be a tensor"),
+    (dict(input_ids=IDS, attention_mask=[[1, 1, 1, 1]] * 2), TypeError, "attention_mask must be a tensor"),
     (dict(input_ids=IDS, attention_mask=torch.full((2, 4), 2)), ValueError, "attention_mask must be boolean or hold only 0 and 1"),
     (dict(input_ids=IDS, attention_mask=torch.full((2, 4), 0.5)), ValueError, "attention_mask must be boolean"),
 ])
@@ -205,12 +205,20 @@ def test_bad_inputs(kwargs, error, match):
     (dict(max_position=True), TypeError, "max_position must be an int"),
     (dict(pad_id=30522), ValueError, "pad_id must be below vocab_size=30522"),
     (dict(pad_id=-1), ValueError, "pad_id must be at least 0"),
-    (dict(dropout=1.5), ValueError, "dropout must be a number between 0 and 1, got dropout=1.5"),
-    (dict(eps=0.0), ValueError, "eps must be a positive number"),
+    (dict(dropout=1.5), ValueError, r"dropout must be a finite number in \[0.0, 1.0\], got dropout=1.5"),
+    (dict(eps=0.0), ValueError, r"eps must be a finite number in \(0.0"),
 ])
 def test_bad_config(kwargs, error, match):
     with pytest.raises(error, match=match):
         BERTConfig(**kwargs)
+
+
+def test_token_types_and_mask_must_share_the_device_of_input_ids():
+    model, meta = BERT(SMALL), dict(device="meta")
+    for name, t in (("token_type_ids", torch.zeros(2, 4, dtype=torch.long, **meta)),
+                    ("attention_mask", torch.ones(2, 4, dtype=torch.bool, **meta))):
+        with pytest.raises(ValueError, match=f"{name} must be .* on its device cpu, .* on meta"):
+            model(IDS, **{name: t})
 
 
 def test_bad_model_argument():
@@ -259,9 +267,9 @@ def test_mask_tokens_reproducible_and_edge_cases():
 @pytest.mark.parametrize("kwargs,error,match", [
     (dict(mask_id=50), ValueError, "mask_id must be below vocab_size=50"),
     (dict(mask_id=-1), ValueError, "mask_id must be at least 0"),
-    (dict(p=1.5), ValueError, "p must be a probability between 0 and 1, got p=1.5"),
+    (dict(p=1.5), ValueError, r"p must be a finite number in \[0.0, 1.0\], got p=1.5"),
     (dict(can_mask=torch.ones(2, 3, dtype=torch.bool)), ValueError, "can_mask must be a bool tensor"),
-    (dict(can_mask=torch.ones(4, 6)), ValueError, "can_mask must be a bool tensor"),
+    (dict(can_mask=torch.ones(4, 6)), TypeError, "can_mask must be a bool tensor"),
     (dict(input_ids=torch.full((4, 6), 50)), ValueError, r"input_ids must lie in \[0, vocab_size=50\)"),
 ])
 def test_mask_tokens_bad_arguments(kwargs, error, match):
@@ -269,3 +277,63 @@ def test_mask_tokens_bad_arguments(kwargs, error, match):
     args.update(kwargs)
     with pytest.raises(error, match=match):
         mask_tokens(**args)
+
+
+# --- issue 12: no silent wrong answers, errors that name the argument ------------------------
+
+
+def test_small_integer_ids_work_like_int64():
+    """uint8 ids passed the old id check, then failed inside nn.Embedding."""
+    torch.manual_seed(0)
+    model = BERT(BERTConfig(vocab_size=200, d_model=16, num_layers=1, num_heads=2, d_ff=16,
+                            max_position=8)).eval()
+    ids = torch.randint(0, 200, (3, 8))
+    types = torch.randint(0, 2, (3, 8))
+    expected = model(ids, types)
+    for dtype in (torch.uint8, torch.int16, torch.int32):
+        torch.testing.assert_close(model(ids.to(dtype), types.to(dtype)), expected)
+
+
+def test_mask_tokens_labels_are_int64_whatever_the_ids():
+    """With uint8 ids the label -100 wrapped to 156, a real token id."""
+    ids = torch.randint(5, 200, (50, 40), generator=torch.Generator().manual_seed(0))
+    expected = mask_tokens(ids, 4, 200, generator=torch.Generator().manual_seed(1))
+    for dtype in (torch.uint8, torch.int32):
+        corrupted, labels = mask_tokens(ids.to(dtype), 4, 200,
+                                        generator=torch.Generator().manual_seed(1))
+        assert corrupted.dtype == labels.dtype == torch.int64
+        assert torch.equal(corrupted, expected[0]) and torch.equal(labels, expected[1])
+        assert (labels == -100).any()
+
+
+def test_from_hf_bert_reads_sizes_from_the_weights_not_the_config():
+    """A config edited after the model was built gave a size-mismatch RuntimeError, or (fewer
+    layers, other heads) a silently different model."""
+    hf = random_hf_bert(3, layers=2, hidden=32, heads=4)
+    hf.config.update(dict(hidden_size=48, num_hidden_layers=1, num_attention_heads=8,
+                          intermediate_size=7, vocab_size=30, max_position_embeddings=5,
+                          layer_norm_eps=0.5))
+    ours = BERT.from_hf_bert(hf)
+    c = ours.config
+    assert (c.vocab_size, c.d_model, c.num_layers, c.num_heads, c.d_ff, c.max_position,
+            c.eps) == (100, 32, 2, 4, 64, 20, 1e-12)
+    ids = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids), hf(input_ids=ids).logits, atol=1e-4, rtol=1e-4)
+
+
+def test_from_hf_bert_refuses_other_architectures_clearly():
+    """BLIP's text model has `bert` and `cls` but no token types: it raised AttributeError."""
+    from types import SimpleNamespace
+
+    blip = transformers.models.blip.modeling_blip_text.BlipTextLMHeadModel(
+        transformers.BlipTextConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1,
+                                    num_attention_heads=2, intermediate_size=32,
+                                    hidden_act="gelu", is_decoder=False))
+    with pytest.raises(ValueError, match="model has no parameters"):
+        BERT.from_hf_bert(blip)
+    with pytest.raises(TypeError, match="model must be a transformers BertForMaskedLM"):
+        BERT.from_hf_bert(SimpleNamespace(config=None, bert=None, cls=None))
+    with pytest.raises(TypeError, match="model must be a transformers BertForMaskedLM"):
+        BERT.from_hf_bert(transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            n_embd=16, n_layer=1, n_head=2, vocab_size=50)))

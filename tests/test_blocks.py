@@ -286,3 +286,74 @@ def test_bad_mask_is_refused():
         block(torch.randn(1, 3, 8), mask=torch.ones(3, 3))
     with pytest.raises(ValueError, match="shape"):
         block(torch.randn(1, 3, 8), mask=torch.ones(4, 4, dtype=torch.bool))
+
+
+# Issue 12: one way to check arguments, no silent wrong answers --------------------------------
+
+
+@pytest.mark.parametrize(("make", "error", "match"), [
+    (lambda: TransformerBlock(8, 2, dropout="x"), TypeError, "dropout='x'"),  # as in heads
+    (lambda: TransformerBlock(8, 2, eps=float("nan")), ValueError, "eps=nan"),
+    (lambda: TransformerBlock(8, 2, eps=True), TypeError, "eps=True"),
+    (lambda: TransformerBlock(8, 2, norm="rmsnorm", eps=float("nan")), ValueError, "eps=nan"),
+    (lambda: RMSNorm(8, eps=float("nan")), ValueError, "eps=nan"),
+    (lambda: RMSNorm(8, eps=True), TypeError, "eps=True"),
+    (lambda: TransformerBlock(8, 2, bias="no"), TypeError, "bias='no'"),
+    (lambda: FeedForward(8, bias="no"), TypeError, "bias='no'"),
+    (lambda: FeedForward(8, dropout="0.1"), TypeError, "dropout='0.1'"),
+    (lambda: TransformerBlock(8, 2)(torch.randn(1, 3, 8), return_weights="yes"), TypeError,
+     "return_weights='yes'"),
+])
+def test_settings_are_checked_by_the_conventions(make, error, match):
+    with pytest.raises(error, match=match):
+        make()
+
+
+@pytest.mark.parametrize(("call", "error", "match"), [
+    (lambda: FeedForward(8)(torch.randn(2, 5, 4)), ValueError, r"x must end in .*size 8.*\(2, 5, 4\)"),
+    (lambda: FeedForward(8)(torch.ones(2, 8, dtype=torch.long)), TypeError, "x must be a floating"),
+    (lambda: RMSNorm(8)(torch.randn(2, 4)), ValueError, r"x must end in .*size 8.*\(2, 4\)"),
+    (lambda: RMSNorm(8)([1.0] * 8), TypeError, "x must be a torch.Tensor"),
+    (lambda: TransformerBlock(8, 2)(torch.randn(1, 3, 4)), ValueError, r"x must end in .*size 8"),
+    (lambda: TransformerBlock(8, 2)(torch.randn(3, 8)), ValueError, r"x must have 3 dimensions"),
+    (lambda: TransformerBlock(8, 2, norm_first=False)(np.zeros((1, 3, 8))), TypeError,
+     "x must be a torch.Tensor"),
+])
+def test_inputs_are_checked(call, error, match):
+    with pytest.raises(error, match=match):
+        call()
+
+
+def test_context_mask_without_cross_attention_is_refused():
+    x, nothing = torch.randn(1, 3, 8), torch.zeros(1, 1, 1, 3, dtype=torch.bool)
+    with pytest.raises(ValueError, match="no cross-attention: context and context_mask"):
+        TransformerBlock(8, 2)(x, context_mask=nothing)  # was ignored: this mask forbids all
+
+
+def test_tanh_gelu_is_copied_as_tanh_gelu():
+    layer = _encoder_layer(16, 2, 24, nn.GELU(approximate="tanh"), True)
+    ours = from_torch_encoder_layer(layer)
+    assert ours.ff.activation == "gelu_tanh"
+    x = 3 * torch.randn(2, 5, 16, dtype=DOUBLE)
+    # With gradients on, PyTorch runs the layer as defined; under no_grad its fused fast path
+    # computes exact GELU whatever the module says, so it is not the reference here.
+    torch.testing.assert_close(ours(x), layer(x), rtol=1e-12, atol=1e-12)
+    exact = from_torch_encoder_layer(_encoder_layer(16, 2, 24, "gelu", True))
+    assert (exact(x) - ours(x)).abs().max() > 1e-5  # the two GELUs differ visibly
+
+
+@pytest.mark.parametrize(("activation", "kind"), [
+    ("relu", "relu"), ("gelu", "gelu"), (F.relu, "relu"), (F.gelu, "gelu"), (nn.ReLU(), "relu"),
+    (nn.GELU(), "gelu")])
+def test_activation_is_read_from_public_attributes(activation, kind):
+    import copy
+
+    layer = _encoder_layer(8, 2, 16, activation, False)
+    twin = copy.deepcopy(layer)
+    del twin.activation_relu_or_gelu  # a private attribute that a PyTorch version may not have
+    ours = from_torch_encoder_layer(twin)
+    assert ours.ff.activation == kind
+    x = torch.randn(2, 3, 8, dtype=DOUBLE)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x), layer(x))
+

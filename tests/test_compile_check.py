@@ -20,6 +20,7 @@ import json
 import os
 import re
 import sys
+import threading
 from dataclasses import asdict
 from pathlib import Path
 
@@ -42,11 +43,16 @@ ROOT = Path(__file__).resolve().parents[1]
 CACHE = ROOT / "_build" / "compile-check"
 
 
+def _tile_rows(kernel, head_dim, element_size) -> int:
+    """The launcher's tile for `kernel`, `head_dim` and `element_size`."""
+    return kernels.TILE_ROWS[kernel, element_size][head_dim]
+
+
 def _request(kernel, gpu, dtype, head_dim, causal=True, block=None) -> dict:
     """A request with its defaults filled in as compile_kernels fills them (block None: the
     launcher's tile), so that equal compilations have equal requests."""
     if block is None:
-        block = kernels._tile_rows(kernel, head_dim, ELEMENT_SIZE[dtype])
+        block = _tile_rows(kernel, head_dim, ELEMENT_SIZE[dtype])
     return dict(kernel=kernel, gpu=gpu, dtype=dtype, head_dim=head_dim, causal=causal,
                 block=block)
 
@@ -118,7 +124,7 @@ def _tile_table_plan(dtype: str):
     expected, own, larger = {}, [], []
     for kernel in KERNELS:
         for d in HEAD_DIMS:
-            tile = expected[kernel, d] = kernels._tile_rows(kernel, d, ELEMENT_SIZE[dtype])
+            tile = expected[kernel, d] = _tile_rows(kernel, d, ELEMENT_SIZE[dtype])
             if tile in (64, 32):
                 own += [dict(kernel=kernel, gpu=g, dtype=dtype, head_dim=d) for g in GPUS]
             larger += [(dtype, kernel, d, b) for b in (64, 32) if b > tile]
@@ -189,7 +195,7 @@ LOCKED_TRITON = re.search(r"^triton==(\S+)$", (ROOT / "requirements.txt").read_t
 def test_tile_table_is_the_largest_tile_that_compiles_cleanly(dtype, compiler):
     expected, own, larger = _tile_table_plan(dtype)
     compiled = compiler(own)
-    assert all(r.block == kernels._tile_rows(r.kernel, r.head_dim, ELEMENT_SIZE[dtype])
+    assert all(r.block == _tile_rows(r.kernel, r.head_dim, ELEMENT_SIZE[dtype])
                for r in compiled)  # block None is the launcher's tile
     compiled += _larger_tiles(compiler, larger)
     # choose_tiles over these candidates picks what it picks over all those of largest_tiles
@@ -245,7 +251,7 @@ def test_bfloat16_compiles_as_cleanly_as_float16_on_gpus_that_have_it(compiler):
     for r in compiler(BFLOAT16):
         assert r.fits and r.spill_bytes == 0, r
         assert r.tensor_cores, r
-        assert r.block == kernels._tile_rows(r.kernel, r.head_dim, 2)
+        assert r.block == _tile_rows(r.kernel, r.head_dim, 2)
 
 
 def test_report_describes_the_compiled_kernel(compiler):
@@ -262,7 +268,7 @@ def test_float32_products_do_not_use_tensor_cores(compiler):
     # input_precision="ieee" asks for true float32 products: no TF32 tensor-core instructions.
     (r,) = compiler(FLOAT32_DQ)  # block None: the launcher's tile
     assert not r.tensor_cores
-    assert r.block == kernels._tile_rows("dq", 16, 4)
+    assert r.block == _tile_rows("dq", 16, 4)
 
 
 def test_gpus_are_named_with_their_limits():
@@ -292,3 +298,71 @@ def test_compiling_in_an_interpreting_process_is_refused():
         pytest.skip("the kernels are compiled in this process")
     with pytest.raises(RuntimeError, match="interpreted mode"):
         _compile_here("forward", "T4", "float16", 64, True, None)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_every_kernel_parameter_has_a_signature(kernel):
+    # The table is in the kernel's parameter order: a parameter added to a kernel without its
+    # type in SIGNATURES fails here, not as a wrong compilation.
+    assert list(compile_check.SIGNATURES[kernel]) == kernels.TRITON_KERNELS[kernel].arg_names
+
+
+def test_signature_is_the_launchers_specialisation_of_a_typical_call():
+    signature, constants, attrs = compile_check._signature("dq", "bfloat16")
+    names = list(signature)
+    assert signature["Q"] == signature["DQ"] == "*bf16" and signature["LSE"] == "*fp32"
+    assert signature["H"] == signature["stride_qb"] == "i32" and signature["scale"] == "fp32"
+    assert signature["stride_dqd"] == signature["HEAD_DIM"] == "constexpr"
+    assert constants == {f"stride_{t}d": 1 for t in ("q", "k", "v", "do", "dq")}
+    aligned = {names[i] for (i,) in attrs}
+    assert {"Q", "DELTA", "DQ", "stride_kb", "stride_doh", "stride_dqm", "Lq", "Lk"} <= aligned
+    assert not aligned & {"H", "scale", "qk_scale", "stride_qd", "CAUSAL"}
+
+
+@pytest.mark.parametrize("request_, error, message", [
+    (dict(kernel="dq", gpu="T4", dtype="float16", head_dim=64, causal="yes"), TypeError,
+     "request causal must be True or False, got request causal='yes'"),
+    (dict(kernel="dq", gpu="T4", dtype="float16", head_dim=64.0), TypeError,
+     "request head_dim must be an int, got request head_dim=64.0"),
+    (dict(kernel="dq", gpu="T4", dtype="float16", head_dim=64, block=True), TypeError,
+     "request block must be an int, got request block=True"),
+    (dict(kernel=None, gpu="T4", dtype="float16", head_dim=64), ValueError,
+     "request kernel must be one of"),
+])
+def test_request_settings_are_checked_in_the_parent(request_, error, message):
+    # Before, causal="yes" reached the child process and was compiled as a true CAUSAL.
+    with pytest.raises(error, match=message):
+        compile_kernels([request_])
+
+
+@pytest.mark.parametrize("workers, error", [(0, ValueError), (1.5, TypeError), ("2", TypeError)])
+def test_workers_is_checked(workers, error):
+    with pytest.raises(error, match="workers"):
+        compile_kernels([dict(kernel="dq", gpu="T4", dtype="float16", head_dim=64)], workers)
+
+
+# A stand-in for the child process: it writes far more to stderr than a pipe holds before it
+# answers on stdout. Reading the child's stdout to the end before its stderr would wait forever.
+CHATTY_CHILD = """import json, sys
+sys.stderr.write("warning\\n" * 200_000)
+answers = [dict(r, shared_bytes=1024, registers=32, spill_bytes=0, tensor_cores=True)
+           for r in json.load(sys.stdin)]
+json.dump(answers, sys.stdout)
+"""
+
+
+def test_a_child_that_writes_much_to_stderr_does_not_deadlock(tmp_path, monkeypatch):
+    (tmp_path / "child.py").write_text(CHATTY_CHILD)
+    python = tmp_path / "python"
+    python.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{tmp_path / "child.py"}"\n')
+    python.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(python))
+    requests = [dict(kernel=k, gpu="A100", dtype="float16", head_dim=64, block=32)
+                for k in KERNELS]
+    done = []
+    worker = threading.Thread(target=lambda: done.append(compile_kernels(requests, workers=2)),
+                              daemon=True)
+    worker.start()
+    worker.join(timeout=60)
+    assert not worker.is_alive(), "compile_kernels is stuck reading its children's output"
+    assert [(r.kernel, r.block, r.registers) for r in done[0]] == [(k, 32, 32) for k in KERNELS]

@@ -122,3 +122,27 @@ def test_check_tensor():
         c.check_tensor("x", torch.zeros(2, 8), size=4)
     with pytest.raises(ValueError, match="size 4"):
         c.check_tensor("x", torch.tensor(1.0), size=4)
+
+
+def test_messages_read_as_english():
+    with pytest.raises(ValueError, match=r"^scale must be a finite number, got scale=inf$"):
+        c.check_scale(math.inf, 64)
+    with pytest.raises(ValueError, match=r"at least 1 dimension, got shape \(\)"):
+        c.check_array("block", 3.0, min_ndim=1)
+
+
+def test_anything_usable_as_an_index_is_an_int():
+    assert c.check_int("n", torch.tensor(4)) == 4 and type(c.check_int("n", torch.tensor(4))) is int
+    assert c.check_int("n", np.uint8(7), minimum=1) == 7
+    for bad in (torch.tensor(True), torch.tensor(2.0), torch.tensor([1, 2]), np.float64(3.0), "3"):
+        with pytest.raises(TypeError, match="n must be an int"):
+            c.check_int("n", bad)
+
+
+def test_check_tensor_dtype_and_device():
+    x = torch.zeros(2, 4)
+    assert c.check_tensor("x", x, dtype=torch.float32, device=torch.device("cpu")) is x
+    with pytest.raises(TypeError, match="x must be a torch.float64 tensor, got dtype torch.float32"):
+        c.check_tensor("x", x, dtype=torch.float64)
+    with pytest.raises(ValueError, match="x must be on device meta, got x on cpu"):
+        c.check_tensor("x", x, device=torch.device("meta"))

@@ -272,3 +272,28 @@ def test_saved_tensor_bytes_without_grad_or_exclusions():
 def test_bad_input(call, error, match):
     with pytest.raises(error, match=match):
         call()
+
+
+# --- issue 12: no silent wrong answers -------------------------------------------------------
+
+
+def test_numpy_peak_bytes_nested_keeps_the_outer_peak():
+    """An inner measurement resets tracemalloc's peak; the outer one must still see its own."""
+    def outer():
+        np.ones(10**6).sum()  # 8 MB, freed before the inner measurement starts
+        return numpy_peak_bytes(partial(np.ones, 10**4))[1]
+
+    inner_peak, outer_peak = numpy_peak_bytes(outer)
+    assert 8 * 10**4 <= inner_peak < 8 * 10**4 + 1024
+    assert 8 * 10**6 <= outer_peak < 8 * 10**6 + 1024 and outer_peak >= inner_peak
+    # an inner peak larger than anything before it counts for the outer one too
+    inner_peak, outer_peak = numpy_peak_bytes(
+        lambda: numpy_peak_bytes(lambda: np.ones(10**6).sum())[1])
+    assert 8 * 10**6 <= inner_peak <= outer_peak < 8 * 10**6 + 2048
+    assert not tracemalloc.is_tracing()
+
+
+@pytest.mark.parametrize("device", ["tpu:x", 3.5] + ([] if torch.cuda.is_available() else ["cuda"]))
+def test_time_call_checks_its_device(device):
+    with pytest.raises((TypeError, ValueError), match="device"):
+        time_call(print, device=device)

@@ -13,6 +13,7 @@ bottom-right (query i sees key j iff j <= i + Lk - Lq); a query with no allowed 
 PyTorch's own answer for such a row depends on the version (SDPA gives zeros in recent versions,
 nn.MultiheadAttention gives NaN), so the reference replaces those rows by zeros and module
 outputs are compared only on rows that see at least one key.
+A NaN in the data, unlike a forbidden key, comes out as NaN, as in PyTorch (issue 12).
 
 At the end, a table of bad inputs: every public function with validation in attention, heads,
 positions, masks, tiling, kernels and scaling raises ValueError or TypeError naming the argument.
@@ -644,6 +645,23 @@ def test_queries_before_every_key_give_zeros(run, dtype):
     check_dead_rows_are_zero(out, alive)
 
 
+@pytest.mark.parametrize("run", [run_numpy, run_attend, run_tiled,
+                                 pytest.param(run_triton, marks=needs_triton)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_nan_in_a_key_gives_nan_not_zeros(run, causal):
+    # Issue 12: a NaN is an error upstream, not a forbidden key. Every query that may see the
+    # broken key gets NaN, as in PyTorch; with Lq > Lk, the queries that see no key keep zeros.
+    gen = torch.Generator().manual_seed(12)
+    q, k, v = (torch.randn(1, 2, n, 16, generator=gen) for n in (9, 4, 4))
+    k[..., 0, 3] = math.nan  # key 0: every query with a key may see it
+    mask = masks.causal_mask(9, 4) if causal else None
+    with np.errstate(invalid="ignore"):
+        out = run(q, k, v, mask).cpu()
+    alive = torch.ones(9, dtype=torch.bool) if mask is None else mask.any(-1)
+    assert out[..., alive, :].isnan().all()
+    assert (out[..., ~alive, :] == 0).all()
+
+
 def large_inputs(gen, shape_q, shape_k, adversarial: bool):
     """q, k with entries in [-100, 100] in float16, v ~ N(0, 1). Adversarial: q all +100 and
     k's rows +-100, two of them all +100, so that q.k reaches 100 * 100 * d (over float16's
@@ -816,7 +834,7 @@ BAD_INPUTS = [
     case(heads.MultiHeadAttention, dict(d_model=8, num_heads=4, num_kv_heads=3), ValueError,
          "num_heads=4 is not divisible by num_kv_heads=3", id="mha-kv-heads-do-not-divide"),
     case(heads.MultiHeadAttention, dict(d_model=8, num_heads=2, dropout=1.5), ValueError,
-         "dropout must be a number between 0 and 1", id="mha-dropout"),
+         r"dropout must be a finite number in \[0.0, 1.0\]", id="mha-dropout"),
     case(heads.MultiHeadAttention, dict(d_model=8, num_heads=2, dropout=True), TypeError,
          "dropout", id="mha-dropout-bool"),
     case(MHA, dict(x=X.tolist()), TypeError, "x must be a torch.Tensor", id="mha-x-list"),
@@ -843,15 +861,15 @@ BAD_INPUTS = [
     case(positions.sinusoidal_encoding, dict(num_positions=0, d_model=4), ValueError,
          "num_positions must be at least 1", id="sinusoidal-zero-positions"),
     case(positions.sinusoidal_encoding, dict(num_positions=4, d_model=2.5), TypeError,
-         "d_model must be an integer", id="sinusoidal-float-width"),
+         "d_model must be an int", id="sinusoidal-float-width"),
     case(positions.sinusoidal_encoding, dict(num_positions=True, d_model=4), TypeError,
-         "num_positions must be an integer", id="sinusoidal-bool"),
+         "num_positions must be an int", id="sinusoidal-bool"),
     case(positions.sinusoidal_encoding, dict(num_positions=4, d_model=-2), ValueError,
          "d_model must be at least 1", id="sinusoidal-negative-width"),
     case(positions.apply_rope, dict(x=np.zeros((3, 4))), TypeError,
-         "x must be a floating-point torch.Tensor, got ndarray", id="rope-numpy"),
+         "x must be a torch.Tensor, got x=array", id="rope-numpy"),
     case(positions.apply_rope, dict(x=torch.zeros(3, 4, dtype=torch.int64)), TypeError,
-         "x must be a floating-point torch.Tensor.*int64", id="rope-int"),
+         "x must be a floating-point tensor.*int64", id="rope-int"),
     case(positions.apply_rope, dict(x=torch.zeros(3, 5)), ValueError, "even d.*d = 5",
          id="rope-odd-d"),
     case(positions.apply_rope, dict(x=torch.zeros(4)), ValueError, r"x must have shape.*\(4,\)",
@@ -860,14 +878,14 @@ BAD_INPUTS = [
          r"positions must be a 1-D tensor of length L = 3, got shape \(4,\)",
          id="rope-positions-length"),
     case(positions.apply_rope, dict(x=ROPE_X, base=0.0), ValueError,
-         "base must be a positive number", id="rope-base-zero"),
-    case(positions.apply_rope, dict(x=ROPE_X, base="10000"), ValueError,
-         "base must be a positive number", id="rope-base-str"),
+         r"base must be a finite number in \(0.0, inf\], got base=0.0", id="rope-base-zero"),
+    case(positions.apply_rope, dict(x=ROPE_X, base="10000"), TypeError,
+         "base must be a real number", id="rope-base-str"),
     case(positions.apply_rope, dict(x=ROPE_X, positions="abc"), TypeError, "positions",
          id="rope-positions-str"),
     case(positions.alibi_slopes, dict(num_heads=0), ValueError, "num_heads must be at least 1",
          id="alibi-slopes-zero"),
-    case(positions.alibi_slopes, dict(num_heads=2.0), TypeError, "num_heads must be an integer",
+    case(positions.alibi_slopes, dict(num_heads=2.0), TypeError, "num_heads must be an int",
          id="alibi-slopes-float"),
     case(positions.alibi_slopes, dict(num_heads=4, dtype=torch.int64), TypeError, "dtype",
          id="alibi-slopes-int-dtype"),
@@ -886,10 +904,10 @@ BAD_INPUTS = [
          id="causal-float"),
     case(masks.causal_mask, dict(q_len=3, k_len=True), TypeError, "k_len must be an int",
          id="causal-k-len-bool"),
-    case(masks.padding_mask, dict(lengths=[2, -1]), ValueError, "lengths must not be negative",
+    case(masks.padding_mask, dict(lengths=[2, -1]), ValueError, r"lengths\[1\] must be at least 0",
          id="padding-negative"),
     case(masks.padding_mask, dict(lengths=torch.tensor([1.0])), TypeError,
-         "lengths must hold ints.*float32", id="padding-float-tensor"),
+         r"lengths\[0\] must be an int.*float", id="padding-float-tensor"),
     case(masks.padding_mask, dict(lengths=torch.ones(2, 2, dtype=torch.long)), ValueError,
          r"lengths must be 1-D, got shape \(2, 2\)", id="padding-2d-tensor"),
     case(masks.padding_mask, dict(lengths=3), TypeError, "lengths must be a sequence",
@@ -899,15 +917,16 @@ BAD_INPUTS = [
     case(masks.padding_mask, dict(lengths=[]), ValueError, "lengths is empty",
          id="padding-empty"),
     case(masks.padding_mask, dict(lengths=[2, 3], max_len=2), ValueError,
-         r"lengths \[3\] exceed max_len = 2", id="padding-too-long"),
+         "max_len must be at least 3, got max_len=2", id="padding-too-long"),
     case(masks.padding_mask, dict(lengths=[2], max_len=-1), ValueError,
-         "max_len must be at least 0", id="padding-negative-max-len"),
+         "max_len must be at least 2, got max_len=-1",
+         id="padding-negative-max-len"),
     case(masks.padding_mask, dict(lengths=[2], side="up"), ValueError,
-         "side must be 'right' or 'left', got 'up'", id="padding-side"),
+         r"side must be one of \['left', 'right'\], got side='up'", id="padding-side"),
     case(masks.attention_mask, dict(), ValueError, "needs key_padding, k_len or q_len",
          id="attention-mask-nothing"),
-    case(masks.attention_mask, dict(q_len=3, causal=1), TypeError, "causal must be a bool",
-         id="attention-mask-causal-int"),
+    case(masks.attention_mask, dict(q_len=3, causal=1), TypeError,
+         "causal must be True or False", id="attention-mask-causal-int"),
     case(masks.attention_mask, dict(key_padding=torch.ones(2, 3)), TypeError,
          "key_padding must be a boolean tensor.*float32", id="attention-mask-float-padding"),
     case(masks.attention_mask, dict(key_padding="abc"), TypeError,
@@ -931,9 +950,9 @@ BAD_INPUTS = [
          "block_size must be an int", id="online-softmax-block-bool"),
     case(tiling.online_softmax_update, dict(m=-np.inf, l=0.0, block=np.float64(1.0)),
          ValueError, "block", id="online-update-0d-block"),
-    case(tiling.block_schedule, dict(Lq=-1, Lk=3), ValueError, "Lq must be a non-negative int",
+    case(tiling.block_schedule, dict(Lq=-1, Lk=3), ValueError, "Lq must be at least 0",
          id="schedule-negative"),
-    case(tiling.block_schedule, dict(Lq=3, Lk=2.5), TypeError, "Lk must be a non-negative int",
+    case(tiling.block_schedule, dict(Lq=3, Lk=2.5), TypeError, "Lk must be an int",
          id="schedule-float"),
     case(tiling.block_schedule, dict(Lq=3, Lk=3, block_size=0), ValueError,
          "block_size must be at least 1", id="schedule-block-0"),
@@ -957,14 +976,14 @@ BAD_INPUTS = [
     case(scaling.random_scores, dict(d=0), ValueError, "d must be at least 1",
          id="random-scores-d-0"),
     case(scaling.random_scores, dict(d=4, num_keys=1.5), TypeError,
-         "num_keys must be an integer", id="random-scores-keys-float"),
+         "num_keys must be an int", id="random-scores-keys-float"),
     case(scaling.random_scores, dict(d=4, trials=0), ValueError, "trials must be at least 1",
          id="random-scores-trials-0"),
     case(scaling.random_scores, dict(d=4, seed=-1), ValueError, "seed must be at least 0",
          id="random-scores-seed"),
     case(scaling.random_scores, dict(d=4, scaled=1), TypeError, "scaled must be True or False",
          id="random-scores-scaled-int"),
-    case(scaling.softmax_peak, dict(d=True), TypeError, "d must be an integer",
+    case(scaling.softmax_peak, dict(d=True), TypeError, "d must be an int",
          id="softmax-peak-d-bool"),
     case(scaling.softmax_jacobian, dict(scores=np.array(["a"])), TypeError,
          "scores must hold real numbers", id="jacobian-str"),
@@ -987,7 +1006,7 @@ if kernels is not None:
         case(FLASH, dict(q=kt(1, 2, 8, 16, dtype=torch.float64), k=G, v=G), TypeError,
              "q has dtype torch.float64", id="triton-float64"),
         case(FLASH, dict(q=G, k=G, v=kt(1, 2, 8, 16, dtype=torch.int32)), TypeError,
-             "v has dtype torch.int32", id="triton-int"),
+             "v must be a floating-point tensor, got dtype torch.int32", id="triton-int"),
         case(FLASH, dict(q=G, k=kt(1, 2, 8, 16, dtype=torch.float16), v=G), TypeError,
              "one dtype, got torch.float32, torch.float16", id="triton-mixed-dtypes"),
         case(FLASH, dict(q=kt(1, 2, 8, 24), k=kt(1, 2, 8, 24), v=kt(1, 2, 8, 24)), ValueError,
@@ -1002,8 +1021,8 @@ if kernels is not None:
              id="triton-causal-int"),
         case(FLASH, dict(q=G, k=G, v=G, scale="a"), TypeError, "scale must be a real number",
              id="triton-scale-str"),
-        case(FLASH, dict(q=G, k=G, v=G, scale=math.inf), ValueError, "scale must be finite",
-             id="triton-scale-inf"),
+        case(FLASH, dict(q=G, k=G, v=G, scale=math.inf), ValueError,
+             "scale must be a finite number", id="triton-scale-inf"),
     ]
     if kernels.INTERPRETED:
         BF = kt(1, 2, 8, 16, dtype=torch.bfloat16)

@@ -261,11 +261,11 @@ def _bad_calls():
         (lambda: model(src.float(), tgt), TypeError, "src"),
         (lambda: model(src.numpy(), tgt), TypeError, "src"),
         (lambda: model(src[0], tgt), ValueError, "src must have shape"),
-        (lambda: model(torch.full((2, 5), VOCAB), tgt), ValueError, "src holds ids"),
+        (lambda: model(torch.full((2, 5), VOCAB), tgt), ValueError, "src must lie in"),
         (lambda: model(torch.randint(3, VOCAB, (2, 13)), tgt), ValueError, "max_len=12"),
         (lambda: model(src, tgt[:1]), ValueError, "tgt_in must have shape"),
-        (lambda: model(src, torch.full((2, 3), VOCAB + 2)), ValueError, "tgt_in holds ids"),
-        (lambda: model(src, tgt, src_lengths=[5, 6]), ValueError, "max_len"),
+        (lambda: model(src, torch.full((2, 3), VOCAB + 2)), ValueError, "tgt_in must lie in"),
+        (lambda: model(src, tgt, src_lengths=[5, 6]), ValueError, "src_lengths"),
         (lambda: model.decode(tgt, memory[..., :8]), ValueError, "memory"),
         (lambda: model.greedy_decode(src, max_len=13), ValueError, "max_len=13"),
         (lambda: model.greedy_decode(src, max_len=0), ValueError, "max_len=0"),
@@ -296,3 +296,62 @@ def test_training_steps_reduce_loss():
         optimizer.step()
         losses.append(loss.item())
     assert losses[-1] < 0.5 * losses[0]
+
+
+# Issue 12: no silent wrong answers --------------------------------------------------------
+
+
+@pytest.mark.parametrize("lengths", [[5], torch.tensor([[5, 3]]), [5, 0], [6, 3], torch.tensor(5)])
+def test_src_lengths_must_be_one_length_per_source(lengths):
+    """One length for a batch of two was broadcast over the batch; 0 or > Ls made no sense."""
+    model = _model(dtype=torch.float32)
+    src, tgt = torch.randint(3, VOCAB, (2, 5)), torch.full((2, 3), BOS)
+    with pytest.raises(ValueError, match="src_lengths"):
+        model(src, tgt, src_lengths=lengths)
+    with pytest.raises(ValueError, match="src_lengths"):
+        model.encode(src, lengths)
+
+
+def test_decode_checks_src_padding():
+    model = _model(dtype=torch.float32)
+    src, tgt = torch.randint(3, VOCAB, (2, 5)), torch.full((2, 3), BOS)
+    memory, pad = model.encode(src), torch.ones(2, 5, dtype=torch.bool)
+    torch.testing.assert_close(model.decode(tgt, memory, pad), model.decode(tgt, memory))
+    for bad, error in [(pad.float(), TypeError), (pad.tolist(), TypeError),
+                       (pad[:1], ValueError), (pad[:, :4], ValueError), (pad[0], ValueError)]:
+        with pytest.raises(error, match="src_padding"):
+            model.decode(tgt, memory, bad)
+    with pytest.raises(TypeError, match="return_weights"):
+        model.decode(tgt, memory, pad, return_weights="yes")
+
+
+def test_greedy_decode_runs_in_eval_mode_and_restores_the_mode():
+    model = _model(seed=3, dtype=torch.float32, dropout=0.5)
+    src = torch.randint(3, VOCAB, (16, 7), generator=torch.Generator().manual_seed(0))
+    expected = model.eval().greedy_decode(src, max_len=8)
+    model.train()
+    first, second = model.greedy_decode(src, max_len=8), model.greedy_decode(src, max_len=8)
+    assert torch.equal(first, expected) and torch.equal(second, expected)
+    assert model.training and all(m.training for m in model.modules())
+    with pytest.raises(ValueError, match="src_lengths"):
+        model.greedy_decode(src, src_lengths=[7])
+    assert model.training
+    assert not model.eval().greedy_decode(src, max_len=2).requires_grad and not model.training
+
+
+def test_small_integer_ids_work_like_int64():
+    model = _model()
+    src, tgt_in, lengths = _batch(4)
+    logits = model(src, tgt_in, src_lengths=lengths)
+    for dtype in (torch.uint8, torch.int16, torch.int32):
+        torch.testing.assert_close(model(src.to(dtype), tgt_in.to(dtype), lengths), logits)
+
+
+def test_forward_and_greedy_decode_check_the_source_once():
+    model = _model(dtype=torch.float32)
+    src, tgt, calls = torch.randint(3, VOCAB, (2, 5)), torch.full((2, 3), BOS), []
+    check = model.source_padding
+    model.source_padding = lambda *args: calls.append(args) or check(*args)
+    model(src, tgt, [5, 3])
+    model.greedy_decode(src, max_len=2)
+    assert len(calls) == 2

@@ -276,7 +276,7 @@ def full_cache(batch):
     (lambda: MODEL(torch.zeros(3, dtype=torch.long)), ValueError, r"idx must have shape"),
     (lambda: MODEL(torch.full((1, 3), 50)), ValueError, "vocab_size=50"),
     (lambda: MODEL(torch.zeros(1, 33, dtype=torch.long)), ValueError,
-     "length 33, more than context_length=32"),
+     r"at most context_length=32, got idx.shape\[1\]=33"),
     (lambda: MODEL(torch.zeros(2, 3, dtype=torch.long), kv_cache=full_cache(2)), ValueError,
      r"idx of length 3 does not fit: kv_cache holds 30 .* capacity 32"),
     (lambda: MODEL(torch.zeros(2, 1, dtype=torch.long), kv_cache=MODEL.make_kv_cache(3)),
@@ -321,5 +321,145 @@ def test_char_tokenizer_round_trip_and_errors():
         tok.encode("zoo")
     with pytest.raises(ValueError, match="vocab_size=10"):
         tok.decode([0, 10])
-    with pytest.raises(ValueError, match="non-empty"):
+    with pytest.raises(ValueError, match=r"len\(text\) must be at least 1"):
         CharTokenizer("")
+
+
+# --- issue 12: one way to check, no silent wrong answers ------------------------------------
+
+def test_imports_no_private_name_of_another_module():
+    import ast
+    import inspect
+
+    import attnbook.gpt as gpt
+
+    tree = ast.parse(inspect.getsource(gpt))
+    private = [f"{node.module}.{alias.name}" for node in ast.walk(tree)
+               if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("attnbook")
+               for alias in node.names if alias.name.startswith("_")]
+    assert private == []
+
+
+def zero_logits_gpt():
+    model = tiny_gpt()
+    with torch.no_grad():
+        model.tok_emb.weight.zero_()  # every logit is exactly 0: all 50 tokens tie
+    return model
+
+
+def test_top_k_keeps_exactly_k_tokens_when_values_tie():
+    model = zero_logits_gpt()
+    out = model.generate(torch.zeros(1, 1, dtype=torch.long), 60, top_k=2,
+                         generator=torch.Generator().manual_seed(0))
+    assert len(set(out[0, 1:].tolist())) == 2
+
+
+@pytest.mark.parametrize("temperature", [1e-44, 5e-324])
+def test_a_tiny_temperature_is_greedy_not_an_overflow(temperature):
+    model = tiny_gpt()
+    prompt = torch.randint(50, (2, 3), generator=torch.Generator().manual_seed(0))
+    for use_cache in (True, False):
+        assert torch.equal(model.generate(prompt, 8, temperature=temperature, use_cache=use_cache),
+                           model.generate(prompt, 8, temperature=0))
+
+
+@pytest.mark.parametrize("temperature", [0, 1.0])
+def test_non_finite_logits_are_refused_not_turned_into_a_token(temperature):
+    model = tiny_gpt()
+    with torch.no_grad():
+        model.norm_f.weight[0] = float("nan")
+    with pytest.raises(ValueError, match="logits are not all finite"):
+        model.generate(torch.zeros(1, 2, dtype=torch.long), 3, temperature=temperature)
+
+
+def test_uint8_ids_are_read_as_ids():
+    ids = torch.randint(50, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(MODEL(ids.to(torch.uint8)), MODEL(ids), atol=0, rtol=0)
+    out = MODEL.generate(ids.to(torch.uint8), 3, temperature=0)
+    assert out.dtype == torch.int64 and torch.equal(out, MODEL.generate(ids, 3, temperature=0))
+
+
+@pytest.mark.parametrize("device", ["tpu:x", "cuda"])
+def test_cache_device_is_checked(device):
+    if device == "cuda" and torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(ValueError, match=f"device={device!r}"):
+        KVCache(2, 1, 4, 8, 8, device=device)
+
+
+def test_config_carries_three_dropout_rates():
+    c = GPTConfig(dropout=0.2)
+    assert (c.dropout, c.attn_dropout, c.embd_dropout) == (0.2, 0.2, 0.2)
+    model = GPT(GPTConfig(vocab_size=50, context_length=8, d_model=16, num_layers=1, num_heads=2,
+                          dropout=0.3, attn_dropout=0.2, embd_dropout=0.1))
+    block = model.blocks[0]
+    assert (model.drop.p, block.self_attn.dropout, block.dropout.p) == (0.1, 0.2, 0.3)
+    assert block.ff.dropout.p == 0.0  # GPT-2 has no dropout between the two feed-forward layers
+    with pytest.raises(ValueError, match="attn_dropout=1.5"):
+        GPTConfig(attn_dropout=1.5)
+    with pytest.raises(TypeError, match="embd_dropout='x'"):
+        GPTConfig(embd_dropout="x")
+
+
+def test_conversion_keeps_gpt2s_three_dropout_rates():
+    hf = random_hf_gpt2(spread=0, embd_pdrop=0.0, attn_pdrop=0.2, resid_pdrop=0.3)
+    ours = GPT.from_hf_gpt2(hf)
+    assert (ours.config.embd_dropout, ours.config.attn_dropout, ours.config.dropout) == \
+        (0.0, 0.2, 0.3)
+    assert (ours.drop.p, ours.blocks[1].self_attn.dropout, ours.blocks[1].dropout.p) == \
+        (0.0, 0.2, 0.3)
+
+
+@pytest.mark.parametrize("edit", [dict(n_positions=128), dict(n_embd=64), dict(n_head=4),
+                                  dict(n_inner=16), dict(n_layer=3), dict(vocab_size=90),
+                                  dict(layer_norm_epsilon=0.5)])
+def test_conversion_reads_sizes_from_the_modules_not_an_edited_config(edit):
+    hf = random_hf_gpt2(1)
+    for name, value in edit.items():
+        setattr(hf.config, name, value)  # the config now describes another model
+    ours = GPT.from_hf_gpt2(hf)
+    ids = torch.randint(100, (2, 64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids), hf(ids).logits, atol=1e-4, rtol=0)
+    assert (ours.config.context_length, ours.config.d_model, ours.config.num_heads) == (64, 32, 2)
+
+
+def test_conversion_refuses_gpt_neo_with_a_clear_error():
+    config = transformers.GPTNeoConfig(num_layers=1, attention_types=[[["global"], 1]],
+                                       hidden_size=32, num_heads=2, vocab_size=100,
+                                       max_position_embeddings=64, bos_token_id=0,
+                                       eos_token_id=0)
+    with pytest.raises(TypeError, match="GPT2LMHeadModel, got GPTNeoForCausalLM"):
+        GPT.from_hf_gpt2(transformers.GPTNeoForCausalLM(config))
+
+
+def test_the_layers_keep_the_cache_and_advance_it():
+    cache = MODEL.make_kv_cache(2, capacity=16)
+    assert len(cache.layers) == 2 and cache.length == 0
+    assert cache.layers[1].keys.data_ptr() == cache.keys[1].data_ptr()  # views, not copies
+    with torch.no_grad():
+        MODEL(torch.zeros(2, 5, dtype=torch.long), kv_cache=cache)
+    assert [layer.length for layer in cache.layers] == [5, 5] and cache.length == 5
+    assert cache.keys[:, :, :, :5].abs().sum() > 0 and cache.keys[:, :, :, 5:].abs().sum() == 0
+    cache.reset()
+    assert cache.length == 0 and all(layer.length == 0 for layer in cache.layers)
+    cache.layers[0].length = 3  # as if a call had been interrupted after its first layer
+    with pytest.raises(RuntimeError, match=r"\[0, 3\]"):
+        _ = cache.length
+
+
+def test_a_cache_of_another_dtype_is_refused_and_left_unchanged():
+    cache = KVCache(2, 1, 4, 32, 8, torch.float64)
+    with pytest.raises(TypeError, match="float64"):
+        MODEL(torch.zeros(1, 2, dtype=torch.long), kv_cache=cache)
+    assert cache.length == 0 and not cache.keys.any()
+
+
+def test_char_tokenizer_follows_the_error_policy():
+    tok = CharTokenizer("abc")
+    with pytest.raises(TypeError, match="text=5"):
+        CharTokenizer(5)
+    with pytest.raises(TypeError, match="integer ids"):
+        tok.decode(torch.tensor([True, False]))
+    assert tok.decode([]) == "" and tok.decode(torch.tensor([[2, 0]])) == "ca"

@@ -8,7 +8,7 @@ from torch import nn
 from torch.nn.attention.bias import causal_lower_right
 from torch.utils.flop_counter import FlopCounterMode
 
-from attnbook.heads import MultiHeadAttention, attend, from_torch
+from attnbook.heads import LayerCache, MultiHeadAttention, attend, from_torch
 
 DOUBLE = torch.float64
 
@@ -253,7 +253,7 @@ def test_from_torch_keeps_dtype_mode_and_refuses_other_layouts():
     ((0, 4), ValueError, r"d_model"),
     ((16.0, 4), TypeError, r"d_model"),
     ((16, 4, None, True, 1.5), ValueError, r"dropout"),
-    ((16, 4, None, True, -0.1), ValueError, r"dropout must be a number between 0 and 1"),
+    ((16, 4, None, True, -0.1), ValueError, r"dropout must be a finite number in \[0.0, 1.0\]"),
     ((16, 4, None, True, True), TypeError, r"dropout=True of type bool"),
     ((16, 4, None, True, "0.1"), TypeError, r"dropout='0.1'"),
 ])
@@ -278,12 +278,12 @@ X = torch.randn(2, 5, 16)
     (dict(x=X, mask=torch.ones(1, 2, 4, 5, 5, dtype=torch.bool)), ValueError, r"mask"),
     (dict(x=X, mask=torch.ones(5, 5)), TypeError, r"mask .*float32"),
     (dict(x=X, mask=torch.ones(5, 5, dtype=torch.int64)), TypeError, r"mask"),
-    (dict(x=X.double()), TypeError, r"x has dtype torch.float64, the module's.*torch.float32"),
+    (dict(x=X.double()), TypeError, r"x must be a torch.float32 tensor, got dtype torch.float64"),
     (dict(x=X, context=torch.randn(2, 7, 16).half()), TypeError,
-     r"context has dtype torch.float16"),
+     r"context must be a torch.float32 tensor, got dtype torch.float16"),
     (dict(x=X, context=torch.randn(2, 7, 16, device="meta")), ValueError,
-     r"context is on device meta"),
-    (dict(x=X, is_causal="no"), TypeError, r"is_causal must be a bool, got is_causal='no'"),
+     r"context must be on device cpu, got context on meta"),
+    (dict(x=X, is_causal="no"), TypeError, r"is_causal must be True or False, got is_causal='no'"),
     (dict(x=X, is_causal=1), TypeError, r"is_causal"),
 ])
 def test_forward_rejects_bad_inputs(kwargs, error, match):
@@ -308,16 +308,16 @@ Q4 = torch.zeros(1, 2, 3, 4)
 
 @pytest.mark.parametrize("kwargs,error,match", [
     (dict(q=Q4.long(), k=Q4.long(), v=Q4.long()), TypeError,
-     r"q must have a floating-point dtype, got torch.int64"),
+     r"q must be a floating-point tensor, got dtype torch.int64"),
     (dict(q=Q4, k=Q4.double(), v=Q4), TypeError,
-     r"one dtype, got q torch.float32, k torch.float64, v torch.float32"),
-    (dict(q=Q4, k=Q4, v=Q4.to("meta")), ValueError, r"one device.*v on meta"),
+     r"k must be a torch.float32 tensor, got dtype torch.float64"),
+    (dict(q=Q4, k=Q4, v=Q4.to("meta")), ValueError, r"v must be on device cpu, got v on meta"),
     (dict(q=Q4, k=torch.zeros(1, 2, 0, 4), v=torch.zeros(1, 2, 0, 4)), ValueError,
-     r"one key.*k \(1, 2, 0, 4\)"),
+     r"k.shape\[2\] must be at least 1, got k.shape\[2\]=0"),
     (dict(q=Q4, k=torch.zeros(1, 0, 3, 4), v=torch.zeros(1, 0, 3, 4)), ValueError,
-     r"kv_heads.*k \(1, 0, 3, 4\)"),
+     r"k.shape\[1\] must be at least 1, got k.shape\[1\]=0"),
     (dict(q=torch.zeros(1, 2, 3, 0), k=torch.zeros(1, 2, 3, 0), v=Q4), ValueError,
-     r"head_dim.*q \(1, 2, 3, 0\)"),
+     r"q.shape\[3\] must be at least 1, got q.shape\[3\]=0"),
     (dict(q=Q4, k=Q4, v=Q4, dropout_p=-0.5), ValueError, r"dropout_p=-0.5"),
     (dict(q=Q4, k=Q4, v=Q4, dropout_p=1.5), ValueError, r"dropout_p=1.5"),
     (dict(q=Q4, k=Q4, v=Q4, dropout_p=float("nan")), ValueError, r"dropout_p=nan"),
@@ -376,3 +376,193 @@ def test_module_large_float16_inputs_do_not_overflow():
     expected = F.scaled_dot_product_attention(heads[0], heads[1], heads[1])
     torch.testing.assert_close(out.double(), expected.transpose(1, 2).reshape(1, 6, 128),
                                rtol=2e-3, atol=2e-3)
+
+
+# The KV cache (chapter 3, "Keeping keys and values for generation") ------------------------
+
+
+def _storage(layer, batch, capacity, dtype=DOUBLE):
+    """Keys and values as views of one (2, B, nkv, capacity, hs) tensor, as chapter 8 keeps them."""
+    return torch.zeros(2, batch, layer.num_kv_heads, capacity, layer.head_dim, dtype=dtype)
+
+
+@pytest.mark.parametrize("chunks", [[1] * 7, [3, 1, 2, 1], [7], [2, 5]])
+@pytest.mark.parametrize("num_kv_heads", [1, 2, 4])
+@torch.no_grad()
+def test_cached_chunks_equal_one_causal_call(chunks, num_kv_heads):
+    torch.manual_seed(num_kv_heads)
+    layer = MultiHeadAttention(32, 4, num_kv_heads=num_kv_heads).double().eval()
+    with torch.no_grad():
+        for parameter in layer.parameters():
+            parameter.normal_(0.0, 0.3)
+    x = torch.randn(2, sum(chunks), 32, dtype=DOUBLE)
+    full, full_w = layer(x, is_causal=True, return_weights=True)
+    cache = LayerCache(*_storage(layer, 2, 9))
+    start = 0
+    for n in chunks:
+        out, w = layer(x[:, start:start + n], is_causal=True, return_weights=True, cache=cache)
+        torch.testing.assert_close(out, full[:, start:start + n])
+        torch.testing.assert_close(w, full_w[:, :, start:start + n, :start + n])
+        start += n
+        assert cache.length == start and cache.capacity == 9
+    cache.reset()
+    assert cache.length == 0
+    torch.testing.assert_close(layer(x[:, :2], is_causal=True, cache=cache), full[:, :2])
+
+
+@torch.no_grad()
+def test_cache_with_a_mask_and_views_of_a_larger_tensor():
+    torch.manual_seed(1)
+    layer = MultiHeadAttention(16, 2).double()
+    x = torch.randn(1, 5, 16, dtype=DOUBLE)
+    keep = torch.tensor([True, False, True, True, True])  # key 1 is padding
+    full = layer(x, mask=keep, is_causal=True)
+    storage = torch.zeros(3, 2, 1, 2, 8, 8, dtype=DOUBLE)  # (layers, k/v, B, nkv, capacity, hs)
+    cache = LayerCache(storage[1, 0], storage[1, 1])
+    first = layer(x[:, :3], mask=keep[:3], is_causal=True, cache=cache)
+    second = layer(x[:, 3:], mask=keep, is_causal=True, cache=cache)
+    torch.testing.assert_close(torch.cat([first, second], 1), full)
+    assert storage[1, :, :, :, :5].abs().sum() > 0 and storage[[0, 2]].abs().sum() == 0
+
+
+@torch.no_grad()
+def test_block_passes_the_cache_to_its_self_attention():
+    from attnbook.blocks import TransformerBlock
+
+    torch.manual_seed(2)
+    block = TransformerBlock(16, 4, num_kv_heads=2).double().eval()
+    x = torch.randn(2, 6, 16, dtype=DOUBLE)
+    cache = LayerCache(*_storage(block.self_attn, 2, 6))
+    pieces = [block(x[:, s:e], is_causal=True, cache=cache) for s, e in ((0, 4), (4, 5), (5, 6))]
+    torch.testing.assert_close(torch.cat(pieces, 1), block(x, is_causal=True))
+
+
+CACHE_LAYER = MultiHeadAttention(16, 4, num_kv_heads=2)
+
+
+@pytest.mark.parametrize("k,v,error,match", [
+    (torch.zeros(2, 2, 3, 4), torch.zeros(2, 2, 3, 4), ValueError,
+     r"k of 3 positions does not fit: the cache holds 4 positions of its capacity 6"),
+    (torch.zeros(1, 2, 1, 4), torch.zeros(2, 2, 1, 4), ValueError, r"k must have shape .*\(1, 2, 1, 4\)"),
+    (torch.zeros(2, 4, 1, 4), torch.zeros(2, 2, 1, 4), ValueError, r"k must have shape"),
+    (torch.zeros(2, 2, 1, 8), torch.zeros(2, 2, 1, 4), ValueError, r"k must have shape"),
+    (torch.zeros(2, 2, 1, 4), torch.zeros(2, 2, 2, 4), ValueError, r"v must have shape .*\(2, 2, 1, 4\)"),
+    (torch.zeros(2, 2, 1, 4).double(), torch.zeros(2, 2, 1, 4), TypeError, r"k must be a torch.float32 tensor, got dtype torch.float64"),
+    (torch.zeros(2, 2, 1, 4), torch.zeros(2, 2, 1, 4, device="meta"), ValueError, r"v must .*meta"),
+    (torch.zeros(2, 2, 4), torch.zeros(2, 2, 1, 4), ValueError, r"k must have 4 dimensions"),
+    ([0.0], torch.zeros(2, 2, 1, 4), TypeError, r"k must be a torch.Tensor"),
+])
+def test_cache_refuses_chunks_that_do_not_fit(k, v, error, match):
+    cache = LayerCache(torch.zeros(2, 2, 6, 4), torch.zeros(2, 2, 6, 4))
+    cache.append(torch.ones(2, 2, 4, 4), torch.ones(2, 2, 4, 4))
+    with pytest.raises(error, match=match):
+        cache.append(k, v)
+    assert cache.length == 4  # a refused chunk leaves the cache as it was
+
+
+def test_cache_arguments_are_checked():
+    with pytest.raises(TypeError, match="keys must be a floating-point tensor"):
+        LayerCache(torch.zeros(2, 2, 6, 4, dtype=torch.long), torch.zeros(2, 2, 6, 4))
+    x = torch.randn(2, 3, 16)
+    cache = LayerCache(*_storage(CACHE_LAYER, 2, 4, torch.float32))
+    with pytest.raises(ValueError, match="context or a cache, not both"):
+        CACHE_LAYER(x, x, cache=cache)
+    with pytest.raises(ValueError, match="k and v require grad.*torch.no_grad"):
+        CACHE_LAYER(x, cache=cache)
+    assert cache.length == 0
+    with torch.no_grad():
+        CACHE_LAYER(x, cache=cache)
+        with pytest.raises(ValueError, match=r"mask of shape \(1, 3\)"):  # the keys are 0..3
+            CACHE_LAYER(x[:, :1], mask=torch.ones(1, 3, dtype=torch.bool), cache=cache)
+        with pytest.raises(ValueError, match="does not fit: the cache holds 3 positions of its "
+                           "capacity 4"):
+            CACHE_LAYER(x, cache=cache)
+        assert cache.length == 3
+        CACHE_LAYER(x[:, :1], mask=torch.ones(1, 4, dtype=torch.bool), cache=cache)
+        assert cache.length == 4
+
+
+# Issue 12: one way to check arguments, no silent wrong answers --------------------------------
+
+
+def _private_imports(module) -> list[str]:
+    """Names starting with _ that `module` imports from another attnbook module."""
+    import ast
+    from pathlib import Path
+
+    tree = ast.parse(Path(module.__file__).read_text())
+    return [f"{node.module}.{alias.name}" for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("attnbook")
+            for alias in node.names if alias.name.startswith("_")]
+
+
+@pytest.mark.parametrize("name", ["heads", "masks", "blocks"])
+def test_chapters_3_5_6_import_no_private_names(name):
+    import importlib
+
+    assert _private_imports(importlib.import_module(f"attnbook.{name}")) == []
+
+
+def test_heads_has_one_causal_mask_and_the_conventions_checks():
+    import attnbook.heads as heads
+    import attnbook.masks as masks
+    from attnbook import conventions
+
+    assert heads.causal_mask is masks.causal_mask and not hasattr(heads, "_causal_mask")
+    assert heads.check_scale is conventions.check_scale  # not attention's private copy
+
+
+@pytest.mark.parametrize("mask", [torch.zeros(5, 5), torch.zeros(5, 5, dtype=torch.float16),
+                                  torch.full((5, 5), float("-inf"))])
+def test_float_masks_are_refused_not_read_as_true_or_false(mask):
+    # A float mask is PyTorch's additive mask: all zeros allows everything. Read as booleans it
+    # would forbid everything, so it is refused, with the reason.
+    with pytest.raises(TypeError, match=r"mask must be a torch.bool tensor.*float mask.*adds"):
+        LAYER(X, mask=mask)
+    with pytest.raises(TypeError, match=r"mask must be a torch.bool tensor.*float mask"):
+        attend(Q4, Q4, Q4, mask=mask[:3, :3])
+
+
+@pytest.mark.parametrize("make,error,match", [
+    (lambda: MultiHeadAttention(16, 4, bias="no"), TypeError, "bias must be True or False"),
+    (lambda: MultiHeadAttention(16, 4, bias=1), TypeError, "bias=1"),
+    (lambda: MultiHeadAttention(16, 4, dropout=float("nan")), ValueError, "dropout=nan"),
+    (lambda: LAYER(X, return_weights="yes"), TypeError, "return_weights='yes'"),
+    (lambda: LAYER(X, return_weights=None), TypeError, "return_weights=None"),
+])
+def test_settings_of_the_wrong_type_are_refused(make, error, match):
+    with pytest.raises(error, match=match):
+        make()
+
+
+def test_from_torch_reads_no_private_attribute():
+    import copy
+
+    module = random_torch_mha(16, 4)
+    twin = copy.deepcopy(module)
+    del twin._qkv_same_embed_dim  # a private attribute that a PyTorch version may not have
+    x = torch.randn(2, 5, 16, dtype=DOUBLE)
+    torch.testing.assert_close(from_torch(twin)(x), module(x, x, x)[0])
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_queries_and_keys_are_not_hidden(bad):
+    gen = torch.Generator().manual_seed(9)
+    q, k, v = torch.randn(3, 1, 2, 4, 8, generator=gen).unbind(0)
+    q[0, 1, 2, 3], k[0, 0, 1, 0] = bad, bad  # query 2 of head 1; key 1 of head 0
+    mask = torch.ones(4, 4, dtype=torch.bool).tril()
+    out, w = attend(q, k, v, mask)
+    scores = (q.double() @ k.double().transpose(-2, -1) / 8**0.5).masked_fill(~mask, -torch.inf)
+    reference = scores.softmax(-1)  # the formula, with -inf where the mask forbids
+    assert torch.equal(w.isnan(), reference.isnan()) and w.isnan().any()
+    assert torch.equal(out.isnan(), (reference @ v.double()).isnan())
+    if bad != bad:  # NaN: wherever it was read, and only there
+        assert w[0, 0, 1:].isnan().all() and w[0, 1, 2].isnan().all()
+        assert w[0, 0, 0].isfinite().all() and w[0, 1, [0, 1, 3]].isfinite().all()
+
+
+def test_runs_on_a_device_without_autocast():
+    # The meta device (shapes only, no data) has no autocast: asking whether it is on must not fail.
+    mha = MultiHeadAttention(16, 4).to("meta")
+    x = torch.empty(2, 5, 16, device="meta")
+    assert mha(x, is_causal=True).shape == (2, 5, 16)

@@ -114,6 +114,32 @@ def test_custom_scale_and_large_scores(scale):
     check_against_torch(100, 100, 64, True, torch.float32, seed=2, scale=scale, spread=4.0)
 
 
+@pytest.mark.parametrize("scale", [1e37, -1e37, 2e-38, 0.0])
+def test_extreme_finite_scales_give_the_right_answer(scale):
+    # Near float32's limits the weights are a hard maximum (or minimum), or uniform; the kernels
+    # keep them finite. The largest scale is float32's max / log2(e): beyond it, ValueError.
+    torch.manual_seed(3)
+    q, k, v = (torch.randn(1, 2, n, 16, device=DEVICE) for n in (20, 37, 37))
+    out = flash_attention(q, k, v, causal=True, scale=scale)
+    expected = reference(q.double(), k.double(), v.double(), causal=True, scale=scale)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("tensor", ["q", "k", "v"])
+@pytest.mark.parametrize("bad", [math.nan, math.inf], ids=["nan", "inf"])
+def test_non_finite_input_propagates_as_in_torch(tensor, bad):
+    # A NaN or inf in the input is never turned into a finite answer: the outputs it reaches are
+    # NaN or inf, exactly where PyTorch's are (no mask: PyTorch's NaN also crosses a mask).
+    torch.manual_seed(4)
+    qkv = {name: torch.randn(1, 2, 40, 16, device=DEVICE) for name in "qkv"}
+    qkv[tensor][0, 1, 7, 3] = bad
+    out = flash_attention(**qkv, causal=False)
+    expected = reference(*qkv.values())
+    finite = expected.isfinite()
+    assert not finite.all() and torch.equal(out.isfinite(), finite)
+    torch.testing.assert_close(out[finite], expected[finite], rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_batch_and_heads(seed):
     torch.manual_seed(seed)
@@ -184,8 +210,10 @@ BAD_INPUTS = {
     "v-5d": (dict(v=t(1, 1, 2, 8, 16)), ValueError, "v must have 4 dimensions"),
     "q-float64": (dict(q=t(1, 2, 8, 16, dtype=torch.float64)), TypeError,
                   "q has dtype torch.float64"),
-    "k-int64": (dict(k=t(1, 2, 8, 16, dtype=torch.int64)), TypeError, "k has dtype torch.int64"),
-    "v-bool": (dict(v=t(1, 2, 8, 16, dtype=torch.bool)), TypeError, "v has dtype torch.bool"),
+    "k-int64": (dict(k=t(1, 2, 8, 16, dtype=torch.int64)), TypeError,
+                "k must be a floating-point tensor, got dtype torch.int64"),
+    "v-bool": (dict(v=t(1, 2, 8, 16, dtype=torch.bool)), TypeError,
+               "v must be a floating-point tensor, got dtype torch.bool"),
     "mixed-dtypes": (dict(k=t(1, 2, 8, 16, dtype=torch.float16)), TypeError,
                      "one dtype, got torch.float32, torch.float16"),
     "head-dim-48": (dict(q=t(1, 2, 8, 48), k=t(1, 2, 8, 48), v=t(1, 2, 8, 48)), ValueError,
@@ -203,12 +231,17 @@ BAD_INPUTS = {
     "q-empty": (dict(q=t(1, 2, 0, 16)), ValueError, r"q must not be empty.*\(1, 2, 0, 16\)"),
     "k-empty": (dict(k=t(1, 2, 0, 16), v=t(1, 2, 0, 16)), ValueError, "k must not be empty"),
     "batch-empty": (dict(q=t(0, 2, 8, 16)), ValueError, "q must not be empty"),
-    "causal-int": (dict(causal=1), TypeError, "causal must be True or False, got 1"),
-    "causal-str": (dict(causal="yes"), TypeError, "causal must be True or False, got 'yes'"),
-    "scale-str": (dict(scale="0.5"), TypeError, "scale must be a real number or None, got '0.5'"),
-    "scale-bool": (dict(scale=True), TypeError, "scale must be a real number or None, got True"),
-    "scale-nan": (dict(scale=math.nan), ValueError, "scale must be finite, got nan"),
-    "scale-inf": (dict(scale=math.inf), ValueError, "scale must be finite, got inf"),
+    "causal-int": (dict(causal=1), TypeError, "causal must be True or False, got causal=1"),
+    "causal-str": (dict(causal="yes"), TypeError,
+                   "causal must be True or False, got causal='yes'"),
+    "scale-str": (dict(scale="0.5"), TypeError, "scale must be a real number, got scale='0.5'"),
+    "scale-bool": (dict(scale=True), TypeError, "scale must be a real number, got scale=True"),
+    "scale-nan": (dict(scale=math.nan), ValueError, "scale must be a finite number.*got scale=nan"),
+    "scale-inf": (dict(scale=math.inf), ValueError, "scale must be a finite number.*got scale=inf"),
+    # scale * log2(e) would overflow float32 inside the kernels: every output was NaN
+    "scale-3e38": (dict(scale=3e38), ValueError, r"scale must be at most 2.359e\+38 in size.*"
+                   r"got scale=3e\+38"),
+    "scale-minus-3e38": (dict(scale=-3e38), ValueError, "scale must be at most"),
 }
 if torch.cuda.is_available():
     BAD_INPUTS["mixed-devices"] = (dict(k=t(1, 2, 8, 16, device="cpu")), ValueError,

@@ -248,10 +248,10 @@ BAD_INPUTS = [
     (causal_mask, (True,), {}, TypeError, "q_len.*True"),
     (causal_mask, (3, 2.5), {}, TypeError, "k_len.*2.5"),
     (causal_mask, (torch.tensor(2.0),), {}, TypeError, "q_len"),
-    (padding_mask, ([3, -1, 2],), {}, ValueError, r"lengths.*\[-1\]"),
-    (padding_mask, ([3, 7],), {"max_len": 5}, ValueError, r"lengths \[7\].*max_len = 5"),
+    (padding_mask, ([3, -1, 2],), {}, ValueError, r"lengths\[1\].*-1"),
+    (padding_mask, ([3, 7],), {"max_len": 5}, ValueError, "max_len must be at least 7, got max_len=5"),
     (padding_mask, ([2.5, 3],), {}, TypeError, r"lengths\[0\].*2.5"),
-    (padding_mask, (torch.tensor([1.0, 2.0]),), {}, TypeError, "lengths.*float32"),
+    (padding_mask, (torch.tensor([1.0, 2.0]),), {}, TypeError, "lengths.*float"),
     (padding_mask, (torch.tensor([True]),), {}, TypeError, "lengths.*bool"),
     (padding_mask, (torch.tensor([[1, 2]]),), {}, ValueError, r"lengths.*\(1, 2\)"),
     (padding_mask, (3,), {}, TypeError, "lengths.*3"),
@@ -278,3 +278,28 @@ BAD_INPUTS = [
 def test_bad_input_names_the_argument(function, args, kwargs, error, message):
     with pytest.raises(error, match=message):
         function(*args, **kwargs)
+
+
+# Issue 12: one way to check arguments -----------------------------------------------------
+
+
+@pytest.mark.parametrize("call", [
+    lambda device: causal_mask(3, device=device),
+    lambda device: padding_mask([2, 1], device=device),
+    lambda device: attention_mask(q_len=2, device=device),
+    lambda device: attention_mask(padding_mask([2, 1]), device=device),
+])
+def test_a_bad_device_is_named(call):
+    with pytest.raises(ValueError, match=r"device must name a device.*device='tpu:x'"):
+        call("tpu:x")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match=r"device='cuda', but this machine has no CUDA GPU"):
+            call("cuda")
+    assert call(torch.device("cpu")).device.type == "cpu"
+
+
+def test_masks_check_lengths_with_the_conventions():
+    import attnbook.masks
+    from attnbook import conventions
+
+    assert attnbook.masks.check_int is conventions.check_int  # not an int check of its own

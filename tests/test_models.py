@@ -15,3 +15,10 @@ def test_models_are_the_chapters_own_classes():
     assert sorted(attnbook.models.__all__) == [
         "BERT", "BERTConfig", "EncoderDecoder", "EncoderDecoderConfig", "GPT", "GPTConfig",
     ]
+
+
+def test_models_has_its_own_description():
+    """It was described by chapter 9's title, "Encoder-decoder: the original Transformer."."""
+    first_line = attnbook.models.__doc__.splitlines()[0]
+    assert first_line != attnbook.encdec.__doc__.splitlines()[0]
+    assert all(name in first_line for name in ("BERT", "GPT", "encoder-decoder"))

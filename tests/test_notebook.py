@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from attnbook.notebook import glue, significant
+from attnbook.notebook import glue, median_seconds, significant
 
 
 @pytest.mark.parametrize("value, digits", [(0.017515176143916008, 4), (4.291691890436166, 3),
@@ -51,3 +51,30 @@ def test_glue_does_nothing_without_myst_nb(monkeypatch):
 def test_glue_refuses_to_round_what_is_not_a_number():
     with pytest.raises(TypeError, match="ratio='high'"):
         glue("ratio", "high", digits=2)
+
+
+def test_median_seconds_warms_up_batches_and_times_every_call_in_turns():
+    order, syncs = [], []
+    calls = [lambda: order.append("a"), lambda: order.append("b")]
+    times = median_seconds(*calls, repeats=3, batch_seconds=1e-4,
+                           synchronize=lambda: syncs.append(1))
+    assert len(times) == 2 and all(t > 0 for t in times)
+    assert order[:2] == ["a", "b"]  # each warmed up once, then timed
+    assert order.count("a") >= 1 + 1 + 3 and order.count("b") >= 1 + 1 + 3
+    # in turns: every batch of one call is followed by a batch of the other
+    runs = [k for i, k in enumerate(order) if i == 0 or order[i - 1] != k]
+    assert runs == ["a", "b"] * (len(runs) // 2)
+    assert len(syncs) == 2 * (2 + 2 * 3)  # before and after every timed batch
+
+
+@pytest.mark.parametrize("kwargs, error, text", [
+    ({"repeats": 0}, ValueError, "repeats must be at least 1, got repeats=0"),
+    ({"repeats": True}, TypeError, "repeats must be an int"),
+    ({"batch_seconds": 0.0}, ValueError, "batch_seconds must be a finite number in"),
+    ({"batch_seconds": math.nan}, ValueError, "batch_seconds=nan"),
+])
+def test_median_seconds_names_a_bad_setting(kwargs, error, text):
+    with pytest.raises(error, match=text):
+        median_seconds(lambda: None, **kwargs)
+    with pytest.raises(TypeError, match="median_seconds times callables"):
+        median_seconds("not a function")

@@ -221,7 +221,7 @@ def test_the_package_index_describes_each_module_as_its_docstring_does():
     files = tangler.package_files(tangler.read_chapters())
     init = files.pop("code/attnbook/__init__.py")
     for path, source in files.items():
-        first = source.split('"""')[1].splitlines()[0]
+        first = " ".join(source.split('"""')[1].split("\n\n")[0].split())
         listed = init.split(f"- attnbook.{Path(path).stem} (")[1].split('"""')[0].split("\n- ")[0]
         assert " ".join(listed.split()[1:]) == first, path
 

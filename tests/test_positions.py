@@ -233,7 +233,7 @@ def test_rope_gradients_flow():
     (dict(x=torch.ones(4, 8), positions=torch.ones(4, dtype=torch.bool)), TypeError, "positions"),
     (dict(x=torch.ones(4, 8), base=float("inf")), ValueError, "base"),
     (dict(x=torch.ones(4, 8), base=float("nan")), ValueError, "base"),
-    (dict(x=torch.ones(4, 8), base=True), ValueError, "base"),
+    (dict(x=torch.ones(4, 8), base=True), TypeError, "base"),  # a bool is no number
     (dict(x=torch.ones(4, 8), base=np.float32(-3.0)), ValueError, "base"),
 ])
 def test_rope_bad_input(kwargs, error, name):
@@ -362,3 +362,31 @@ def test_alibi_floating_dtypes(dtype):
     assert slopes.dtype == dtype
     torch.testing.assert_close(slopes.double(), alibi_slopes(8, dtype=torch.float64),
                                rtol=1e-2, atol=0)
+
+
+# ---------------------------------------------------------------- issue 12
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_alibi_bias_low_precision_is_computed_in_float32(dtype):
+    # Far keys: a float16 distance past 65,504 is inf, which would silently mask the key.
+    bias = alibi_bias(8, 1, 70_000, dtype=dtype)
+    exact = alibi_bias(8, 1, 70_000, dtype=torch.float64)
+    assert bias.dtype == dtype and torch.isfinite(bias).all()
+    torch.testing.assert_close(bias, exact.to(dtype), rtol=0, atol=0)  # one rounding, at the end
+    assert abs(float(bias[-1, 0, 0]) + 69_999 / 256) < 1  # about -273.4, not -inf
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA GPU")
+@pytest.mark.parametrize("call", [lambda: alibi_slopes(4, device="cuda"),
+                                  lambda: alibi_bias(4, 3, device="cuda")])
+def test_alibi_device_without_a_gpu_is_a_clear_error(call):
+    with pytest.raises(ValueError, match="device='cuda', but this machine has no CUDA GPU"):
+        call()
+
+
+def test_alibi_device_is_checked_and_kept():
+    assert alibi_bias(2, 3, device="cpu").device.type == "cpu"
+    assert alibi_slopes(2, device=torch.device("cpu")).device.type == "cpu"
+    with pytest.raises(ValueError, match="device must name a device"):
+        alibi_slopes(2, device="tpu:x")

@@ -188,21 +188,22 @@ def test_unscaled_gradient_at_256_is_much_smaller():
 # --- bad input -----------------------------------------------------------------------------
 
 BAD_ARGUMENTS = [
-    (dict(d=0), ValueError, "d must be at least 1, got 0"),
-    (dict(d=-3), ValueError, "d must be at least 1, got -3"),
-    (dict(d=2.5), TypeError, "d must be an integer, got 2.5"),
-    (dict(d=4.0), TypeError, "d must be an integer, got 4.0"),
-    (dict(d="4"), TypeError, "d must be an integer, got '4'"),
-    (dict(d=True), TypeError, "d must be an integer, got True"),
-    (dict(d=None), TypeError, "d must be an integer, got None"),
-    (dict(d=4, num_keys=0), ValueError, "num_keys must be at least 1, got 0"),
-    (dict(d=4, num_keys=2.0), TypeError, "num_keys must be an integer, got 2.0"),
-    (dict(d=4, trials=0), ValueError, "trials must be at least 1, got 0"),
-    (dict(d=4, trials=1e4), TypeError, "trials must be an integer, got 10000.0"),
-    (dict(d=4, scaled="yes"), TypeError, "scaled must be True or False, got 'yes'"),
-    (dict(d=4, scaled=1), TypeError, "scaled must be True or False, got 1"),
-    (dict(d=4, seed=-1), ValueError, "seed must be at least 0, got -1"),
-    (dict(d=4, seed=0.5), TypeError, "seed must be an integer, got 0.5"),
+    (dict(d=0), ValueError, "d must be at least 1, got d=0"),
+    (dict(d=-3), ValueError, "d must be at least 1, got d=-3"),
+    (dict(d=2.5), TypeError, "d must be an int, got d=2.5 of type float"),
+    (dict(d=4.0), TypeError, "d must be an int, got d=4.0 of type float"),
+    (dict(d="4"), TypeError, "d must be an int, got d='4' of type str"),
+    (dict(d=True), TypeError, "d must be an int, got d=True of type bool"),
+    (dict(d=None), TypeError, "d must be an int, got d=None of type NoneType"),
+    (dict(d=4, num_keys=0), ValueError, "num_keys must be at least 1, got num_keys=0"),
+    (dict(d=4, num_keys=2.0), TypeError, "num_keys must be an int, got num_keys=2.0 of type float"),
+    (dict(d=4, trials=0), ValueError, "trials must be at least 1, got trials=0"),
+    (dict(d=4, trials=1e4), TypeError, "trials must be an int, got trials=10000.0 of type float"),
+    (dict(d=4, scaled="yes"), TypeError,
+     "scaled must be True or False, got scaled='yes' of type str"),
+    (dict(d=4, scaled=1), TypeError, "scaled must be True or False, got scaled=1 of type int"),
+    (dict(d=4, seed=-1), ValueError, "seed must be at least 0, got seed=-1"),
+    (dict(d=4, seed=0.5), TypeError, "seed must be an int, got seed=0.5 of type float"),
 ]
 
 
@@ -216,10 +217,19 @@ def test_bad_arguments_name_themselves(function, kwargs, error, message):
 @pytest.mark.parametrize("scores, error, match", [
     (np.float64(1.0), ValueError, r"scores must have shape \(\.\.\., n\).*got shape \(\)"),
     (np.zeros((3, 0)), ValueError, r"scores must have shape .* got shape \(3, 0\)"),
-    (np.array(["a", "b"]), TypeError, "scores must hold real numbers, got dtype <U1"),
-    (np.array([1 + 2j]), TypeError, "scores must hold real numbers, got dtype complex128"),
-    (np.array([True, False]), TypeError, "scores must hold real numbers, got dtype bool"),
+    (np.array(["a", "b"]), TypeError, "scores must hold real numbers, got scores of dtype <U1"),
+    (np.array([1 + 2j]), TypeError,
+     "scores must hold real numbers, got scores of dtype complex128"),
+    (np.array([True, False]), TypeError, "scores must hold real numbers, got scores of dtype bool"),
 ])
 def test_softmax_jacobian_bad_input(scores, error, match):
     with pytest.raises(error, match=match):
         softmax_jacobian(scores)
+
+
+def test_softmax_jacobian_of_non_finite_scores_is_nan_not_zero():
+    # issue 12: a NaN or inf score is an error upstream, not a masked key: it must show
+    with np.errstate(invalid="ignore"):
+        for row in ([np.nan, 1.0, 2.0], [np.inf, 1.0, 2.0]):
+            assert np.isnan(softmax_jacobian(np.array(row))).all()
+    assert not np.isnan(softmax_jacobian(np.array([-np.inf, 1.0]))).any()  # masked: zeros

@@ -193,7 +193,7 @@ def module_source(chapter: Chapter, module: str, cells: list[ExportCell]) -> str
     """One module: its header, a one-line docstring, `__all__`, then each cell behind a marker
     naming its chapter and section."""
     docstring = (
-        f'"""{chapter.description(module)}\n\n'
+        f'"""{textwrap.fill(chapter.description(module), 96)}\n\n'
         f"Built and explained in the book's chapter {chapter.relpath}.\n"
         '"""\n'
     )

@@ -4,23 +4,48 @@
 
 Modules, in the order the book builds them:
 
-- attnbook.attention: Queries, keys and values (chapters/01-queries-keys-values.md)
-- attnbook.scaling: Why divide by √d (chapters/02-scaling.md)
-- attnbook.heads: Heads split the width (chapters/03-heads.md)
-- attnbook.positions: Where am I? Positions (chapters/04-positions.md)
-- attnbook.masks: Masks (chapters/05-masks.md)
-- attnbook.blocks: The Transformer block (chapters/06-blocks.md)
-- attnbook.bert: Encoder-only: BERT (chapters/07-bert.md)
-- attnbook.corpus: Encoder-only: BERT (chapters/07-bert.md)
-- attnbook.gpt: Decoder-only: GPT (chapters/08-gpt.md)
-- attnbook.encdec: Encoder-decoder: the original Transformer (chapters/09-encoder-decoder.md)
-- attnbook.models: Encoder-decoder: the original Transformer (chapters/09-encoder-decoder.md)
-- attnbook.cost: The cost of attention (chapters/10-cost.md)
-- attnbook.tiling: Tiling and online softmax (chapters/11-tiling.md)
-- attnbook.kernels: A FlashAttention kernel in Triton (chapters/12-flash-attention-triton.md)
-- attnbook.compile_check: A FlashAttention kernel in Triton (chapters/12-flash-attention-triton.md)
-- attnbook.conventions: Appendix: the package's conventions (chapters/a1-conventions.md)
-- attnbook.notebook: Appendix: the package's conventions (chapters/a1-conventions.md)
+- attnbook.attention (chapters/01-queries-keys-values.md):
+  Scaled dot-product attention in NumPy: a softmax that cannot overflow, masks, and the shape
+  check of Q, K and V.
+- attnbook.scaling (chapters/02-scaling.md):
+  Why scores are divided by the square root of d: random scores, the softmax's peak and its
+  Jacobian.
+- attnbook.heads (chapters/03-heads.md):
+  Multi-head attention in PyTorch: the attention core, shared key/value heads, one layer's KV
+  cache, and a copy of torch.nn.MultiheadAttention.
+- attnbook.positions (chapters/04-positions.md):
+  Positions: sinusoidal encodings, rotary embeddings (RoPE) and ALiBi biases.
+- attnbook.masks (chapters/05-masks.md):
+  Boolean attention masks: causal, padding, and both combined.
+- attnbook.blocks (chapters/06-blocks.md):
+  The Transformer block: the feed-forward network, RMSNorm, pre- and post-norm residuals, and a
+  copy of torch.nn.TransformerEncoderLayer.
+- attnbook.bert (chapters/07-bert.md):
+  An encoder-only model, BERT: embeddings, the masked-language-model head, token masking, and
+  Hugging Face BERT weights.
+- attnbook.corpus (chapters/07-bert.md):
+  The book's training text: a fixed snapshot of the Python documentation's topics.
+- attnbook.gpt (chapters/08-gpt.md):
+  A decoder-only model, GPT: generation with a KV cache, GPT-2's weights, and a character
+  tokenizer.
+- attnbook.encdec (chapters/09-encoder-decoder.md):
+  The original Transformer's encoder-decoder, with greedy decoding.
+- attnbook.models (chapters/09-encoder-decoder.md):
+  The book's three models, BERT, GPT and the encoder-decoder, in one place.
+- attnbook.cost (chapters/10-cost.md):
+  What attention costs: operations, time, the memory of the scores, of saved tensors and of the
+  KV cache.
+- attnbook.tiling (chapters/11-tiling.md):
+  FlashAttention's algorithm in NumPy: the online softmax and attention computed tile by tile.
+- attnbook.kernels (chapters/12-flash-attention-triton.md):
+  FlashAttention in Triton: the forward and backward kernels, and flash_attention for PyTorch
+  tensors.
+- attnbook.compile_check (chapters/12-flash-attention-triton.md):
+  Compile the kernels of chapter 12 for a GPU that need not be present, and read what they use.
+- attnbook.conventions (chapters/a1-conventions.md):
+  The package's argument checks: one error policy, one check per concept.
+- attnbook.notebook (chapters/a1-conventions.md):
+  What a chapter uses to run as a notebook: numbers glued into the prose, and timings.
 """
 
 import importlib

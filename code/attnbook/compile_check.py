@@ -5,6 +5,19 @@
 Built and explained in the book's chapter chapters/12-flash-attention-triton.md.
 """
 
+__all__ = [
+    "GPUS",
+    "SHARED_MEMORY",
+    "KERNELS",
+    "DTYPES",
+    "Compiled",
+    "SIGNATURES",
+    "compile_kernels",
+    "choose_tiles",
+    "largest_tiles",
+]
+
+# chapters/12-flash-attention-triton.md, "What the compiler makes of it"
 import contextlib
 import io
 import json
@@ -12,7 +25,10 @@ import os
 import re
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
+
+from attnbook.conventions import check_bool, check_choice, check_int  # noqa: F811 (notebook)
 
 # The GPUs the book cares about, by the compute capability Triton compiles for: Colab's free T4,
 # and the A100 and H100 of the FlashAttention papers. Shared memory: the most one program may
@@ -43,49 +59,47 @@ class Compiled:
         return self.shared_bytes <= SHARED_MEMORY[self.gpu]
 
 
-def _typical_argument(name: str, length: int, head_dim: int):
-    # The value a kernel parameter takes in a typical launch, read from the chapter's naming:
-    # tensors are upper-case (H is the number of heads), strides are s<tensor><axis> with axis b,
-    # h, m or n, d, of contiguous (B, H, L, D) tensors with H = 4; lengths are L, Lq and Lk.
-    if name in ("qk_scale", "scale"):
-        return 0.125
-    if name == "H":
-        return 4
-    if name in ("L", "Lq", "Lk"):
-        return length
-    if name.startswith("s") and len(name) == 3:
-        return {"b": 4 * length * head_dim, "h": length * head_dim, "m": head_dim,
-                "n": head_dim, "d": 1}[name[-1]]
-    raise ValueError(f"no typical value for kernel parameter {name!r}")
+# chapters/12-flash-attention-triton.md, "What the compiler makes of it"
+# Each kernel's parameters, in order, with their types in a typical launch (contiguous (B, H,
+# 1024, D) tensors), as Triton's launcher specialises them: "*T" points to the inputs' dtype;
+# "i32/16" is an integer that is a multiple of 16 (a length, a stride along batch, heads or rows);
+# "1" is an integer equal to 1 (the stride along D), which becomes a constant; "i32" is any
+# integer (the number of heads), "fp32" a float and "constexpr" a compile-time constant.
+_META = "CAUSAL:constexpr BLOCK_M:constexpr BLOCK_N:constexpr HEAD_DIM:constexpr"
+_BACKWARD = """Q:*T K:*T V:*T DO:*T LSE:*fp32 DELTA:*fp32
+    stride_qb:i32/16 stride_qh:i32/16 stride_qm:i32/16 stride_qd:1
+    stride_kb:i32/16 stride_kh:i32/16 stride_kn:i32/16 stride_kd:1
+    stride_vb:i32/16 stride_vh:i32/16 stride_vn:i32/16 stride_vd:1
+    stride_dob:i32/16 stride_doh:i32/16 stride_dom:i32/16 stride_dod:1
+    H:i32 Lq:i32/16 Lk:i32/16 qk_scale:fp32 scale:fp32"""
+SIGNATURES = {kernel: dict(p.split(":") for p in spec.split()) for kernel, spec in {
+    "forward": f"""Q:*T K:*T V:*T O:*T LSE:*fp32
+        stride_qb:i32/16 stride_qh:i32/16 stride_qm:i32/16 stride_qd:1
+        stride_kb:i32/16 stride_kh:i32/16 stride_kn:i32/16 stride_kd:1
+        stride_vb:i32/16 stride_vh:i32/16 stride_vn:i32/16 stride_vd:1
+        stride_ob:i32/16 stride_oh:i32/16 stride_om:i32/16 stride_od:1
+        H:i32 Lq:i32/16 Lk:i32/16 qk_scale:fp32 {_META}""",
+    "dkdv": f"""{_BACKWARD} DK:*T DV:*T
+        stride_dkb:i32/16 stride_dkh:i32/16 stride_dkn:i32/16 stride_dkd:1 {_META}""",
+    "dq": f"""{_BACKWARD} DQ:*T
+        stride_dqb:i32/16 stride_dqh:i32/16 stride_dqm:i32/16 stride_dqd:1 {_META}""",
+}.items()}
 
 
-def _signature(fn, dtype: str, head_dim: int, length: int = 1024):
-    # Triton's signature of `fn` as its launcher would specialise it for a typical call: a 1
-    # becomes a constant, and pointers and integers that are multiples of 16 are marked as such
-    # (the compiler may then load 16 bytes at a time).
+def _signature(kernel: str, dtype: str) -> tuple[dict, dict, dict]:
+    # Triton's signature, constants and attributes of `kernel` for the typical call above.
     signature, constants, attrs = {}, {}, {}
-    for index, name in enumerate(fn.arg_names):
-        if fn.params[index].is_constexpr:
-            signature[name] = "constexpr"
-            continue
-        if name in ("LSE", "DELTA"):
-            signature[name], aligned = "*fp32", True
-        elif name.isupper() and name != "H":
-            signature[name], aligned = "*" + DTYPES[dtype], True
-        else:
-            value = _typical_argument(name, length, head_dim)
-            if isinstance(value, float):
-                signature[name], aligned = "fp32", False
-            elif value == 1:
-                signature[name], constants[name] = "constexpr", 1
-                continue
-            else:
-                signature[name], aligned = "i32", value % 16 == 0
-        if aligned:
+    for index, (name, kind) in enumerate(SIGNATURES[kernel].items()):
+        signature[name] = {"*T": "*" + DTYPES[dtype], "1": "constexpr"}.get(kind,
+                                                                           kind.removesuffix("/16"))
+        if kind == "1":
+            constants[name] = 1
+        elif kind.startswith("*") or kind.endswith("/16"):  # PyTorch allocates 16-byte aligned
             attrs[(index,)] = [["tt.divisibility", 16]]
     return signature, constants, attrs
 
 
+# chapters/12-flash-attention-triton.md, "What the compiler makes of it"
 def _ptxas_usage(log: str) -> tuple[int, int]:
     # Registers per thread and bytes spilled, from the report of ptxas, NVIDIA's assembler, which
     # Triton runs to turn the kernel's PTX into machine code (TRITON_DUMP_PTXAS_LOG prints it).
@@ -109,81 +123,84 @@ def _compile_here(kernel: str, gpu: str, dtype: str, head_dim: int, causal: bool
     if kernels.INTERPRETED:
         raise RuntimeError("the kernels were imported in interpreted mode: compile_kernels "
                            "compiles them in a fresh Python with TRITON_INTERPRET=0")
-    fn = getattr(kernels, f"_{kernel}_kernel")
-    if block is None:
-        block = kernels._tile_rows(kernel, head_dim, getattr(torch, dtype).itemsize)
-    signature, constants, attrs = _signature(fn, dtype, head_dim)
+    block = block or kernels.TILE_ROWS[kernel, getattr(torch, dtype).itemsize][head_dim]
+    signature, constants, attrs = _signature(kernel, dtype)
     constants.update(CAUSAL=causal, BLOCK_M=block, BLOCK_N=block, HEAD_DIM=head_dim)
     log = io.StringIO()
     with contextlib.redirect_stdout(log):
         compiled = triton.compile(
-            ASTSource(fn, signature, constants, attrs), target=GPUTarget("cuda", GPUS[gpu], 32),
-            options={"num_warps": kernels._NUM_WARPS, "num_stages": kernels._NUM_STAGES})
+            ASTSource(kernels.TRITON_KERNELS[kernel], signature, constants, attrs),
+            target=GPUTarget("cuda", GPUS[gpu], 32),
+            options={"num_warps": kernels.NUM_WARPS, "num_stages": kernels.NUM_STAGES})
     registers, spills = _ptxas_usage(log.getvalue())
     tensor_cores = re.search(r"\b(wgmma\.mma_async|mma\.sync)", compiled.asm["ptx"]) is not None
     return Compiled(kernel, gpu, dtype, head_dim, causal, block, compiled.metadata.shared,
                     registers, spills, tensor_cores)
 
 
+# chapters/12-flash-attention-triton.md, "What the compiler makes of it"
 def compile_kernels(requests: list[dict], workers: int | None = None) -> list[Compiled]:
     """Compile chapter 12's kernels ahead of time, no GPU needed, and report their resources.
 
     Each request names `kernel` ("forward", "dkdv" or "dq"), `gpu` (a key of GPUS), `dtype`
     ("float16", "bfloat16" or "float32") and `head_dim`, and optionally `causal` (default True)
-    and `block` (default: the tile the launcher picks). The compiler runs in fresh Python
-    processes with TRITON_INTERPRET=0, so this works from a notebook that interprets the kernels.
+    and `block` (default: the tile the launcher picks). The compiler runs in up to `workers`
+    (at most 4) fresh Python processes with TRITON_INTERPRET=0, so this works from a notebook
+    that interprets the kernels.
     """
-    for request in requests:
-        _check_request(request)
-    if not requests:
-        return []
-    workers = max(1, min(workers or os.cpu_count() or 1, len(requests), 4))
+    requests = [_checked(request) for request in requests]
+    workers = (os.cpu_count() or 1) if workers is None else check_int("workers", workers, 1)
+    n = min(workers, len(requests), 4)  # processes, each compiling every n-th request
+    chunks = [requests[i::n] for i in range(n)]
     # Compiled mode; compile even what Triton has cached, so that ptxas runs and reports.
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_ALWAYS_COMPILE": "1",
            "TRITON_DUMP_PTXAS_LOG": "1", "TRITON_DEFAULT_FP_FUSION": "1"}
-    chunks = [requests[i::workers] for i in range(workers)]
-    child = "from attnbook.compile_check import _main; _main()"
-    procs = [subprocess.Popen([sys.executable, "-c", child], env=env,
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for _ in chunks]
-    for proc, chunk in zip(procs, chunks):
-        proc.stdin.write(json.dumps(chunk))
-        proc.stdin.close()
-    results = {}
-    for proc, chunk in zip(procs, chunks):
-        out, err = proc.stdout.read(), proc.stderr.read()
-        if proc.wait() != 0:
-            raise RuntimeError(f"compiling the kernels failed:\n{err[-3000:]}")
-        for request, result in zip(chunk, json.loads(out)):
-            results[id(request)] = Compiled(**result)
-    return [results[id(request)] for request in requests]
+
+    def compile_in_child(chunk: list[dict]) -> list[Compiled]:
+        child = subprocess.run([sys.executable, "-c", _CHILD], input=json.dumps(chunk), env=env,
+                               capture_output=True, text=True)  # reads stdout and stderr at once
+        if child.returncode != 0:
+            raise RuntimeError(f"compiling the kernels failed:\n{child.stderr[-3000:]}")
+        return [Compiled(**result) for result in json.loads(child.stdout)]
+
+    with ThreadPoolExecutor(max(n, 1)) as pool:
+        done = list(pool.map(compile_in_child, chunks))
+    return [done[i % n][i // n] for i in range(len(requests))]
 
 
-def _check_request(request: dict) -> None:
-    known = {"kernel", "gpu", "dtype", "head_dim", "causal", "block"}
-    if not isinstance(request, dict) or not {"kernel", "gpu", "dtype", "head_dim"} <= set(request):
+_CHILD = "from attnbook.compile_check import _main; _main()"
+_KEYS = ("kernel", "gpu", "dtype", "head_dim", "causal", "block")
+_HEAD_DIMS = (16, 32, 64, 128)
+
+
+def _checked(request: dict) -> dict:
+    # The request with its defaults, checked here, since the child process takes it as it is.
+    if not isinstance(request, dict) or not set(_KEYS[:4]) <= set(request):
         raise ValueError(f"a request must be a dict with kernel, gpu, dtype and head_dim, got "
                          f"{request!r}")
-    if set(request) - known:
-        raise ValueError(f"unknown request keys {sorted(set(request) - known)}, known: "
-                         f"{sorted(known)}")
-    for key, allowed in (("kernel", KERNELS), ("gpu", tuple(GPUS)), ("dtype", tuple(DTYPES)),
-                         ("head_dim", (16, 32, 64, 128))):
-        if request[key] not in allowed:
-            raise ValueError(f"request {key} must be one of {allowed}, got {request[key]!r}")
-    if request.get("block") not in (None, 16, 32, 64, 128):
-        raise ValueError("request block must be None (the launcher's), 16, 32, 64 or 128, got "
-                         f"{request['block']!r}")
+    if set(request) - set(_KEYS):
+        raise ValueError(f"unknown request keys {sorted(set(request) - set(_KEYS))}, known: "
+                         f"{list(_KEYS)}")
+    r = {"causal": True, "block": None, **request}
+    for key, allowed in (("kernel", KERNELS), ("gpu", GPUS), ("dtype", DTYPES)):
+        check_choice(f"request {key}", r[key], allowed)
+    r["causal"] = check_bool("request causal", r["causal"])
+    r["head_dim"] = check_int("request head_dim", r["head_dim"])
+    if r["head_dim"] not in _HEAD_DIMS:
+        raise ValueError(f"request head_dim must be one of {_HEAD_DIMS}, got {r['head_dim']!r}")
+    r["block"] = None if r["block"] is None else check_int("request block", r["block"])
+    if r["block"] not in (None, *_HEAD_DIMS):
+        raise ValueError(f"request block must be None (the launcher's tile) or one of "
+                         f"{_HEAD_DIMS}, got {r['block']!r}")
+    return r
 
 
 def _main() -> None:
     # Child process: JSON requests on stdin, JSON results on stdout.
-    requests = json.load(sys.stdin)
-    results = [_compile_here(r["kernel"], r["gpu"], r["dtype"], r["head_dim"],
-                             r.get("causal", True), r.get("block")) for r in requests]
-    json.dump([asdict(r) for r in results], sys.stdout)
+    json.dump([asdict(_compile_here(**r)) for r in json.load(sys.stdin)], sys.stdout)
 
 
+# chapters/12-flash-attention-triton.md, "What the compiler makes of it"
 def choose_tiles(compiled: list[Compiled]) -> dict:
     """The launcher's rule for tile sizes, applied to compiled candidates: {(kernel, head_dim):
     rows}. For each kernel and head dimension, the largest of 64 and 32 rows whose kernel
@@ -203,15 +220,3 @@ def largest_tiles(dtype: str, head_dims=(16, 32, 64, 128), kernels=KERNELS,
     candidates = [dict(kernel=k, dtype=dtype, head_dim=d, block=b, gpu=g)
                   for k in kernels for d in head_dims for b in (64, 32) for g in GPUS]
     return choose_tiles(compile_kernels(candidates, workers))
-
-
-__all__ = [
-    "GPUS",
-    "SHARED_MEMORY",
-    "KERNELS",
-    "DTYPES",
-    "Compiled",
-    "compile_kernels",
-    "choose_tiles",
-    "largest_tiles",
-]

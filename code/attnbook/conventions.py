@@ -5,8 +5,25 @@
 Built and explained in the book's chapter chapters/a1-conventions.md.
 """
 
+__all__ = [
+    "check_int",
+    "check_bool",
+    "check_real",
+    "check_probability",
+    "check_positive",
+    "check_scale",
+    "check_choice",
+    "check_device",
+    "check_token_ids",
+    "check_array",
+    "check_tensor",
+    "compute_dtype",
+]
+
+# chapters/a1-conventions.md, "One way to check an argument"
 import math
 import numbers
+import operator
 from collections.abc import Collection
 
 import numpy as np
@@ -18,12 +35,17 @@ def _type_error(name: str, value, wanted: str) -> TypeError:
 
 
 def check_int(name: str, value, minimum: int | None = None) -> int:
-    """`value` as a Python int of at least `minimum`: not a bool, a float or a string."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
-        raise _type_error(name, value, "an int")
-    if minimum is not None and value < minimum:
+    """`value` as a Python int of at least `minimum`: not a bool, a float or a string. Whatever
+    Python can use as an index counts, such as np.int64(3) or a 0-d integer tensor."""
+    try:
+        if isinstance(value, (bool, np.bool_)) or getattr(value, "dtype", None) == torch.bool:
+            raise TypeError
+        number = operator.index(value)
+    except TypeError:
+        raise _type_error(name, value, "an int") from None
+    if minimum is not None and number < minimum:
         raise ValueError(f"{name} must be at least {minimum}, got {name}={value!r}")
-    return int(value)
+    return number
 
 
 def check_bool(name: str, value) -> bool:
@@ -42,8 +64,9 @@ def check_real(name: str, value, low: float = -math.inf, high: float = math.inf,
     above = value > low if open_low else value >= low
     below = value < high if open_high else value <= high
     if not (math.isfinite(value) and above and below):
-        interval = f"{'(' if open_low else '['}{low}, {high}{')' if open_high else ']'}"
-        raise ValueError(f"{name} must be a finite number in {interval}, got {name}={value!r}")
+        interval = f" in {'(' if open_low else '['}{low}, {high}{')' if open_high else ']'}"
+        interval = "" if (low, high) == (-math.inf, math.inf) else interval
+        raise ValueError(f"{name} must be a finite number{interval}, got {name}={value!r}")
     return value
 
 
@@ -69,6 +92,7 @@ def check_choice(name: str, value, choices: Collection[str]) -> str:
     return value
 
 
+# chapters/a1-conventions.md, "One way to check an argument"
 def check_device(name: str, device) -> torch.device:
     """`device` (a string or torch.device) as a torch.device that this machine has."""
     try:
@@ -104,18 +128,20 @@ def check_array(name: str, x, min_ndim: int = 0) -> np.ndarray:
     elif not np.issubdtype(x.dtype, np.floating):
         raise TypeError(f"{name} must hold real numbers, got {name} of dtype {x.dtype}")
     if x.ndim < min_ndim:
-        raise ValueError(f"{name} must have at least {min_ndim} dimensions, got shape {x.shape}")
+        axes = "dimension" if min_ndim == 1 else "dimensions"
+        raise ValueError(f"{name} must have at least {min_ndim} {axes}, got shape {x.shape}")
     return x
 
 
 def check_tensor(name: str, x, ndim: int | tuple[int, ...] | None = None,
-                 size: int | None = None) -> torch.Tensor:
-    """`x`, a floating-point torch.Tensor with `ndim` dimensions (one count or a tuple of them)
-    whose last dimension is `size`; None means any."""
+                 size: int | None = None, dtype: torch.dtype | None = None,
+                 device: torch.device | None = None) -> torch.Tensor:
+    """`x`, a floating-point torch.Tensor with `ndim` dimensions (one count or a tuple of them),
+    a last dimension of `size`, and the given `dtype` and `device`; None means any."""
     if not isinstance(x, torch.Tensor):
         raise _type_error(name, x, "a torch.Tensor")
-    if not x.is_floating_point():
-        raise TypeError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
+    if not x.is_floating_point() or dtype not in (None, x.dtype):
+        raise TypeError(f"{name} must be a {dtype or 'floating-point'} tensor, got dtype {x.dtype}")
     ndims = (ndim,) if isinstance(ndim, int) else ndim
     if ndims is not None and x.dim() not in ndims:
         raise ValueError(f"{name} must have {' or '.join(map(str, ndims))} dimensions, "
@@ -123,6 +149,8 @@ def check_tensor(name: str, x, ndim: int | tuple[int, ...] | None = None,
     if size is not None and (x.dim() == 0 or x.shape[-1] != size):
         raise ValueError(f"{name} must end in a dimension of size {size}, "
                          f"got shape {tuple(x.shape)}")
+    if device is not None and x.device != torch.device(device):
+        raise ValueError(f"{name} must be on device {device}, got {name} on {x.device}")
     return x
 
 
@@ -135,19 +163,3 @@ def compute_dtype(dtype):
         return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
     return np.promote_types(np.dtype(dtype), np.float32) if np.dtype(dtype) == np.float16 \
         else np.dtype(dtype)
-
-
-__all__ = [
-    "check_int",
-    "check_bool",
-    "check_real",
-    "check_probability",
-    "check_positive",
-    "check_scale",
-    "check_choice",
-    "check_device",
-    "check_token_ids",
-    "check_array",
-    "check_tensor",
-    "compute_dtype",
-]

@@ -5,6 +5,14 @@
 Built and explained in the book's chapter chapters/07-bert.md.
 """
 
+__all__ = [
+    "SNAPSHOT",
+    "SNAPSHOT_SHA256",
+    "read_snapshot",
+    "python_topics",
+]
+
+# chapters/07-bert.md, "A vocabulary from the Python documentation"
 import gzip
 import hashlib
 import json
@@ -32,11 +40,3 @@ def python_topics() -> dict[str, str]:
     the same characters on every Python (chapter 7, "A vocabulary from the Python documentation").
     """
     return read_snapshot()["topics"]
-
-
-__all__ = [
-    "SNAPSHOT",
-    "SNAPSHOT_SHA256",
-    "read_snapshot",
-    "python_topics",
-]

@@ -5,11 +5,20 @@
 Built and explained in the book's chapter chapters/a1-conventions.md.
 """
 
+__all__ = [
+    "significant",
+    "glue",
+    "median_seconds",
+]
+
+# chapters/a1-conventions.md, "Numbers in the prose come from the code"
 import math
 import statistics
 import time
 from collections.abc import Callable
 from numbers import Real
+
+from attnbook.conventions import check_int, check_positive  # noqa: F811 (notebook)
 
 
 def significant(value: float, digits: int) -> float:
@@ -18,10 +27,7 @@ def significant(value: float, digits: int) -> float:
     0.017515176143916008 becomes 0.01752 for digits=4. Zero and non-finite values come back
     unchanged: a NaN is never rounded into a number.
     """
-    if isinstance(digits, bool) or not isinstance(digits, int):
-        raise TypeError(f"digits must be an int, got digits={digits!r}")
-    if digits < 1:
-        raise ValueError(f"digits must be at least 1, got digits={digits}")
+    digits = check_int("digits", digits, minimum=1)
     value = float(value)
     if value == 0 or not math.isfinite(value):
         return value
@@ -47,6 +53,7 @@ def glue(name: str, value, *, digits: int | None = None) -> None:
     record(name, value, display=False)
 
 
+# chapters/a1-conventions.md, "Timing a call on a busy machine"
 def median_seconds(*calls: Callable[[], object], repeats: int = 5, batch_seconds: float = 0.05,
                    synchronize: Callable[[], object] | None = None) -> list[float]:
     """The median time of one call of each of `calls`, in seconds (appendix, "Timing a call").
@@ -57,8 +64,8 @@ def median_seconds(*calls: Callable[[], object], repeats: int = 5, batch_seconds
     """
     if not calls or not all(callable(fn) for fn in calls):
         raise TypeError(f"median_seconds times callables, got calls={calls!r}")
-    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-        raise ValueError(f"repeats must be an int of at least 1, got repeats={repeats!r}")
+    repeats = check_int("repeats", repeats, minimum=1)
+    batch_seconds = check_positive("batch_seconds", batch_seconds)
     wait = synchronize or (lambda: None)
 
     def seconds(fn, n: int) -> float:
@@ -74,10 +81,3 @@ def median_seconds(*calls: Callable[[], object], repeats: int = 5, batch_seconds
     batch = [max(1, math.ceil(batch_seconds / max(seconds(fn, 1), 1e-9))) for fn in calls]
     rounds = [[seconds(fn, n) / n for fn, n in zip(calls, batch)] for _ in range(repeats)]
     return [statistics.median(column) for column in zip(*rounds)]
-
-
-__all__ = [
-    "significant",
-    "glue",
-    "median_seconds",
-]
