@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 BOOK_FLAGS := -W -n --keep-going
 export PYTHONHASHSEED := 0
 
-.PHONY: book test test-package test-portable colab-check tangle notebooks check-sync lint pytest site-verified \
+.PHONY: book test test-package test-portable colab-check tangle notebooks check-sync lint lock pytest site-verified \
 	site-check api-reference mathjax venv clean
 VERIFIED := _build/verified
 # MathJax is served by the site itself (no CDN: math is typeset offline). It comes once from the
@@ -21,12 +21,36 @@ SITE ?= $(VERIFIED)/_build/html
 
 venv: $(STAMP)
 
+# The line of requirements.txt that pins a package: $(call locked,torch) is torch==2.13.0.
+locked = $(shell grep -E '^$(1)==' requirements.txt)
+# TORCH_INDEX: an index to take torch from, torch alone and before the lock, for a machine whose
+# pip would otherwise take PyPI's CUDA build (several GB): CI sets the PyTorch CPU index. Empty,
+# pip takes torch where its configuration says (here, the CPU wheel it finds first).
+TORCH_INDEX ?=
+
 $(STAMP): requirements.txt pyproject.toml
 	$(PYTHON_FOR_VENV) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "$(call locked,pip)"
+	$(if $(TORCH_INDEX),$(PY) -m pip install --quiet --no-deps --index-url $(TORCH_INDEX) "$(call locked,torch)")
 	$(PY) -m pip install --quiet -r requirements.txt
 	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
 	touch $@
+
+## lock: compile requirements.in into requirements.txt (uv, against PyPI alone; every pin that still
+## fits is kept, UPGRADE=1 takes the newest). torch's CUDA libraries (nvidia-*, cuda-*) are left
+## out: a CPU install needs none of them, and PyPI's CUDA torch pins its own. requirements.txt is
+## rewritten only if it changes (a new one makes the next make rebuild .venv).
+LOCK_FILE := $(VENV)/requirements.lock
+LOCK := $(VENV)/bin/uv pip compile requirements.in --output-file $(LOCK_FILE) --no-config \
+	--python-version 3.11.7 --python-platform x86_64-manylinux_2_28 --no-emit-index-url \
+	--custom-compile-command "make lock" --quiet $(if $(UPGRADE),--upgrade)
+lock: $(STAMP)
+	cp requirements.txt $(LOCK_FILE)
+	$(LOCK)
+	$(LOCK) $$(sed -n -E 's/^((nvidia|cuda)-[^=]+)==.*/--no-emit-package \1/p' $(LOCK_FILE))
+	@grep -q '^triton==' $(LOCK_FILE) || { echo "make lock: no triton pin in the lock"; exit 1; }
+	@if cmp -s $(LOCK_FILE) requirements.txt; then echo "make lock: requirements.txt unchanged"; \
+	else cp $(LOCK_FILE) requirements.txt && echo "make lock: requirements.txt updated"; fi
 
 ## mathjax: MathJax $(MATHJAX_VERSION) from the npm registry: the TeX-to-HTML bundle, its fonts and the
 ## components it loads on demand (the SVG output and the other bundles are left out)
@@ -64,8 +88,11 @@ book: $(STAMP) $(MATHJAX) api-reference
 check-sync: $(STAMP)
 	$(PY) tools/tangle.py --check
 
+## lint: ruff on the Python, actionlint on the GitHub workflows (its shellcheck and pyflakes checks
+## off: neither is in the lock, so what they find would depend on the machine)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check code tools tests book/_ext notebooks conftest.py
+	$(VENV)/bin/actionlint -shellcheck= -pyflakes= .github/workflows/*.yml
 
 NBVAL := --nbval --nbval-sanitize-with tests/nbval_sanitize.cfg -p no:cacheprovider
 

@@ -142,11 +142,11 @@ def _scores(q, k, rows, cols, Lq, Lk, qk_scale, CAUSAL: tl.constexpr):
 # float32), then head dimension: found by compiling, as explained above.
 TILE_ROWS = {
     ("forward", 2): {16: 64, 32: 64, 64: 64, 128: 64},
-    ("forward", 4): {16: 64, 32: 32, 64: 32, 128: 16},
+    ("forward", 4): {16: 64, 32: 64, 64: 32, 128: 16},
     ("dkdv", 2): {16: 64, 32: 64, 64: 64, 128: 32},
-    ("dkdv", 4): {16: 32, 32: 16, 64: 16, 128: 16},
+    ("dkdv", 4): {16: 64, 32: 32, 64: 16, 128: 16},
     ("dq", 2): {16: 64, 32: 64, 64: 64, 128: 32},
-    ("dq", 4): {16: 64, 32: 32, 64: 32, 128: 32},
+    ("dq", 4): {16: 64, 32: 64, 64: 32, 128: 32},
 }
 NUM_WARPS, NUM_STAGES = 4, 2  # threads per program / 32, and tiles loaded ahead
 _LOG2E = 1.4426950408889634  # exp(x) == exp2(x * log2(e))
