@@ -146,3 +146,52 @@ def test_check_tensor_dtype_and_device():
         c.check_tensor("x", x, dtype=torch.float64)
     with pytest.raises(ValueError, match="x must be on device meta, got x on cpu"):
         c.check_tensor("x", x, device=torch.device("meta"))
+
+
+def test_check_int_maximum():
+    assert c.check_int("pad_id", 0, minimum=0, maximum=0) == 0
+    with pytest.raises(ValueError, match=r"pad_id must be at most 9, got pad_id=10"):
+        c.check_int("pad_id", 10, minimum=0, maximum=9)
+    with pytest.raises(ValueError, match="at least 0"):
+        c.check_int("pad_id", -1, minimum=0, maximum=9)
+
+
+def test_check_instance_and_callable():
+    marker = object()
+    assert c.check_instance("config", marker, object) is marker
+    with pytest.raises(TypeError, match=r"config must be an instance of int or str, got config=\[\] of type list"):
+        c.check_instance("config", [], (int, str))
+    assert c.check_callable("fn", print) is print
+    with pytest.raises(TypeError, match=r"fn must be callable, got fn=3 of type int"):
+        c.check_callable("fn", 3)
+
+
+@pytest.mark.parametrize("shape", [(4,), (1, 4), (3, 1), (1, 3, 4), (2, 1, 3, 1)])
+def test_check_mask_accepts_what_broadcasts(shape):
+    mask = torch.ones(shape, dtype=torch.bool)
+    assert c.check_mask("mask", mask, (2, 1, 3, 4)) is mask
+    torch.broadcast_shapes(mask.shape, (2, 1, 3, 4))  # the rule agrees with PyTorch's
+
+
+@pytest.mark.parametrize("mask, error", [
+    (torch.zeros(3, 4), TypeError),  # a float mask: PyTorch would add it, we refuse it
+    ([[True]], TypeError),
+    (torch.ones(5, dtype=torch.bool), ValueError),
+    (torch.ones(1, 2, 1, 3, 4, dtype=torch.bool), ValueError),
+])
+def test_check_mask_refuses(mask, error):
+    with pytest.raises(error, match="key_mask"):
+        c.check_mask("key_mask", mask, (2, 1, 3, 4))
+    with pytest.raises(ValueError, match="must be on device meta"):
+        c.check_mask("m", torch.ones(4, dtype=torch.bool), (3, 4), device="meta")
+
+
+def test_check_tensor_shape_with_any_sizes():
+    x = torch.zeros(2, 5, 8)
+    assert c.check_tensor("k", x, shape=(2, None, 8)) is x
+    assert c.check_tensor("k", x, shape=(None, None, None)) is x
+    for shape in [(2, None), (2, None, 8, 1), (3, None, 8), (2, 5, 4)]:
+        with pytest.raises(ValueError, match=r"k must have shape \(.*\*?.*\), got shape \(2, 5, 8\)"):
+            c.check_tensor("k", x, shape=shape)
+    with pytest.raises(ValueError, match=r"k must have shape \(2, \*, 64\)"):
+        c.check_tensor("k", x, shape=(2, None, 64))

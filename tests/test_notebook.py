@@ -2,9 +2,11 @@
 
 import math
 import sys
+import time
 
 import pytest
 
+from attnbook import notebook
 from attnbook.notebook import glue, median_seconds, significant
 
 
@@ -78,3 +80,43 @@ def test_median_seconds_names_a_bad_setting(kwargs, error, text):
         median_seconds(lambda: None, **kwargs)
     with pytest.raises(TypeError, match="median_seconds times callables"):
         median_seconds("not a function")
+
+
+@pytest.mark.parametrize("setting, expected", [("1", False), ("true", False), ("0", True),
+                                               ("false", True), (None, True)])
+def test_online_obeys_hf_hub_offline(monkeypatch, setting, expected):
+    tried = []
+
+    class Connection:
+        def close(self):
+            pass
+
+    def connect(address, timeout):
+        tried.append(address)
+        return Connection()
+
+    monkeypatch.setattr(notebook.socket, "create_connection", connect)
+    if setting is None:
+        monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    else:
+        monkeypatch.setenv("HF_HUB_OFFLINE", setting)
+    assert notebook.online("example.org") is expected
+    assert tried == ([("example.org", 443)] if expected else [])
+
+
+def test_online_is_false_when_the_connection_fails_or_hangs(monkeypatch):
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+
+    def refuse(address, timeout):
+        raise OSError("no route to host")
+
+    monkeypatch.setattr(notebook.socket, "create_connection", refuse)
+    assert notebook.online() is False
+
+    def hang(address, timeout):
+        time.sleep(5)
+
+    monkeypatch.setattr(notebook.socket, "create_connection", hang)
+    start = time.perf_counter()
+    assert notebook.online(timeout=0.1) is False
+    assert time.perf_counter() - start < 2  # gave up after timeout + 1 seconds, not 5

@@ -45,7 +45,8 @@ Modules, in the order the book builds them:
 - attnbook.conventions (chapters/a1-conventions.md):
   The package's argument checks: one error policy, one check per concept.
 - attnbook.notebook (chapters/a1-conventions.md):
-  What a chapter uses to run as a notebook: numbers glued into the prose, and timings.
+  What a chapter uses to run as a notebook: numbers glued into the prose, timings, and whether
+  pretrained weights can be downloaded.
 """
 
 import importlib

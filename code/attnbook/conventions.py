@@ -13,10 +13,13 @@ __all__ = [
     "check_positive",
     "check_scale",
     "check_choice",
+    "check_instance",
+    "check_callable",
     "check_device",
     "check_token_ids",
     "check_array",
     "check_tensor",
+    "check_mask",
     "compute_dtype",
 ]
 
@@ -34,9 +37,9 @@ def _type_error(name: str, value, wanted: str) -> TypeError:
     return TypeError(f"{name} must be {wanted}, got {name}={value!r} of type {type(value).__name__}")
 
 
-def check_int(name: str, value, minimum: int | None = None) -> int:
-    """`value` as a Python int of at least `minimum`: not a bool, a float or a string. Whatever
-    Python can use as an index counts, such as np.int64(3) or a 0-d integer tensor."""
+def check_int(name: str, value, minimum: int | None = None, maximum: int | None = None) -> int:
+    """`value` as a Python int from `minimum` to `maximum`: not a bool, a float or a string.
+    Whatever Python can use as an index counts, such as np.int64(3) or a 0-d integer tensor."""
     try:
         if isinstance(value, (bool, np.bool_)) or getattr(value, "dtype", None) == torch.bool:
             raise TypeError
@@ -45,6 +48,8 @@ def check_int(name: str, value, minimum: int | None = None) -> int:
         raise _type_error(name, value, "an int") from None
     if minimum is not None and number < minimum:
         raise ValueError(f"{name} must be at least {minimum}, got {name}={value!r}")
+    if maximum is not None and number > maximum:
+        raise ValueError(f"{name} must be at most {maximum}, got {name}={value!r}")
     return number
 
 
@@ -92,6 +97,21 @@ def check_choice(name: str, value, choices: Collection[str]) -> str:
     return value
 
 
+def check_instance(name: str, value, kind: type):
+    """`value`, an instance of `kind` (a class, or a tuple of classes)."""
+    if not isinstance(value, kind):
+        names = " or ".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))
+        raise _type_error(name, value, f"an instance of {names}")
+    return value
+
+
+def check_callable(name: str, value):
+    """`value`, something that can be called: a function, a lambda, a module."""
+    if not callable(value):
+        raise _type_error(name, value, "callable")
+    return value
+
+
 # chapters/a1-conventions.md, "One way to check an argument"
 def check_device(name: str, device) -> torch.device:
     """`device` (a string or torch.device) as a torch.device that this machine has."""
@@ -135,9 +155,11 @@ def check_array(name: str, x, min_ndim: int = 0) -> np.ndarray:
 
 def check_tensor(name: str, x, ndim: int | tuple[int, ...] | None = None,
                  size: int | None = None, dtype: torch.dtype | None = None,
-                 device: torch.device | None = None) -> torch.Tensor:
+                 device: torch.device | None = None,
+                 shape: tuple[int | None, ...] | None = None) -> torch.Tensor:
     """`x`, a floating-point torch.Tensor with `ndim` dimensions (one count or a tuple of them),
-    a last dimension of `size`, and the given `dtype` and `device`; None means any."""
+    a last dimension of `size`, the given `dtype` and `device`, and `shape`, whose None entries
+    allow any size; None means any."""
     if not isinstance(x, torch.Tensor):
         raise _type_error(name, x, "a torch.Tensor")
     if not x.is_floating_point() or dtype not in (None, x.dtype):
@@ -149,9 +171,28 @@ def check_tensor(name: str, x, ndim: int | tuple[int, ...] | None = None,
     if size is not None and (x.dim() == 0 or x.shape[-1] != size):
         raise ValueError(f"{name} must end in a dimension of size {size}, "
                          f"got shape {tuple(x.shape)}")
+    if shape is not None and (x.dim() != len(shape)
+                              or any(s not in (None, n) for s, n in zip(shape, x.shape))):
+        wanted = ", ".join("*" if s is None else str(s) for s in shape)
+        raise ValueError(f"{name} must have shape ({wanted}), got shape {tuple(x.shape)}")
     if device is not None and x.device != torch.device(device):
         raise ValueError(f"{name} must be on device {device}, got {name} on {x.device}")
     return x
+
+
+def check_mask(name: str, mask, shape: tuple[int, ...], device: torch.device | None = None):
+    """`mask`, a bool tensor (True = may attend) that broadcasts to `shape`, on `device`."""
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
+        got = f"dtype {mask.dtype}" if isinstance(mask, torch.Tensor) else type(mask).__name__
+        raise TypeError(f"{name} must be a torch.bool tensor, True = may attend (a float mask, "
+                        f"which PyTorch adds to the scores, is not accepted), got {got}")
+    pairs = zip(mask.shape[::-1], shape[::-1])  # the sizes, aligned from the right
+    if mask.dim() > len(shape) or any(m not in (1, s) for m, s in pairs):
+        raise ValueError(f"{name} of shape {tuple(mask.shape)} does not broadcast to "
+                         f"{tuple(shape)}")
+    if device is not None and mask.device != torch.device(device):
+        raise ValueError(f"{name} must be on device {device}, got {name} on {mask.device}")
+    return mask
 
 
 def compute_dtype(dtype):
