@@ -284,7 +284,8 @@ def test_gpus_are_named_with_their_limits():
     (dict(kernel="dq", gpu="T4", dtype="float16", head_dim=48), "request head_dim must be"),
     (dict(kernel="dq", gpu="T4", dtype="float16", head_dim=64, block=24), "request block must"),
     (dict(kernel="dq", gpu="T4", dtype="float16"), "must be a dict with kernel, gpu"),
-    (dict(kernel="dq", gpu="T4", dtype="float16", head_dim=64, warps=8), "unknown request keys"),
+    (dict(kernel="dq", gpu="T4", dtype="float16", head_dim=64, warps=8),
+     "request key must be one of"),
     ("forward", "must be a dict with kernel, gpu"),
 ])
 def test_bad_requests_are_refused_before_compiling(request_, message):

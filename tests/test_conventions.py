@@ -195,3 +195,14 @@ def test_check_tensor_shape_with_any_sizes():
             c.check_tensor("k", x, shape=shape)
     with pytest.raises(ValueError, match=r"k must have shape \(2, \*, 64\)"):
         c.check_tensor("k", x, shape=(2, None, 64))
+
+
+def test_check_token_ids_shape_and_device():
+    ids = torch.tensor([[1, 2, 3]])
+    assert c.check_token_ids("idx", ids, 5, shape=(None, 3), device="cpu").shape == (1, 3)
+    with pytest.raises(ValueError, match=r"idx must have shape \(\*, \*\), got shape \(3,\)"):
+        c.check_token_ids("idx", ids[0], 5, shape=(None, None))
+    with pytest.raises(ValueError, match="idx must be on device meta"):
+        c.check_token_ids("idx", ids, 5, device="meta")
+    with pytest.raises(TypeError, match="integer ids"):  # the dtype is checked before the shape
+        c.check_token_ids("idx", ids.float()[0], 5, shape=(None, None))

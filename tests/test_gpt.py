@@ -276,13 +276,13 @@ def full_cache(batch):
     (lambda: MODEL(torch.zeros(3, dtype=torch.long)), ValueError, r"idx must have shape"),
     (lambda: MODEL(torch.full((1, 3), 50)), ValueError, "vocab_size=50"),
     (lambda: MODEL(torch.zeros(1, 33, dtype=torch.long)), ValueError,
-     r"at most context_length=32, got idx.shape\[1\]=33"),
+     r"idx.shape\[1\] must be at most 32, got idx.shape\[1\]=33"),
     (lambda: MODEL(torch.zeros(2, 3, dtype=torch.long), kv_cache=full_cache(2)), ValueError,
      r"idx of length 3 does not fit: kv_cache holds 30 .* capacity 32"),
     (lambda: MODEL(torch.zeros(2, 1, dtype=torch.long), kv_cache=MODEL.make_kv_cache(3)),
      ValueError, "batch_size=3, but idx has batch size 2"),
     (lambda: MODEL(torch.zeros(1, 1, dtype=torch.long), kv_cache="cache"), TypeError,
-     "kv_cache must be a KVCache"),
+     "kv_cache must be an instance of KVCache"),
     (lambda: MODEL(torch.zeros(1, 1, dtype=torch.long),
                    kv_cache=tiny_gpt(num_layers=3).make_kv_cache(1)), ValueError, "layers"),
     (lambda: MODEL.make_kv_cache(0), ValueError, "batch_size=0"),
@@ -294,7 +294,7 @@ def full_cache(batch):
     (lambda: MODEL.generate(torch.zeros(1, 1, dtype=torch.long), 2, top_k=0), ValueError,
      "top_k=0"),
     (lambda: MODEL.generate(torch.zeros(1, 1), 2), TypeError, "idx must hold integer"),
-    (lambda: GPT("config"), TypeError, "config must be a GPTConfig"),
+    (lambda: GPT("config"), TypeError, "config must be an instance of GPTConfig"),
 ])
 def test_bad_input(call, error, match):
     with pytest.raises(error, match=match):

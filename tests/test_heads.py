@@ -268,10 +268,10 @@ X = torch.randn(2, 5, 16)
 
 @pytest.mark.parametrize("kwargs,error,match", [
     (dict(x=torch.randn(5, 16)), ValueError, r"x must have shape .*\(5, 16\)"),
-    (dict(x=torch.randn(2, 5, 8)), ValueError, r"x .*d_model=16"),
+    (dict(x=torch.randn(2, 5, 8)), ValueError, r"x must have shape \(\*, \*, 16\)"),
     (dict(x=X.numpy()), TypeError, r"x must be a torch.Tensor"),
     (dict(x=X, context=torch.randn(2, 7, 8)), ValueError, r"context .*\(2, 7, 8\)"),
-    (dict(x=X, context=torch.randn(3, 7, 16)), ValueError, r"context .*batch=2"),
+    (dict(x=X, context=torch.randn(3, 7, 16)), ValueError, r"context .*\(2, \*, 16\)"),
     (dict(x=X, context=torch.randn(7, 16)), ValueError, r"context"),
     (dict(x=X, mask=torch.ones(5, 6, dtype=torch.bool)), ValueError, r"mask of shape \(5, 6\)"),
     (dict(x=X, mask=torch.ones(3, 4, 5, 5, dtype=torch.bool)), ValueError, r"mask"),
@@ -292,9 +292,9 @@ def test_forward_rejects_bad_inputs(kwargs, error, match):
 
 
 @pytest.mark.parametrize("shapes,error,match", [
-    (((2, 4, 5, 8), (2, 4, 6, 8), (2, 4, 7, 8)), ValueError, r"v \(2, 4, 7, 8\)"),
+    (((2, 4, 5, 8), (2, 4, 6, 8), (2, 4, 7, 8)), ValueError, r"v .*\(2, 4, 7, 8\)"),
     (((2, 4, 5, 8), (2, 3, 6, 8), (2, 3, 6, 8)), ValueError, r"kv_heads"),
-    (((2, 4, 5, 8), (2, 4, 6, 4), (2, 4, 6, 8)), ValueError, r"k \(2, 4, 6, 4\)"),
+    (((2, 4, 5, 8), (2, 4, 6, 4), (2, 4, 6, 8)), ValueError, r"k .*\(2, 4, 6, 4\)"),
     (((4, 5, 8), (2, 4, 6, 8), (2, 4, 6, 8)), ValueError, r"q must have 4 dimensions"),
 ])
 def test_attend_rejects_bad_shapes(shapes, error, match):

@@ -86,6 +86,8 @@ def sources(rev: str | None) -> dict[str, str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rev", help="a git revision instead of the working tree")
+    parser.add_argument("--since", metavar="REV", help="also compare the lines of the modules "
+                        "that existed at REV with their lines then")
     args = parser.parse_args()
     print(f"{'module':<18}{'lines':>7}{'code':>7}{'checks':>8}{'share':>7}"
           f"{'written':>9}{'share':>7}")
@@ -95,13 +97,20 @@ def main() -> None:
         print(f"{name:<18}{row[0]:>7}{row[1]:>7}{row[2]:>8}{row[2] / max(row[1], 1):>7.0%}"
               f"{row[3]:>9}{row[3] / max(row[1], 1):>7.0%}")
 
-    for name, source in sources(args.rev).items():
+    now = sources(args.rev)
+    for name, source in now.items():
         code = code_lines(source)
         row = [len(source.splitlines()), len(code), len(check_lines(source) & code),
                len(check_lines(source, calls=False) & code)]
         totals = [t + r for t, r in zip(totals, row)]
         show(name, row)
     show("total", totals)
+    if args.since:
+        then = sources(args.since)
+        before = sum(len(source.splitlines()) for source in then.values())
+        after = sum(len(now[name].splitlines()) for name in then if name in now)
+        print(f"the {len(then)} modules of {args.since}: {before} lines then, {after} now "
+              f"({after / before - 1:+.1%})")
 
 
 if __name__ == "__main__":
