@@ -37,6 +37,9 @@ Modules, in the order the book builds them:
   policy, one check per concept.
 - attnbook.notebook (chapters/a1-conventions.md): What a chapter uses to run as a notebook:
   numbers glued into the prose, timings, and whether pretrained weights can be downloaded.
+- attnbook.train (chapters/a2-training-at-scale.md): Training the book's GPT on one or many
+  processes: torch.distributed's DDP and FSDP2, launched by torchrun, with distributed
+  checkpoints.
 """
 
 import importlib
@@ -60,6 +63,7 @@ __all__ = [
     "compile_check",
     "conventions",
     "notebook",
+    "train",
 ]
 
 
