@@ -263,11 +263,12 @@ def test_a_prose_only_edit_keeps_the_outputs(book_copy):
 def test_text_cells_become_plain_markdown_for_colab():
     cited = {"dao2022": "Dao et al., 2022", "two2001": "One and Two, 2001"}
     text = ("An *{term}`online softmax <online softmax>`* and {term}`tiling` "
-            "{cite}`dao2022, two2001`.\n\n"
+            "{cite}`dao2022, two2001` {cite:p}`two2001`.\n\n"
             "````{admonition} Solutions\n:class: dropdown\n\n1. ```python\n   x = 1\n   ```\n````\n"
             "```{admonition} Note\nPlain.\n```")
     assert tangler.plain_markdown(text, cited) == (
-        "An *online softmax* and tiling (Dao et al., 2022; One and Two, 2001).\n\n"
+        "An *online softmax* and tiling (Dao et al., 2022; One and Two, 2001) (One and Two, 2001)."
+        "\n\n"
         "<details>\n<summary>Solutions</summary>\n\n1. ```python\n   x = 1\n   ```\n\n"
         "</details>\n**Note**\n\nPlain.")
     with pytest.raises(ValueError, match="nobody2020.*cited but not in book/references.bib"):
@@ -292,7 +293,7 @@ def test_glued_values_come_from_the_notebooks_own_outputs():
 
 
 def test_committed_notebooks_show_no_myst_markup():
-    markup = re.compile(r"\{(term|cite|glue:text|admonition)\}")
+    markup = re.compile(r"\{(term|cite(:\w+)?|glue:text|admonition)\}")
     for path in sorted((ROOT / "notebooks").glob("*.ipynb")):
         for cell in json.loads(path.read_text())["cells"]:
             if cell["cell_type"] == "markdown":

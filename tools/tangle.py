@@ -310,7 +310,7 @@ def setup_cell_source(chapter: Chapter, commit: str) -> str:
 
 
 TERM = re.compile(r"\{term\}`([^`]*?)(?:\s*<[^`]*>)?`")  # {term}`text <entry>` or {term}`entry`
-CITE = re.compile(r"\{cite\}`([^`]*)`")
+CITE = re.compile(r"\{cite(?::p)?\}`([^`]*)`")  # {cite}`key` and {cite:p}`key, key`
 GLUE = re.compile(r"\{glue:text\}`([^`]*)`")
 ADMONITION = re.compile(
     r"^(?P<fence>`{3,}|:{3,})\{admonition\}[ \t]*(?P<title>[^\n]*)\n"
