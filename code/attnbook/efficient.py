@@ -1,0 +1,292 @@
+# Do not edit: tools/tangle.py generates this file from chapters/13-efficient-attention.md.
+"""Beyond quadratic attention: sliding-window, global and block-sparse masks with tile skipping,
+linear attention, FAVOR+ random features and retention.
+
+Built and explained in the book's chapter chapters/13-efficient-attention.md.
+"""
+
+__all__ = [
+    "sliding_window_mask",
+    "global_token_mask",
+    "block_sparse_mask",
+    "tile_layout",
+    "block_sparse_attention",
+    "elu_feature_map",
+    "linear_attention",
+    "random_features",
+    "positive_features",
+    "performer_attention",
+    "retention",
+    "retention_step",
+]
+
+# chapters/13-efficient-attention.md, "Sparse masks: a window, global tokens, blocks"
+import math
+
+import torch
+import torch.nn.functional as F
+
+from attnbook.conventions import (
+    check_bool,
+    check_callable,
+    check_choice,
+    check_device,
+    check_instance,
+    check_int,
+    check_mask,
+    check_positive,
+    check_real,
+    check_tensor,
+    compute_dtype,
+)
+from attnbook.heads import attend
+
+
+def sliding_window_mask(lq: int, lk: int, window: int,
+                        device: torch.device | str | None = None) -> torch.Tensor:
+    """Boolean mask (lq, lk), True where query i, at position p = i + lk - lq (bottom-right, as
+    masks.causal_mask), may see key j: p - window < j <= p, its `window` most recent keys."""
+    lq, lk = check_int("lq", lq, 1), check_int("lk", lk, 1)
+    window = check_int("window", window, 1)
+    device = None if device is None else check_device("device", device)
+    p = torch.arange(lq, device=device)[:, None] + (lk - lq)  # (Lq, 1) query positions
+    j = torch.arange(lk, device=device)[None, :]  # (1, Lk) key positions
+    return (j <= p) & (j > p - window)  # (Lq, Lk)
+
+
+# chapters/13-efficient-attention.md, "Sparse masks: a window, global tokens, blocks"
+def global_token_mask(lq: int, lk: int, num_global: int,
+                      device: torch.device | str | None = None) -> torch.Tensor:
+    """Boolean mask (lq, lk), True where query i (at position i + lk - lq) or key j is one of
+    the first `num_global` positions: global tokens, as in Longformer and BigBird."""
+    lq, lk = check_int("lq", lq, 1), check_int("lk", lk, 1)
+    num_global = check_int("num_global", num_global, 0)
+    device = None if device is None else check_device("device", device)
+    p = torch.arange(lq, device=device)[:, None] + (lk - lq)  # (Lq, 1)
+    return (p < num_global) | (torch.arange(lk, device=device)[None, :] < num_global)
+
+
+def block_sparse_mask(layout: torch.Tensor, block_size: int, lq: int | None = None,
+                      lk: int | None = None) -> torch.Tensor:
+    """Boolean mask (lq, lk) that is True in the block_size x block_size tiles where the bool
+    `layout` (nq, nk) is True; lq and lk default to nq * block_size and nk * block_size."""
+    block_size = check_int("block_size", block_size, 1)
+    layout = check_mask("layout", layout, tuple(getattr(layout, "shape", ())))
+    if layout.dim() != 2:
+        raise ValueError(f"layout must have shape (nq, nk), got shape {tuple(layout.shape)}")
+    (nq, nk), b = layout.shape, block_size
+    lq = nq * b if lq is None else check_int("lq", lq, (nq - 1) * b + 1, nq * b)
+    lk = nk * b if lk is None else check_int("lk", lk, (nk - 1) * b + 1, nk * b)
+    return layout.repeat_interleave(b, 0).repeat_interleave(b, 1)[:lq, :lk].clone()
+
+
+# chapters/13-efficient-attention.md, "Skipping the tiles a mask leaves empty"
+def tile_layout(mask: torch.Tensor, block_size: int = 64) -> torch.Tensor:
+    """The tiles of `mask` (Lq, Lk) that hold an allowed entry: a bool tensor
+    (ceil(Lq / block_size), ceil(Lk / block_size)). The other tiles need not be computed."""
+    block_size, mask = check_int("block_size", block_size, 1), _check_mask_2d(mask)
+    (lq, lk), b = mask.shape, block_size
+    nq, nk = -(-lq // b), -(-lk // b)
+    padded = F.pad(mask, (0, nk * b - lk, 0, nq * b - lq))  # pads with False
+    return padded.view(nq, b, nk, b).any(dim=3).any(dim=1)  # (nq, nk)
+
+
+def _check_mask_2d(mask) -> torch.Tensor:
+    mask = check_mask("mask", mask, tuple(getattr(mask, "shape", ())))
+    if mask.dim() != 2:
+        raise ValueError(f"mask must have shape (Lq, Lk), got shape {tuple(mask.shape)}")
+    return mask
+
+
+# chapters/13-efficient-attention.md, "Skipping the tiles a mask leaves empty"
+def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                           block_size: int = 64) -> torch.Tensor:
+    """heads.attend(q, k, v, mask)'s output (B, H, Lq, dv), computing only the tiles where `mask`
+    (Lq, Lk) allows a key: each block of queries attends to the keys of its non-empty tiles."""
+    q = check_tensor("q", q, 4)
+    k = check_tensor("k", k, 4, dtype=q.dtype, device=q.device, shape=(*q.shape[:2], None, None))
+    v = check_tensor("v", v, 4, dtype=q.dtype, device=q.device, shape=(*k.shape[:3], None))
+    mask = check_mask("mask", _check_mask_2d(mask), (q.shape[2], k.shape[2]), q.device)
+    layout, b = tile_layout(mask, block_size), block_size  # (nq, nk)
+    out = q.new_zeros(*q.shape[:3], v.shape[-1])  # (B, H, Lq, dv)
+    for i, row in enumerate(layout):
+        tiles = row.nonzero().flatten().tolist()
+        if not tiles:
+            continue  # these queries see no key: zeros
+        keys = torch.cat([torch.arange(j * b, min(j * b + b, k.shape[2]), device=q.device)
+                          for j in tiles])  # the columns of the non-empty tiles
+        rows = slice(i * b, i * b + b)
+        out[:, :, rows] = attend(q[:, :, rows], k[:, :, keys], v[:, :, keys],
+                                 mask[rows, keys])[0]  # (B, H, bq, dv)
+    return out
+
+
+# chapters/13-efficient-attention.md, "Linear attention"
+def elu_feature_map(x: torch.Tensor) -> torch.Tensor:
+    """phi(x) = elu(x) + 1, positive everywhere: linear attention's default feature map."""
+    return F.elu(x) + 1.0
+
+
+def _check_qkv_any(q, k, v) -> tuple[torch.Tensor, ...]:
+    """q (..., Lq, D), k (..., Lk, D) and v (..., Lk, Dv), with the same leading dimensions,
+    dtype and device, and at least one key and one feature."""
+    q = check_tensor("q", q, tuple(range(2, 9)))
+    d = q.shape[-1]
+    k = check_tensor("k", k, q.dim(), dtype=q.dtype, device=q.device, shape=(*q.shape[:-2], None, d))
+    v = check_tensor("v", v, q.dim(), dtype=q.dtype, device=q.device, shape=(*k.shape[:-1], None))
+    check_int("k.shape[-2]", k.shape[-2], 1)
+    check_int("q.shape[-1]", d, 1)
+    return q, k, v
+
+
+# chapters/13-efficient-attention.md, "Linear attention"
+def linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
+                     feature_map=None, eps: float = 1e-6) -> torch.Tensor:
+    """Linear attention (Katharopoulos et al. 2020): output i = phi(q_i) S / (phi(q_i) . z + eps),
+    S = sum_j phi(k_j) v_j^T and z = sum_j phi(k_j) over the keys i may see: all, or with
+    `causal` j <= i + Lk - Lq. q (..., Lq, D), k (..., Lk, D), v (..., Lk, Dv) -> (..., Lq, Dv);
+    phi defaults to elu(x) + 1."""
+    q, k, v = _check_qkv_any(q, k, v)
+    causal, eps = check_bool("causal", causal), check_positive("eps", eps)
+    phi = elu_feature_map if feature_map is None else check_callable("feature_map", feature_map)
+    work = compute_dtype(q.dtype)
+    fq, fk, v = phi(q.to(work)), phi(k.to(work)), v.to(work)  # (..., Lq, D), (..., Lk, D)
+    if not causal:
+        state = fk.transpose(-2, -1) @ v  # (..., D, Dv): one state for every query
+        return (fq @ state / (fq @ fk.sum(dim=-2)[..., None] + eps)).to(q.dtype)
+    states = torch.cumsum(fk[..., :, None] * v[..., None, :], dim=-3)  # (..., Lk, D, Dv)
+    norms = torch.cumsum(fk, dim=-2)  # (..., Lk, D): z after each key
+    blind = max(0, q.shape[-2] - k.shape[-2])  # the first queries, which see no key
+    seen = q.shape[-2] - blind  # the others end at the last `seen` keys, in order
+    fq = fq[..., blind:, :]  # (..., seen, D)
+    num = (fq[..., None, :] @ states[..., -seen:, :, :]).squeeze(-2)  # (..., seen, Dv)
+    den = (fq * norms[..., -seen:, :]).sum(dim=-1, keepdim=True)  # (..., seen, 1)
+    return F.pad(num / (den + eps), (0, 0, blind, 0)).to(q.dtype)  # no key: zeros
+
+
+# chapters/13-efficient-attention.md, "FAVOR+: random features for the softmax"
+def random_features(num_features: int, dim: int, orthogonal: bool = True,
+                    generator: torch.Generator | None = None,
+                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """`num_features` directions w ~ N(0, I_dim) as rows, (num_features, dim), drawn from
+    `generator`. With `orthogonal`, each block of `dim` rows is orthogonal, each row with the
+    length of a Gaussian vector, so that every row is still N(0, I_dim)."""
+    m, d = check_int("num_features", num_features, 1), check_int("dim", dim, 1)
+    orthogonal = check_bool("orthogonal", orthogonal)
+    if generator is not None:
+        check_instance("generator", generator, torch.Generator)
+    w = torch.randn(m, d, generator=generator, dtype=torch.float64)  # (m, d)
+    if orthogonal:
+        blocks = []
+        for start in range(0, m, d):  # from the QR factors of a Gaussian matrix
+            square = torch.randn(d, d, generator=generator, dtype=torch.float64)
+            rotation, r = torch.linalg.qr(square)  # signs fixed below, so that the rotation
+            rotation = rotation * torch.sign(torch.diagonal(r))  # is uniformly distributed
+            blocks.append(rotation.T[:min(d, m - start)])  # orthonormal rows
+        w = torch.cat(blocks) * w.norm(dim=1, keepdim=True)  # lengths of Gaussian vectors
+    return w.to(dtype)
+
+
+def positive_features(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """FAVOR+'s `phi(x) = exp(w x - |x|^2 / 2) / sqrt(m)` for x (..., L, D) and w (m, D):
+    `E[phi(q) . phi(k)] = exp(q . k)` when the rows of w are N(0, I_D). -> (..., L, m)."""
+    x = check_tensor("x", x)
+    w = check_tensor("w", w, 2, dtype=x.dtype, device=x.device, shape=(None, x.shape[-1]))
+    return _log_features(x, w).exp() / math.sqrt(w.shape[0])
+
+
+def _log_features(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x @ w.T - (x * x).sum(dim=-1, keepdim=True) / 2  # log(phi(x) sqrt(m)): (..., L, m)
+
+
+# chapters/13-efficient-attention.md, "FAVOR+: random features for the softmax"
+def performer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_features: int,
+                        causal: bool = False, generator: torch.Generator | None = None, *,
+                        orthogonal: bool = True) -> torch.Tensor:
+    """FAVOR+ (Choromanski et al. 2021): softmax(q k^T / sqrt(D)) v estimated with
+    `num_features` positive random features drawn from `generator` (orthogonal by default), in
+    linear time. q (..., Lq, D), k (..., Lk, D), v (..., Lk, Dv) -> (..., Lq, Dv)."""
+    q, k, v = _check_qkv_any(q, k, v)
+    causal, work = check_bool("causal", causal), compute_dtype(q.dtype)
+    w = random_features(num_features, q.shape[-1], orthogonal, generator, work).to(q.device)
+    scale = q.shape[-1] ** -0.25  # q.k / sqrt(D) = (q D^-1/4) . (k D^-1/4)
+    logq, logk = (_log_features(x.to(work) * scale, w) for x in (q, k))  # (..., L, m)
+    logq = logq - logq.amax(dim=-1, keepdim=True)  # a constant per query: it cancels
+    logk = logk - logk.amax(dim=(-2, -1), keepdim=True)  # one for all keys: it cancels
+    tiny = torch.finfo(work).tiny  # no bias: 0 / tiny = 0 only for a query that sees no key
+    out = linear_attention(logq.exp(), logk.exp(), v.to(work), causal, _identity, eps=tiny)
+    return out.to(q.dtype)
+
+
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+# chapters/13-efficient-attention.md, "Retention: one model, three ways to compute it"
+def _check_gamma(gamma, heads: int, device) -> torch.Tensor:
+    """`gamma`, a float or a tensor of shape (heads,), in (0, 1], as (heads,) float64."""
+    if isinstance(gamma, torch.Tensor):
+        gamma = check_tensor("gamma", gamma, 1, shape=(heads,))
+        if not ((gamma > 0) & (gamma <= 1)).all():
+            raise ValueError(f"gamma must lie in (0, 1], got gamma={gamma.tolist()}")
+        return gamma.to(device=device, dtype=torch.float64)
+    gamma = check_real("gamma", gamma, 0.0, 1.0, open_low=True)
+    return torch.full((heads,), gamma, dtype=torch.float64, device=device)
+
+
+def _retention_parallel(q, k, v, g) -> torch.Tensor:
+    """(Q K^T * D) V over one stretch of positions, D[n, m] = g^(n - m) where n >= m."""
+    n = torch.arange(q.shape[2], device=q.device)
+    gap = n[:, None] - n[None, :]  # (L, L): n - m
+    decay = g ** gap.clamp(min=0)  # (1, H, L, L)
+    return torch.where(gap >= 0, (q @ k.transpose(-2, -1)) * decay, 0.0) @ v  # (B, H, L, Dv)
+
+
+def _retention_step(q, k, v, g, state) -> tuple[torch.Tensor, torch.Tensor]:
+    """S_n = g S_(n-1) + k_n^T v_n and o_n = q_n S_n, for q, k (B, H, D) and v (B, H, Dv)."""
+    state = g * state + k[..., :, None] * v[..., None, :]  # (B, H, D, Dv)
+    return (q[..., None, :] @ state).squeeze(-2), state  # (B, H, Dv)
+
+
+# chapters/13-efficient-attention.md, "Retention: one model, three ways to compute it"
+def retention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gamma,
+              mode: str = "parallel", chunk_size: int = 64) -> torch.Tensor:
+    """Retention (Sun et al. 2023): (Q K^T * D) V with D[n, m] = gamma^(n - m) for n >= m, else 0;
+    no softmax, scale or normalisation. q, k (B, H, L, D), v (B, H, L, Dv) -> (B, H, L, Dv);
+    `gamma` a float or an (H,) tensor in (0, 1]; `mode` "parallel", "recurrent" (a D x Dv state)
+    or "chunkwise" (chunks of `chunk_size`): the same result."""
+    q = check_tensor("q", q, 4)
+    k = check_tensor("k", k, 4, dtype=q.dtype, device=q.device, shape=q.shape)
+    v = check_tensor("v", v, 4, dtype=q.dtype, device=q.device, shape=(*q.shape[:3], None))
+    mode = check_choice("mode", mode, ("parallel", "recurrent", "chunkwise"))
+    chunk_size, dtype, work = check_int("chunk_size", chunk_size, 1), q.dtype, compute_dtype(q.dtype)
+    g = _check_gamma(gamma, q.shape[1], q.device).to(work)[None, :, None, None]  # (1, H, 1, 1)
+    q, k, v = q.to(work), k.to(work), v.to(work)
+    if mode == "parallel":
+        return _retention_parallel(q, k, v, g).to(dtype)
+    state, outs = q.new_zeros(*q.shape[:2], q.shape[3], v.shape[3]), []  # (B, H, D, Dv)
+    step = 1 if mode == "recurrent" else chunk_size
+    for c0 in range(0, q.shape[2], step):
+        qc, kc, vc = (x[:, :, c0:c0 + step] for x in (q, k, v))  # (B, H, c, .)
+        c = qc.shape[2]
+        decay = g ** torch.arange(1, c + 1, device=q.device)[:, None]  # (1, H, c, 1): g^(n+1)
+        outs.append(_retention_parallel(qc, kc, vc, g) + (qc @ state) * decay)  # (B, H, c, Dv)
+        state = g**c * state + (kc * decay.flip(-2) / g).transpose(-2, -1) @ vc  # (B, H, D, Dv)
+    return torch.cat(outs, dim=2).to(dtype)
+
+
+# chapters/13-efficient-attention.md, "Generation: a state of fixed size against a growing cache"
+def retention_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gamma,
+                   state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One step of retention: q, k (B, H, D) and v (B, H, Dv) of a new position and the state
+    (B, H, D, Dv) of those before (None: none) -> (output (B, H, Dv), the new state), whose size
+    does not depend on the number of steps."""
+    q = check_tensor("q", q, 3)
+    k = check_tensor("k", k, 3, dtype=q.dtype, device=q.device, shape=q.shape)
+    v = check_tensor("v", v, 3, dtype=q.dtype, device=q.device, shape=(*q.shape[:2], None))
+    work, shape = compute_dtype(q.dtype), (*q.shape, v.shape[-1])
+    state = torch.zeros(shape, dtype=work, device=q.device) if state is None else \
+        check_tensor("state", state, 4, dtype=work, device=q.device, shape=shape)
+    g = _check_gamma(gamma, q.shape[1], q.device).to(work)[None, :, None, None]  # (1, H, 1, 1)
+    out, state = _retention_step(q.to(work), k.to(work), v.to(work), g, state)
+    return out.to(q.dtype), state

@@ -1,0 +1,113 @@
+# Do not edit: tools/tangle.py generates this file from chapters/14-vision-transformer.md.
+"""The Vision Transformer: images cut into patches, a class token and learned positions, on the
+book's Transformer blocks.
+
+Built and explained in the book's chapter chapters/14-vision-transformer.md.
+"""
+
+__all__ = [
+    "patchify",
+    "ViTConfig",
+    "ViT",
+]
+
+# chapters/14-vision-transformer.md, "An image as a sequence of patches"
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from attnbook.blocks import TransformerBlock
+from attnbook.conventions import (
+    check_bool,
+    check_instance,
+    check_int,
+    check_positive,
+    check_probability,
+    check_tensor,
+)
+
+
+def patchify(images: torch.Tensor, patch_size: int) -> torch.Tensor:
+    """(B, C, H, W) images -> (B, (H/p)(W/p), C p p) patches, in row-major order, each flattened
+    in (channel, row, column) order: F.unfold(images, p, stride=p).transpose(1, 2). Chapter 14."""
+    images = check_tensor("images", images, 4)
+    p = check_int("patch_size", patch_size, minimum=1)
+    b, c, h, w = images.shape
+    if h % p or w % p:
+        raise ValueError(f"images' height and width must be multiples of patch_size={p}, "
+                         f"got images of shape {tuple(images.shape)}")
+    x = images.reshape(b, c, h // p, p, w // p, p)  # (B, C, rows, p, cols, p)
+    x = x.permute(0, 2, 4, 1, 3, 5)  # (B, rows, cols, C, p, p)
+    return x.reshape(b, (h // p) * (w // p), c * p * p)  # (B, N, C p p)
+
+
+# chapters/14-vision-transformer.md, "The model"
+@dataclass
+class ViTConfig:
+    """The sizes of a Vision Transformer, by default ViT-B/16's (chapter 14): square images of
+    image_size pixels, cut into patches of patch_size, for num_classes classes."""
+
+    image_size: int = 224
+    patch_size: int = 16
+    in_channels: int = 3
+    num_classes: int = 1000
+    d_model: int = 768
+    num_layers: int = 12
+    num_heads: int = 12
+    d_ff: int = 3072
+    dropout: float = 0.0
+    eps: float = 1e-6
+
+    def __post_init__(self) -> None:
+        for name in ("image_size", "patch_size", "in_channels", "num_classes", "d_model",
+                     "num_layers", "num_heads", "d_ff"):
+            setattr(self, name, check_int(name, getattr(self, name), minimum=1))
+        self.dropout = check_probability("dropout", self.dropout)
+        self.eps = check_positive("eps", self.eps)
+        if self.image_size % self.patch_size:
+            raise ValueError(f"image_size={self.image_size} is not a multiple of "
+                             f"patch_size={self.patch_size}")
+        if self.d_model % self.num_heads:
+            raise ValueError(f"d_model={self.d_model} is not divisible by "
+                             f"num_heads={self.num_heads}")
+
+    @property
+    def num_patches(self) -> int:
+        return (self.image_size // self.patch_size) ** 2
+
+
+# chapters/14-vision-transformer.md, "The model"
+class ViT(nn.Module):
+    """The Vision Transformer (chapter 14): images (B, C, H, W) -> logits (B, num_classes)."""
+
+    def __init__(self, config: ViTConfig) -> None:
+        super().__init__()
+        self.config = c = check_instance("config", config, ViTConfig)
+        self.patch_embed = nn.Linear(c.in_channels * c.patch_size**2, c.d_model)  # E
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, c.d_model))
+        self.position = nn.Parameter(torch.empty(1, c.num_patches + 1, c.d_model))  # E_pos
+        nn.init.normal_(self.position, std=0.02)
+        self.dropout = nn.Dropout(c.dropout)
+        self.blocks = nn.ModuleList(
+            TransformerBlock(c.d_model, c.num_heads, c.d_ff, c.dropout, norm_first=True,
+                             activation="gelu", eps=c.eps) for _ in range(c.num_layers))
+        self.norm = nn.LayerNorm(c.d_model, eps=c.eps)
+        self.head = nn.Linear(c.d_model, c.num_classes)
+
+    def forward(self, images: torch.Tensor, return_weights: bool = False):
+        """Logits (B, num_classes), and with `return_weights` the list of each block's attention
+        weights (B, num_heads, 1 + N, 1 + N), the class token first."""
+        c, weight = self.config, self.patch_embed.weight
+        images = check_tensor("images", images, 4, dtype=weight.dtype, device=weight.device,
+                              shape=(None, c.in_channels, c.image_size, c.image_size))
+        return_weights = check_bool("return_weights", return_weights)
+        x = self.patch_embed(patchify(images, c.patch_size))  # (B, N, d_model)
+        cls = self.cls_token.expand(x.shape[0], -1, -1)  # (B, 1, d_model)
+        x = self.dropout(torch.cat([cls, x], dim=1) + self.position)  # (B, 1 + N, d_model)
+        weights = []
+        for block in self.blocks:
+            x, block_weights, _ = block(x, return_weights=True)
+            weights.append(block_weights)  # (B, nh, 1 + N, 1 + N)
+        logits = self.head(self.norm(x[:, 0]))  # the class token's output: (B, num_classes)
+        return (logits, weights) if return_weights else logits

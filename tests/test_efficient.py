@@ -1,0 +1,329 @@
+"""attnbook.efficient (chapter 13) against explicit formulas, loops and the book's softmax."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from attnbook.efficient import (
+    block_sparse_attention,
+    block_sparse_mask,
+    global_token_mask,
+    linear_attention,
+    performer_attention,
+    positive_features,
+    random_features,
+    retention,
+    retention_step,
+    sliding_window_mask,
+    tile_layout,
+)
+from attnbook.heads import attend
+from attnbook.masks import causal_mask
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+MODES = ("parallel", "recurrent", "chunkwise")
+
+
+def randn(*shape, seed=0, dtype=torch.float64):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+
+
+def window_loop(lq, lk, w):
+    return torch.tensor([[i + lk - lq - w < j <= i + lk - lq for j in range(lk)]
+                         for i in range(lq)], dtype=torch.bool)
+
+
+def linear_reference(q, k, v, causal=False, eps=1e-6, phi=lambda x: F.elu(x) + 1):
+    sim = phi(q) @ phi(k).transpose(-2, -1)
+    if causal:
+        sim = sim * causal_mask(q.shape[-2], k.shape[-2])
+    return sim @ v / (sim.sum(dim=-1, keepdim=True) + eps)
+
+
+def retention_reference(q, k, v, gamma):
+    q, k, v = (x.double().numpy() for x in (q, k, v))
+    h, L = q.shape[1], q.shape[2]
+    gammas = np.broadcast_to(np.asarray(gamma, dtype=np.float64), (h,))
+    n = np.arange(L)
+    decay = np.where(n[:, None] >= n[None, :],
+                     gammas[:, None, None] ** np.maximum(n[:, None] - n[None, :], 0), 0.0)
+    return torch.from_numpy(np.einsum("bhnd,bhmd,hnm,bhme->bhne", q, k, decay, v))
+
+
+# --- masks ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("lq,lk", [(1, 1), (5, 5), (3, 8), (8, 3), (1, 9)])
+def test_sliding_window_mask_matches_loop(lq, lk):
+    for w in range(1, lk + 3):
+        assert torch.equal(sliding_window_mask(lq, lk, w), window_loop(lq, lk, w))
+    assert torch.equal(sliding_window_mask(lq, lk, lk + 5), causal_mask(lq, lk))
+    diagonal = torch.from_numpy(np.eye(lq, lk, lk - lq, dtype=bool))  # j = i + lk - lq
+    assert torch.equal(sliding_window_mask(lq, lk, 1), diagonal)
+
+
+def test_window_of_one_sees_itself_only():
+    mask = sliding_window_mask(6, 6, 1)
+    assert torch.equal(mask, torch.eye(6, dtype=torch.bool))
+
+
+def test_global_and_block_masks_match_loops():
+    for lq, lk, n in [(5, 5, 0), (4, 9, 2), (9, 4, 3), (1, 1, 1)]:
+        loop = torch.tensor([[i + lk - lq < n or j < n for j in range(lk)] for i in range(lq)])
+        assert torch.equal(global_token_mask(lq, lk, n), loop)
+    layout = torch.rand(4, 5, generator=torch.Generator().manual_seed(0)) < 0.5
+    for b, lq, lk in [(3, 12, 15), (3, 10, 13), (1, 4, 5)]:
+        loop = torch.tensor([[bool(layout[i // b, j // b]) for j in range(lk)] for i in range(lq)])
+        assert torch.equal(block_sparse_mask(layout, b, lq, lk), loop)
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda: sliding_window_mask(4, 4, 0), "window"),
+    (lambda: sliding_window_mask(4, 4, 2.0), "window"),
+    (lambda: sliding_window_mask(4, 4, True), "window"),
+    (lambda: sliding_window_mask(0, 4, 2), "lq"),
+    (lambda: sliding_window_mask(4, -1, 2), "lk"),
+    (lambda: global_token_mask(4, 4, -1), "num_global"),
+    (lambda: block_sparse_mask(torch.ones(2, 2), 2), "layout"),
+    (lambda: block_sparse_mask(torch.ones(2, 2, dtype=torch.bool), 0), "block_size"),
+    (lambda: block_sparse_mask(torch.ones(2, 2, dtype=torch.bool), 2, lq=5), "lq"),
+])
+def test_mask_arguments_are_checked(call, match):
+    with pytest.raises((TypeError, ValueError), match=match):
+        call()
+
+
+# --- tile skipping --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("L,block", [(1, 4), (37, 8), (64, 16), (50, 64)])
+def test_block_sparse_attention_equals_attend(L, block):
+    q, k, v = randn(2, 3, L, 8, seed=1), randn(2, 3, L, 8, seed=2), randn(2, 3, L, 5, seed=3)
+    for mask in (sliding_window_mask(L, L, 5), causal_mask(L),
+                 sliding_window_mask(L, L, 3) | global_token_mask(L, L, 2),
+                 torch.ones(L, L, dtype=torch.bool)):
+        torch.testing.assert_close(block_sparse_attention(q, k, v, mask, block),
+                                   attend(q, k, v, mask)[0], rtol=1e-12, atol=1e-12)
+
+
+def test_block_sparse_attention_rectangular_float32_and_empty_rows():
+    q, k, v = (randn(1, 2, n, 4, seed=s, dtype=torch.float32) for s, n in ((0, 10), (1, 23),
+                                                                          (2, 23)))
+    mask = sliding_window_mask(10, 23, 4)
+    mask[:3] = False  # three queries see no key
+    out = block_sparse_attention(q, k, v, mask, 4)
+    torch.testing.assert_close(out, attend(q, k, v, mask)[0])
+    assert out.dtype == torch.float32 and torch.equal(out[:, :, :3], torch.zeros(1, 2, 3, 4))
+    assert torch.equal(block_sparse_attention(q, k, v, torch.zeros(10, 23, dtype=torch.bool), 4),
+                       torch.zeros(1, 2, 10, 4))
+
+
+def test_tile_layout_counts_window_tiles():
+    layout = tile_layout(sliding_window_mask(256, 256, 64), 32)
+    n, r = 8, 2
+    assert layout.shape == (8, 8) and int(layout.sum()) == n * (r + 1) - r * (r + 1) // 2
+    assert torch.equal(tile_layout(torch.ones(5, 7, dtype=torch.bool), 3),
+                       torch.ones(2, 3, dtype=torch.bool))
+
+
+def test_block_sparse_attention_propagates_nan():
+    q, k, v = randn(1, 1, 8, 4), randn(1, 1, 8, 4, seed=1), randn(1, 1, 8, 4, seed=2)
+    q[0, 0, 5, 0] = math.nan
+    out = block_sparse_attention(q, k, v, causal_mask(8), 4)
+    assert out[0, 0, 5].isnan().all() and not out[0, 0, :5].isnan().any()
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda q: block_sparse_attention(q, q, q, torch.ones(4, 4), 2), "mask"),
+    (lambda q: block_sparse_attention(q, q, q, torch.ones(4, 5, dtype=torch.bool), 2), "mask"),
+    (lambda q: block_sparse_attention(q, q, q, torch.ones(1, 4, 4, dtype=torch.bool), 2), "mask"),
+    (lambda q: block_sparse_attention(q, q, q, torch.ones(4, 4, dtype=torch.bool), 0),
+     "block_size"),
+    (lambda q: block_sparse_attention(q[0], q, q, torch.ones(4, 4, dtype=torch.bool)), "q"),
+    (lambda q: block_sparse_attention(q, q.float(), q, torch.ones(4, 4, dtype=torch.bool)), "k"),
+])
+def test_block_sparse_arguments_are_checked(call, match):
+    with pytest.raises((TypeError, ValueError), match=match):
+        call(randn(1, 2, 4, 3))
+
+
+# --- linear attention -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("lq,lk", [(1, 1), (20, 20), (5, 17), (17, 5), (1, 9)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_linear_attention_matches_formula(lq, lk, causal):
+    q, k, v = randn(2, 3, lq, 6, seed=1), randn(2, 3, lk, 6, seed=2), randn(2, 3, lk, 4, seed=3)
+    torch.testing.assert_close(linear_attention(q, k, v, causal),
+                               linear_reference(q, k, v, causal), rtol=1e-12, atol=1e-12)
+
+
+def test_linear_attention_float32_feature_map_any_leading_dims():
+    q, k, v = randn(7, 4, dtype=torch.float32), randn(9, 4, seed=1, dtype=torch.float32), \
+        randn(9, 3, seed=2, dtype=torch.float32)
+    phi = torch.relu
+    out = linear_attention(q, k, v, False, feature_map=phi, eps=1e-3)
+    assert out.shape == (7, 3) and out.dtype == torch.float32
+    torch.testing.assert_close(out, linear_reference(q, k, v, False, 1e-3, phi))
+    q4 = randn(2, 2, 3, 5, 4, dtype=torch.float32)
+    assert linear_attention(q4, q4, q4, True).shape == q4.shape
+
+
+def test_linear_attention_float16_and_nan_and_blind_queries():
+    q, k, v = (randn(1, 2, 8, 4, seed=s) for s in range(3))
+    half = linear_attention(q.half(), k.half(), v.half(), True)
+    assert half.dtype == torch.float16
+    torch.testing.assert_close(half.double(), linear_attention(q, k, v, True), atol=2e-3, rtol=2e-3)
+    out = linear_attention(q[:, :, :8], k[:, :, :3], v[:, :, :3], True)  # Lq > Lk
+    assert torch.equal(out[:, :, :5], torch.zeros(1, 2, 5, 4))  # these queries see no key
+    k[0, 0, 4, 1] = math.nan
+    out = linear_attention(q, k, v, True)
+    assert out[0, 0, 4:].isnan().all() and not out[0, 0, :4].isnan().any()
+    assert linear_attention(q, k, v, False)[0, 0].isnan().all()
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(causal=1), "causal"), (dict(eps=0.0), "eps"), (dict(feature_map=3), "feature_map"),
+])
+def test_linear_attention_arguments_are_checked(kwargs, match):
+    q = randn(1, 4, 3)
+    with pytest.raises((TypeError, ValueError), match=match):
+        linear_attention(q, q, q, **kwargs)
+
+
+@pytest.mark.parametrize("shapes,match", [
+    (((4, 3), (4, 2), (4, 3)), "k"), (((4, 3), (4, 3), (5, 3)), "v"),
+    (((3,), (3,), (3,)), "q"), (((4, 3), (0, 3), (0, 3)), "k.shape"),
+])
+def test_linear_attention_shapes_are_checked(shapes, match):
+    q, k, v = (torch.zeros(s, dtype=torch.float64) for s in shapes)
+    with pytest.raises(ValueError, match=match):
+        linear_attention(q, k, v)
+    with pytest.raises(TypeError, match="k"):
+        linear_attention(randn(4, 3), torch.zeros(4, 3, dtype=torch.int64), randn(4, 3))
+
+
+# --- FAVOR+ ---------------------------------------------------------------------------------
+
+
+def test_random_features_are_orthogonal_in_blocks_and_reproducible():
+    w = random_features(40, 16, True, torch.Generator().manual_seed(0), torch.float64)
+    assert w.shape == (40, 16)
+    block = w[:16] / w[:16].norm(dim=1, keepdim=True)
+    torch.testing.assert_close(block @ block.T, torch.eye(16, dtype=torch.float64))
+    again = random_features(40, 16, True, torch.Generator().manual_seed(0), torch.float64)
+    assert torch.equal(w, again)
+
+
+@pytest.mark.parametrize("orthogonal", [False, True])
+def test_positive_features_estimate_softmax_kernel_without_bias(orthogonal):
+    q, k = randn(2, 8, seed=5) * 0.2
+    gen = torch.Generator().manual_seed(1)
+    est = torch.stack([positive_features(q, w) @ positive_features(k, w)
+                       for w in (random_features(8, 8, orthogonal, gen, torch.float64)
+                                 for _ in range(3000))])
+    assert abs(float(est.mean()) - math.exp(float(q @ k))) < 4 * float(est.std()) / math.sqrt(3000)
+    assert (est > 0).all()
+
+
+def test_performer_converges_to_softmax_attention():
+    q, k, v = (randn(1, 2, 32, 8, seed=s) * 0.5 for s in range(3))
+    exact = F.scaled_dot_product_attention(q, k, v)
+    causal = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    gen = torch.Generator().manual_seed(0)
+    few = (performer_attention(q, k, v, 4, generator=gen) - exact).abs().mean()
+    many = (performer_attention(q, k, v, 4096, generator=gen) - exact).abs().mean()
+    assert many < few / 4 and many < 0.02
+    assert (performer_attention(q, k, v, 4096, True, gen, orthogonal=False)
+            - causal).abs().mean() < 0.03
+    blind = performer_attention(q[:, :, :8], k[:, :, :3], v[:, :, :3], 16, True, gen)
+    assert torch.equal(blind[:, :, :5], torch.zeros(1, 2, 5, 8))
+
+
+def test_performer_float32_large_scores_and_nan():
+    q, k, v = (randn(1, 1, 16, 8, seed=s, dtype=torch.float32) * 10 for s in range(3))
+    out = performer_attention(q, k, v, 64, generator=torch.Generator().manual_seed(0))
+    assert out.dtype == torch.float32 and out.isfinite().all()
+    q[0, 0, 3, 0] = math.nan
+    assert performer_attention(q, k, v, 64)[0, 0, 3].isnan().all()
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(num_features=0), "num_features"), (dict(num_features=2.5), "num_features"),
+    (dict(num_features=4, generator=3), "generator"),
+    (dict(num_features=4, orthogonal="yes"), "orthogonal"),
+    (dict(num_features=4, causal=None), "causal"),
+])
+def test_performer_arguments_are_checked(kwargs, match):
+    q = randn(1, 4, 3)
+    with pytest.raises((TypeError, ValueError), match=match):
+        performer_attention(q, q, q, **kwargs)
+
+
+# --- retention ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("L,chunk", [(1, 64), (1, 1), (5, 64), (64, 64), (100, 64), (37, 5),
+                                     (20, 1)])
+@pytest.mark.parametrize("gamma", [0.9, 1.0, "per-head"])
+def test_retention_modes_match_formula(L, chunk, gamma):
+    gamma = torch.tensor([0.3, 0.9, 1.0], dtype=torch.float64) if gamma == "per-head" else gamma
+    q, k, v = randn(2, 3, L, 4, seed=1), randn(2, 3, L, 4, seed=2), randn(2, 3, L, 6, seed=3)
+    reference = retention_reference(q, k, v, gamma)
+    for mode in MODES:
+        out = retention(q, k, v, gamma, mode, chunk)
+        assert out.shape == (2, 3, L, 6)
+        assert float((out - reference).abs().max()) < 1e-9
+
+
+def test_retention_float32_float16_and_nan():
+    q, k, v = (randn(1, 2, 40, 4, seed=s, dtype=torch.float32) for s in range(3))
+    gamma = torch.tensor([0.8, 0.95])
+    ref = retention_reference(q, k, v, gamma.double()).float()
+    for mode in MODES:
+        torch.testing.assert_close(retention(q, k, v, gamma, mode, 16), ref, rtol=1e-4, atol=1e-4)
+        half = retention(q.half(), k.half(), v.half(), 0.9, mode, 16)
+        assert half.dtype == torch.float16
+    k[0, 1, 10, 0] = math.nan
+    for mode in MODES:
+        out = retention(q, k, v, 0.9, mode, 16)
+        assert out[0, 1, 10:].isnan().all() and not out[0, 1, :10].isnan().any()
+        assert not out[0, 0].isnan().any()
+
+
+def test_retention_step_equals_recurrent_mode_with_constant_state():
+    q, k, v = randn(1, 3, 30, 4), randn(1, 3, 30, 4, seed=1), randn(1, 3, 30, 5, seed=2)
+    gamma = torch.tensor([0.5, 0.9, 1.0], dtype=torch.float64)
+    state, outs = None, []
+    for n in range(30):
+        out, state = retention_step(q[:, :, n], k[:, :, n], v[:, :, n], gamma, state)
+        assert state.shape == (1, 3, 4, 5)
+        outs.append(out)
+    torch.testing.assert_close(torch.stack(outs, 2), retention(q, k, v, gamma, "recurrent"))
+
+
+@pytest.mark.parametrize("gamma,match", [
+    (0.0, "gamma"), (1.5, "gamma"), (-0.1, "gamma"), (math.nan, "gamma"), ("0.9", "gamma"),
+    (torch.tensor([0.9, 0.9]), "gamma"), (torch.tensor([0.9, 0.0, 0.5]), "gamma"),
+    (torch.tensor([1, 1, 1]), "gamma"),
+])
+def test_retention_gamma_is_checked(gamma, match):
+    q = randn(1, 3, 4, 2)
+    with pytest.raises((TypeError, ValueError), match=match):
+        retention(q, q, q, gamma)
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda q: retention(q, q, q, 0.9, mode="fast"), "mode"),
+    (lambda q: retention(q, q, q, 0.9, chunk_size=0), "chunk_size"),
+    (lambda q: retention(q[0], q[0], q[0], 0.9), "q"),
+    (lambda q: retention(q, q[:, :, :2], q, 0.9), "k"),
+    (lambda q: retention(q, q, q[:, :, :2], 0.9), "v"),
+    (lambda q: retention_step(q[:, :, 0], q[:, :, 0], q[:, :, 0], 0.9, torch.zeros(1)), "state"),
+])
+def test_retention_arguments_are_checked(call, match):
+    with pytest.raises((TypeError, ValueError), match=match):
+        call(randn(1, 3, 4, 2))
