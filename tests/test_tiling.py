@@ -1,5 +1,7 @@
 """attnbook.tiling (chapter 11) against chapter 1, PyTorch and closed-form block counts."""
 
+import dataclasses
+import math
 import tracemalloc
 import warnings
 
@@ -9,11 +11,19 @@ import torch
 import torch.nn.functional as F
 
 from attnbook.attention import scaled_dot_product_attention, softmax
+from attnbook.cost import attention_flops
 from attnbook.tiling import (
+    GPUS,
+    GPUSpec,
+    attention_bytes,
+    attention_traffic,
     block_schedule,
+    find_gpu,
     flash_attention_numpy,
     online_softmax,
     online_softmax_update,
+    roofline_seconds,
+    schedule_flops,
 )
 
 
@@ -376,3 +386,132 @@ def test_no_private_names_of_other_modules_are_imported():
     for node in ast.walk(ast.parse(inspect.getsource(tiling))):
         if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("attnbook"):
             assert not [a.name for a in node.names if a.name.startswith("_")], node.module
+
+
+# --- memory traffic, FLOPs and the roofline ------------------------------------------------
+
+
+def visited_pairs(lq, lk, bq, bk, causal):
+    """(query rows, key rows, scores) of each tile pair a kernel must visit, read off the mask."""
+    mask = causal_mask(lq, lk) if causal else np.ones((lq, lk), bool)
+    return [(min(q0 + bq, lq) - q0, min(k0 + bk, lk) - k0,
+             int(mask[q0:q0 + bq, k0:k0 + bk].size))
+            for q0 in range(0, lq, bq) for k0 in range(0, lk, bk)
+            if mask[q0:q0 + bq, k0:k0 + bk].any()]
+
+
+SHAPES = [(1, 1, 1, 1), (1, 9, 4, 4), (9, 1, 4, 4), (100, 100, 16, 16), (77, 130, 16, 7),
+          (130, 77, 5, 32), (64, 64, 64, 64), (65, 63, 64, 16), (50, 50, 200, 200)]
+
+
+@pytest.mark.parametrize("lq, lk, bq, bk", SHAPES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_tiled_traffic_equals_the_tiles_read_off_the_mask(lq, lk, bq, bk, causal):
+    d, pairs = 8, visited_pairs(lq, lk, bq, bk, causal)
+    key_rows, query_rows = sum(p[1] for p in pairs), sum(p[0] for p in pairs)
+    forward = attention_traffic(lq, lk, d, causal=causal, block_q=bq, block_k=bk, itemsize=2)
+    assert forward == {"Q": 2 * lq * d, "K": 2 * key_rows * d, "V": 2 * key_rows * d,
+                       "O": 2 * lq * d, "lse": 4 * lq}
+    backward = attention_traffic(lq, lk, d, causal=causal, backward=True, block_q=bq,
+                                 block_k=bk, itemsize=4)
+    assert backward["dO"] == 4 * d * (2 * lq + query_rows)
+    assert backward["K"] == backward["V"] == 4 * d * (lk + key_rows)
+    assert backward["Q"] == 4 * d * (lq + query_rows) and backward["lse"] == 4 * (lq + query_rows)
+    assert backward["dQ"] == 4 * lq * d and backward["dK"] == backward["dV"] == 4 * lk * d
+    assert attention_bytes(lq, lk, d, causal=causal, block_q=bq, block_k=bk) == sum(
+        forward.values())
+    scores = sum(p[2] for p in pairs)
+    assert schedule_flops(lq, lk, d, causal=causal, block_q=bq, block_k=bk) == 4 * d * scores
+    assert schedule_flops(lq, lk, d, causal=causal, backward=True, block_q=bq,
+                          block_k=bk) == 14 * d * scores
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_tally_of_flash_attention_numpy_equals_the_count(seed):
+    rng = np.random.default_rng(200 + seed)
+    batch = tuple(int(n) for n in rng.integers(1, 3, size=rng.integers(0, 3)))
+    lq, lk, d = (int(n) for n in rng.integers(1, 90, size=3))
+    block, causal = int(rng.choice([1, 3, 16, 64, 100])), bool(seed % 2)
+    Q, K = rng.normal(size=(*batch, lq, d)), rng.normal(size=(*batch, lk, d))
+    V = rng.normal(size=(*batch, lk, d))
+    tally = {"K": 5}  # a tally adds to what is there
+    out = flash_attention_numpy(Q, K, V, causal=causal, block_size=block, tally=tally)
+    np.testing.assert_array_equal(out, flash_attention_numpy(Q, K, V, causal, block))
+    counted = attention_traffic(lq, lk, d, causal=causal, block_q=block, block_k=block,
+                                itemsize=1)
+    heads = math.prod(batch)
+    assert tally == {"Q": heads * counted["Q"], "K": 5 + heads * counted["K"],
+                     "V": heads * counted["V"], "O": heads * counted["O"]}
+
+
+def test_traffic_closed_forms():
+    n, d, b = 4096, 64, 64
+    naive = attention_traffic(n, n, d, "naive", itemsize=2)
+    assert naive["S"] == naive["P"] == 2 * 2 * n * n
+    assert attention_traffic(n, n, d, "naive", causal=True) == naive  # written whole
+    naive_bwd = attention_traffic(n, n, d, "naive", backward=True, itemsize=2)
+    assert naive_bwd["P"] + naive_bwd["dP"] + naive_bwd["dS"] == 7 * 2 * n * n
+    tiled = attention_traffic(n, n, d, block_q=b, block_k=b)
+    assert tiled["K"] == (n // b) * n * d * 2
+    once = attention_traffic(n, n, d, block_q=n, block_k=n)
+    assert once["K"] == n * d * 2 and sum(once.values()) == 4 * n * d * 2 + 4 * n
+    # causal: query tile i loads key tiles 0..i
+    causal = attention_traffic(n, n, d, causal=True, block_q=b, block_k=b)
+    assert causal["K"] == (n // b) * (n // b + 1) // 2 * b * d * 2
+    # more queries than keys, causal: the first query tiles see no key and load none
+    assert attention_traffic(200, 10, 4, causal=True, block_q=10, block_k=10)["K"] == 10 * 4 * 2
+    assert schedule_flops(n, n, d, "naive", causal=True) == attention_flops(n, n, d)
+    assert schedule_flops(n, n, d) == attention_flops(n, n, d)
+    assert schedule_flops(n, n, d, "naive", backward=True) == 2 * attention_flops(n, n, d)
+    assert schedule_flops(n, n, d, causal=True) > attention_flops(n, n, d, causal=True)
+
+
+def test_gpus_and_the_roofline():
+    for key, gpu in GPUS.items():
+        assert find_gpu(f"NVIDIA {key.lower()}-SXM") is gpu and isinstance(gpu, GPUSpec)
+        ridge = gpu.peak_flops(2) / gpu.bandwidth
+        compute_binds = roofline_seconds(2 * ridge, 1.0, key)
+        assert math.isclose(compute_binds, 2 / gpu.bandwidth, rel_tol=1e-12)
+        assert roofline_seconds(0.5 * ridge, 1.0, gpu) == 1 / gpu.bandwidth  # memory binds
+        assert roofline_seconds(1e9, 0, gpu, itemsize=4) == 1e9 / gpu.fp32_flops
+        assert gpu.fp32_flops < gpu.fp16_flops
+    assert find_gpu("Tesla T4") is GPUS["T4"]
+    assert find_gpu("NVIDIA A100-SXM4-80GB") is GPUS["A100"]
+    assert roofline_seconds(0, 0, "H100") == 0.0
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        GPUS["T4"].bandwidth = 1.0
+
+
+@pytest.mark.parametrize(
+    "call, error, message",
+    [
+        (lambda: attention_traffic(0, 4, 8), ValueError, "Lq must be at least 1, got Lq=0"),
+        (lambda: attention_traffic(4, 4.0, 8), TypeError, "Lk must be an int, got Lk=4.0"),
+        (lambda: attention_traffic(4, 4, True), TypeError, "d must be an int, got d=True"),
+        (lambda: attention_traffic(4, 4, 8, "flash"), ValueError,
+         r"method must be one of \['naive', 'tiled'\], got method='flash'"),
+        (lambda: attention_traffic(4, 4, 8, causal=1), TypeError, "causal must be True or False"),
+        (lambda: attention_traffic(4, 4, 8, backward="no"), TypeError,
+         "backward must be True or False"),
+        (lambda: attention_traffic(4, 4, 8, block_q=0), ValueError, "block_q must be at least 1"),
+        (lambda: attention_bytes(4, 4, 8, block_k=None), TypeError, "block_k must be an int"),
+        (lambda: attention_traffic(4, 4, 8, itemsize=0), ValueError, "itemsize must be at least"),
+        (lambda: schedule_flops(4, 4, 8, method=None), ValueError, "method must be one of"),
+        (lambda: find_gpu("NVIDIA V100"), ValueError,
+         "device_name must name one of .*, got device_name='NVIDIA V100'"),
+        (lambda: find_gpu(3), TypeError, "device_name must be an instance of str"),
+        (lambda: roofline_seconds(-1, 1, "T4"), ValueError, "flops must be a finite number"),
+        (lambda: roofline_seconds(1, float("nan"), "T4"), ValueError,
+         "bytes_moved must be a finite number"),
+        (lambda: roofline_seconds(1, 1, "V100"), ValueError, "gpu must be one of"),
+        (lambda: roofline_seconds(1, 1, 3), TypeError, "gpu must be an instance of GPUSpec"),
+        (lambda: roofline_seconds(1, 1, "T4", itemsize=8), ValueError,
+         "itemsize must be 2 or 4, got itemsize=8"),
+        (lambda: GPUS["A100"].peak_flops(2.0), TypeError, "itemsize must be an int"),
+        (lambda: flash_attention_numpy(**OK, tally=[]), TypeError,
+         "tally must be an instance of dict, got tally=\\[\\]"),
+    ],
+)
+def test_bad_traffic_and_roofline_inputs(call, error, message):
+    with pytest.raises(error, match=message):
+        call()

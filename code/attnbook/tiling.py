@@ -9,13 +9,31 @@ __all__ = [
     "online_softmax",
     "block_schedule",
     "flash_attention_numpy",
+    "attention_traffic",
+    "attention_bytes",
+    "schedule_flops",
+    "GPUSpec",
+    "GPUS",
+    "find_gpu",
+    "roofline_seconds",
 ]
 
 # chapters/11-tiling.md, "Softmax from a stream of blocks"
+from dataclasses import dataclass
+
 import numpy as np
 
 from attnbook.attention import check_qkv, divide_or_zero
-from attnbook.conventions import check_array, check_bool, check_int, check_scale, compute_dtype
+from attnbook.conventions import (
+    check_array,
+    check_bool,
+    check_choice,
+    check_instance,
+    check_int,
+    check_real,
+    check_scale,
+    compute_dtype,
+)
 
 
 def online_softmax_update(m, l, block) -> tuple[np.ndarray, np.ndarray]:
@@ -71,13 +89,15 @@ def _key_blocks(q0: int, q1: int, lk: int, offset: int, block_size: int, causal:
 
 # chapters/11-tiling.md, "Attention in one pass over the keys"
 def flash_attention_numpy(Q, K, V, causal: bool = False, block_size: int = 64,
-                          scale: float | None = None) -> np.ndarray:
+                          scale: float | None = None, *, tally: dict | None = None) -> np.ndarray:
     """Tiled attention with the online softmax, in NumPy: the output of attention's
     scaled_dot_product_attention up to rounding, holding one tile of scores at a time. With
-    `causal`, query i sees key j iff j <= i + (Lk - Lq) (bottom-right)."""
+    `causal`, query i sees key j iff j <= i + (Lk - Lq) (bottom-right). A dict `tally` gets the
+    number of elements loaded from Q, K, V and stored to O added under those keys."""
     Q, K, V = check_qkv(Q, K, V)
     block_size = check_int("block_size", block_size, minimum=1)
     causal, scale = check_bool("causal", causal), check_scale(scale, Q.shape[-1])
+    tally = {} if tally is None else check_instance("tally", tally, dict)
     dtype = np.result_type(Q, K, V)
     batch = np.broadcast_shapes(Q.shape[:-2], K.shape[:-2], V.shape[:-2])
     Q, K, V = (np.broadcast_to(x.astype(compute_dtype(dtype), copy=False), batch + x.shape[-2:])
@@ -85,22 +105,28 @@ def flash_attention_numpy(Q, K, V, causal: bool = False, block_size: int = 64,
     lq, offset = Q.shape[-2], K.shape[-2] - Q.shape[-2]
     out = np.empty(batch + (lq, V.shape[-1]), dtype)  # (..., Lq, dv)
     for q0 in range(0, lq, block_size):
-        q = Q[..., q0:q0 + block_size, :]  # (..., bq, d)
-        out[..., q0:q0 + block_size, :] = _attend_query_block(q, K, V, q0, offset, block_size,
-                                                              causal, scale)
+        q = _tallied(tally, "Q", Q[..., q0:q0 + block_size, :])  # (..., bq, d)
+        out[..., q0:q0 + block_size, :] = _tallied(tally, "O", _attend_query_block(
+            q, K, V, q0, offset, block_size, causal, scale, tally))  # stored once
     return out
+
+
+def _tallied(tally: dict, name: str, tile: np.ndarray) -> np.ndarray:
+    """`tile`, after adding its number of elements to tally[name]."""
+    tally[name] = tally.get(name, 0) + tile.size
+    return tile
 
 
 # chapters/11-tiling.md, "Attention in one pass over the keys"
 def _attend_query_block(q, K, V, q0: int, offset: int, block_size: int, causal: bool,
-                        scale: float) -> np.ndarray:
+                        scale: float, tally: dict) -> np.ndarray:
     """Outputs of the queries q (..., bq, d), rows q0.. of Q; causal: key j <= query i + offset."""
     bq, lk = q.shape[-2], K.shape[-2]
     m = np.full(q.shape[:-1], -np.inf, q.dtype)  # (..., bq) running max
     l = np.zeros(q.shape[:-1], q.dtype)  # (..., bq) running sum
     acc = np.zeros(q.shape[:-1] + V.shape[-1:], q.dtype)  # (..., bq, dv) unnormalised output
     for k0, k1, needs_mask in _key_blocks(q0, q0 + bq, lk, offset, block_size, causal):
-        s = q @ np.swapaxes(K[..., k0:k1, :], -1, -2)  # (..., bq, bk): the only scores held
+        s = q @ np.swapaxes(_tallied(tally, "K", K[..., k0:k1, :]), -1, -2)  # (..., bq, bk)
         s *= scale
         if needs_mask:
             s[..., np.arange(k0, k1) > np.arange(q0, q0 + bq)[:, None] + offset] = -np.inf
@@ -110,6 +136,138 @@ def _attend_query_block(q, K, V, q0: int, offset: int, block_size: int, causal: 
         l *= alpha
         l += s.sum(axis=-1)
         acc *= alpha[..., None]
-        acc += s @ V[..., k0:k1, :]
+        acc += s @ _tallied(tally, "V", V[..., k0:k1, :])
         del s  # free this tile before the next one is made
     return divide_or_zero(acc, l[..., None])
+
+
+# chapters/11-tiling.md, "Traffic: the bytes a GPU moves"
+_FLOAT32 = ("lse", "delta")  # one float32 per query row in chapter 12's kernels
+
+
+def attention_traffic(Lq: int, Lk: int, d: int, method: str = "tiled", causal: bool = False,
+                      backward: bool = False, block_q: int = 64, block_k: int = 64,
+                      itemsize: int = 2) -> dict[str, int]:
+    """Bytes each tensor moves between a GPU's main memory and the chip, for one (batch, head)
+    of attention with head size d: "naive" writes and reads S and P; "tiled" runs chapter 12's
+    kernels on block_q x block_k tiles, loading K and V once per query tile that needs them."""
+    Lq, Lk, d, method, causal, backward, block_q, block_k = _checked(
+        Lq, Lk, d, method, causal, backward, block_q, block_k)
+    itemsize = check_int("itemsize", itemsize, minimum=1)
+    if method == "naive":
+        elements = _naive_elements(Lq, Lk, d, backward)
+    else:
+        key_rows, query_rows, _ = _visits(Lq, Lk, block_q, block_k, causal)
+        elements = _tiled_elements(Lq, Lk, d, key_rows, query_rows, backward)
+    return {name: n * (4 if name in _FLOAT32 else itemsize) for name, n in elements.items()}
+
+
+def attention_bytes(Lq: int, Lk: int, d: int, method: str = "tiled", causal: bool = False,
+                    backward: bool = False, block_q: int = 64, block_k: int = 64,
+                    itemsize: int = 2) -> int:
+    """The total of attention_traffic: bytes moved for one (batch, head)."""
+    return sum(attention_traffic(Lq, Lk, d, method, causal, backward, block_q, block_k,
+                                 itemsize).values())
+
+
+def _checked(Lq, Lk, d, method, causal, backward, block_q, block_k) -> tuple:
+    return (check_int("Lq", Lq, 1), check_int("Lk", Lk, 1), check_int("d", d, 1),
+            check_choice("method", method, ("naive", "tiled")), check_bool("causal", causal),
+            check_bool("backward", backward), check_int("block_q", block_q, 1),
+            check_int("block_k", block_k, 1))
+
+
+# chapters/11-tiling.md, "Traffic: the bytes a GPU moves"
+def _visits(Lq: int, Lk: int, block_q: int, block_k: int, causal: bool) -> tuple[int, int, int]:
+    """Over the (query tile, key tile) pairs chapter 12's kernels visit: the key rows loaded, the
+    query rows loaded, and the scores computed."""
+    key_rows = query_rows = scores = 0
+    for q0 in range(0, Lq, block_q):
+        rows = min(q0 + block_q, Lq) - q0
+        hi = min(Lk, q0 + block_q + Lk - Lq) if causal else Lk  # keys from hi on: skipped
+        tiles = max(0, -(-hi // block_k))  # key tiles 0 .. tiles - 1
+        cols = min(tiles * block_k, Lk)
+        key_rows, query_rows = key_rows + cols, query_rows + rows * tiles
+        scores += rows * cols
+    return key_rows, query_rows, scores
+
+
+def _naive_elements(Lq: int, Lk: int, d: int, backward: bool) -> dict[str, int]:
+    nn, q, k = Lq * Lk, Lq * d, Lk * d
+    if not backward:  # S = scale Q K^T;  P = softmax(S);  O = P V
+        return {"Q": q, "K": k, "V": k, "S": 2 * nn, "P": 2 * nn, "O": q}
+    # dV = P^T dO;  dP = dO V^T;  dS = P (dP - rowsum(P dP));  dQ = dS K;  dK = dS^T Q
+    return {"P": 2 * nn, "dO": 2 * q, "V": k, "dP": 2 * nn, "dS": 3 * nn, "K": k, "Q": q,
+            "dQ": q, "dK": k, "dV": k}
+
+
+def _tiled_elements(Lq: int, Lk: int, d: int, key_rows: int, query_rows: int,
+                    backward: bool) -> dict[str, int]:
+    if not backward:  # Q once, K and V per visit, O and the logsumexp once
+        return {"Q": Lq * d, "K": key_rows * d, "V": key_rows * d, "O": Lq * d, "lse": Lq}
+    # delta kernel: O, dO -> delta;  dK dV kernel: K, V once, Q, dO, lse, delta per visit;
+    # dQ kernel: Q, dO, lse, delta once, K, V per visit
+    return {"O": Lq * d, "dO": (2 * Lq + query_rows) * d, "delta": 2 * Lq + query_rows,
+            "Q": (query_rows + Lq) * d, "K": (Lk + key_rows) * d, "V": (Lk + key_rows) * d,
+            "lse": query_rows + Lq, "dQ": Lq * d, "dK": Lk * d, "dV": Lk * d}
+
+
+# chapters/11-tiling.md, "The roofline: which side binds"
+def schedule_flops(Lq: int, Lk: int, d: int, method: str = "tiled", causal: bool = False,
+                   backward: bool = False, block_q: int = 64, block_k: int = 64) -> int:
+    """FLOPs of the matrix products in attention_traffic's schedule, for one (batch, head):
+    2 * d per score and product; 2 products forward, 4 backward naive and 7 tiled."""
+    Lq, Lk, d, method, causal, backward, block_q, block_k = _checked(
+        Lq, Lk, d, method, causal, backward, block_q, block_k)
+    scores = Lq * Lk if method == "naive" else _visits(Lq, Lk, block_q, block_k, causal)[2]
+    products = {False: 2, True: 4 if method == "naive" else 7}[backward]
+    return 2 * d * scores * products
+
+
+# chapters/11-tiling.md, "The roofline: which side binds"
+@dataclass(frozen=True)
+class GPUSpec:
+    """A GPU's published peaks (chapter 11): main-memory bandwidth in bytes/s, and dense FLOP/s
+    of 16-bit products on tensor cores and of float32 ones without them."""
+    name: str
+    bandwidth: float
+    fp16_flops: float
+    fp32_flops: float
+    source: str  # the datasheet: its key in the book's bibliography
+
+    def peak_flops(self, itemsize: int = 2) -> float:
+        """FLOP/s for elements of `itemsize` bytes: 2 (float16, bfloat16) or 4 (float32)."""
+        if check_int("itemsize", itemsize) not in (2, 4):
+            raise ValueError(f"itemsize must be 2 or 4, got itemsize={itemsize!r}")
+        return self.fp16_flops if itemsize == 2 else self.fp32_flops
+
+
+GPUS = {
+    "T4": GPUSpec("NVIDIA T4", 320e9, 65e12, 8.1e12, "nvidia2018t4"),
+    "A100": GPUSpec("NVIDIA A100 SXM4 80GB", 2039e9, 312e12, 19.5e12, "nvidia2020a100"),
+    "H100": GPUSpec("NVIDIA H100 SXM5", 3.35e12, 989.5e12, 67e12, "nvidia2022h100"),
+    "H200": GPUSpec("NVIDIA H200 SXM", 4.8e12, 989.5e12, 67e12, "nvidia2023h200"),
+}
+
+
+# chapters/11-tiling.md, "The roofline: which side binds"
+def find_gpu(device_name: str) -> GPUSpec:
+    """The entry of GPUS whose key `device_name` contains, such as
+    find_gpu(torch.cuda.get_device_name()) on "NVIDIA A100-SXM4-80GB" or "Tesla T4"."""
+    check_instance("device_name", device_name, str)
+    for key, spec in GPUS.items():
+        if key in device_name.upper():
+            return spec
+    raise ValueError(f"device_name must name one of {sorted(GPUS)}, got "
+                     f"device_name={device_name!r}")
+
+
+def roofline_seconds(flops, bytes_moved, gpu, itemsize: int = 2) -> float:
+    """The least time the roofline model allows: the longer of computing `flops` at the GPU's
+    peak and moving `bytes_moved` at its bandwidth. `gpu`: a GPUSpec or a key of GPUS."""
+    flops = check_real("flops", flops, 0.0)
+    bytes_moved = check_real("bytes_moved", bytes_moved, 0.0)
+    if isinstance(gpu, str):
+        gpu = GPUS[check_choice("gpu", gpu, GPUS)]
+    gpu = check_instance("gpu", gpu, GPUSpec)
+    return max(flops / gpu.peak_flops(itemsize), bytes_moved / gpu.bandwidth)
