@@ -9,10 +9,18 @@ Providers, each timed for the forward pass ("fwd") and forward plus backward ("f
                   with status "unavailable";
 - naive:          softmax(scale * Q K^T) V in PyTorch, with the attention matrix materialised.
 
-    python benchmarks/flash_attention.py            # GPU: float16, D = 64, 128, N = 512 .. 16384
+    python benchmarks/flash_attention.py            # GPU: float16 and bfloat16, D = 64, 128,
+                                                    # N = 512 .. 16384
     python benchmarks/flash_attention.py --small    # CPU, Triton's interpreter, tiny sizes (CI)
+    python benchmarks/flash_attention.py --roofline # the bound of this GPU for the same sizes
 
-Writes OUT/flash_attention.csv and OUT/flash_attention.png (OUT defaults to benchmarks/results).
+Writes OUT/flash_attention.csv and OUT/flash_attention.png (OUT defaults to benchmarks/results),
+or, with --roofline, OUT/roofline.csv: for each size, the time below which no kernel that moves
+chapter 12's bytes and does its FLOPs can run on this GPU (attnbook.tiling's roofline_seconds,
+with attention_bytes and schedule_flops for our launcher's tiles, and for tiles as long as the
+sequence: every input read once), and the TFLOP/s that time means in this benchmark's count.
+Naive attention and SDPA's math backend, which hold the N x N matrix, are skipped ("skipped")
+where it would not fit in the GPU's free memory.
 
 FLOPs: the forward pass does two matrix products, Q K^T and P V, 4 * B * H * Lq * Lk * D
 floating-point operations, half of them under a causal mask; the backward pass does five (S
@@ -40,6 +48,7 @@ import torch.nn.functional as F
 COLUMNS = ["provider", "mode", "dtype", "device", "batch", "heads", "seqlen", "head_dim",
            "causal", "ms", "tflops", "peak_mem_mb", "status"]
 MODES = ("fwd", "fwd+bwd")
+MATERIALISE = ("naive", "sdpa-math")  # providers that hold the N x N matrix of scores
 SDPA_BACKENDS = {  # provider name -> name of the torch.nn.attention.SDPBackend member
     "sdpa-flash": "FLASH_ATTENTION",
     "sdpa-efficient": "EFFICIENT_ATTENTION",
@@ -102,10 +111,10 @@ def step(fn, q, k, v, do, causal: bool, mode: str):
 
 
 def time_ms(call, device: str, repeats: int) -> float:
-    if device == "cuda":
+    if device == "cuda":  # short warm-up and repeats (ms): the whole run must fit a GPU lease
         import triton.testing
 
-        return float(triton.testing.do_bench(call))
+        return float(triton.testing.do_bench(call, warmup=10, rep=40, return_mode="median"))
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -134,6 +143,11 @@ def measure(fn, config: dict, mode: str, repeats: int) -> dict:
            "dtype": str(dtype).replace("torch.", ""), "device": device}
     if fn is None:
         return {**row, "status": "unavailable"}
+    if config["provider"] in MATERIALISE and device == "cuda":
+        # scores, weights and (backward) their gradients: N x N numbers per (batch, head) each
+        matrices = (2 if mode == "fwd" else 5) * b * h * n * n * dtype.itemsize
+        if matrices > 0.8 * torch.cuda.mem_get_info()[0]:
+            return {**row, "status": "skipped"}
     torch.manual_seed(0)
     q, k, v = (torch.randn(b, h, n, d, device=device, dtype=dtype, requires_grad=True)
                for _ in range(3))
@@ -163,7 +177,7 @@ def check_ours(device: str, dtype: torch.dtype, head_dim: int, causal: bool) -> 
     q, k, v = (torch.randn(1, 2, 100, head_dim, device=device, dtype=dtype) for _ in range(3))
     expected = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=causal)
     error = (flash_attention(q, k, v, causal=causal).float() - expected).abs().max().item()
-    if error > (1e-4 if dtype == torch.float32 else 1e-2):
+    if error > {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 3e-2}[dtype]:
         raise SystemExit(f"ours differs from PyTorch by {error:.2g} (D={head_dim}, "
                          f"causal={causal}, {dtype}): not benchmarking a wrong kernel")
     return error
@@ -171,28 +185,71 @@ def check_ours(device: str, dtype: torch.dtype, head_dim: int, causal: bool) -> 
 
 def configs(small: bool):
     if small:
-        device, dtype, dims, lengths = "cpu", torch.float32, (16,), (64, 128)
+        device, dtypes, dims, lengths = "cpu", (torch.float32,), (16,), (64, 128)
     else:
-        device, dtype, dims, lengths = "cuda", torch.float16, (64, 128), (
+        device, dtypes, dims, lengths = "cuda", (torch.float16, torch.bfloat16), (64, 128), (
             512, 1024, 2048, 4096, 8192, 16384)
-    for head_dim in dims:
-        for causal in (False, True):
-            for n in lengths:
-                batch = 1 if small else max(1, 16384 // n)
-                heads = 2 if small else 2048 // head_dim
-                yield {"device": device, "dtype": dtype, "head_dim": head_dim,
-                       "causal": causal, "seqlen": n, "batch": batch, "heads": heads}
+    for dtype in dtypes:
+        for head_dim in dims:
+            for causal in (False, True):
+                for n in lengths:
+                    batch = 1 if small else max(1, 16384 // n)
+                    heads = 2 if small else 2048 // head_dim
+                    yield {"device": device, "dtype": dtype, "head_dim": head_dim,
+                           "causal": causal, "seqlen": n, "batch": batch, "heads": heads}
 
 
-def write_csv(rows: list[dict], path: Path) -> None:
+ROOFLINE_COLUMNS = ["gpu", "dtype", "batch", "heads", "seqlen", "head_dim", "causal", "mode",
+                    "tiles", "block_q", "block_k", "flops", "bytes", "bound_ms", "bound_tflops"]
+
+
+def roofline(small: bool) -> list[dict]:
+    """The roofline bound (attnbook.tiling, chapter 11) of every size the benchmark measures, on
+    this GPU (on a CPU, --small: the H100, as an illustration). "launcher": the bytes and FLOPs
+    of chapter 12's kernels with the launcher's tiles on this GPU (the forward kernel's for the
+    forward pass, the dK, dV kernel's for forward + backward); "inputs once": tiles as long as
+    the sequence, so that every input is read once (no causal skip, so not under a mask)."""
+    from attnbook import tiling
+    from attnbook.kernels import launch_settings
+
+    if small:
+        name, capability = "H100", 90
+    else:
+        name = torch.cuda.get_device_name(0)
+        major, minor = torch.cuda.get_device_capability(0)
+        capability = 10 * major + minor
+    gpu = tiling.find_gpu(name)  # ValueError for a GPU without datasheet figures there
+    rows = []
+    for config in configs(small):
+        b, h, n, d = (config[key] for key in ("batch", "heads", "seqlen", "head_dim"))
+        causal, itemsize = config["causal"], config["dtype"].itemsize
+        for mode in MODES:
+            kernel = "forward" if mode == "fwd" else "dkdv"
+            block_q, block_k, _, _ = launch_settings(kernel, itemsize, d, capability)[0]
+            for tiles, (bq, bk) in [("launcher", (block_q, block_k)), ("inputs once", (n, n))]:
+                if tiles == "inputs once" and causal:
+                    continue
+                shape = dict(causal=causal, backward=mode == "fwd+bwd", block_q=bq, block_k=bk)
+                work = b * h * tiling.schedule_flops(n, n, d, **shape)
+                moved = b * h * tiling.attention_bytes(n, n, d, itemsize=itemsize, **shape)
+                seconds = tiling.roofline_seconds(work, moved, gpu, itemsize)
+                rows.append({"gpu": gpu.name, "dtype": str(config["dtype"])[6:], "batch": b,
+                             "heads": h, "seqlen": n, "head_dim": d, "causal": causal,
+                             "mode": mode, "tiles": tiles, "block_q": bq, "block_k": bk,
+                             "flops": work, "bytes": moved, "bound_ms": seconds * 1e3,
+                             "bound_tflops": flops(b, h, n, d, causal, mode) / seconds / 1e12})
+    return rows
+
+
+def write_csv(rows: list[dict], path: Path, columns: list[str] = COLUMNS) -> None:
     with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer = csv.DictWriter(f, fieldnames=columns)
         writer.writeheader()
         for row in rows:
             writer.writerow({key: (f"{row[key]:.4g}" if isinstance(row[key], float) and
                                    not math.isnan(row[key]) else
                                    "" if isinstance(row[key], float) else row[key])
-                             for key in COLUMNS})
+                             for key in columns})
 
 
 def plot(rows: list[dict], path: Path) -> bool:
@@ -205,21 +262,22 @@ def plot(rows: list[dict], path: Path) -> bool:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = sorted({(r["head_dim"], r["causal"]) for r in rows})
-    fig, axes = plt.subplots(len(MODES), len(panels), figsize=(3.2 * len(panels), 5.5),
+    panels = sorted({(r["dtype"], r["head_dim"], r["causal"]) for r in rows})
+    fig, axes = plt.subplots(len(MODES), max(1, len(panels)), figsize=(3.2 * len(panels), 5.5),
                              squeeze=False, sharex=True)
     for i, mode in enumerate(MODES):
-        for j, (head_dim, causal) in enumerate(panels):
+        for j, panel in enumerate(panels):
             ax = axes[i][j]
             for provider in dict.fromkeys(r["provider"] for r in rows):
                 points = [(r["seqlen"], r["tflops"]) for r in rows
-                          if (r["provider"], r["mode"], r["head_dim"], r["causal"]) ==
-                          (provider, mode, head_dim, causal) and r["status"] == "ok"]
+                          if (r["provider"], r["mode"]) == (provider, mode) and r["status"] == "ok"
+                          and (r["dtype"], r["head_dim"], r["causal"]) == panel]
                 if points:
                     ax.plot(*zip(*points), "o-", label=provider, markersize=3)
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
-            ax.set_title(f"{mode}, D={head_dim}{', causal' if causal else ''}", fontsize=9)
+            dtype, head_dim, causal = panel
+            ax.set_title(f"{dtype} {mode}, D={head_dim}{', causal' if causal else ''}", fontsize=9)
             ax.set_xlabel("sequence length N")
             if j == 0:
                 ax.set_ylabel("TFLOP/s")
@@ -237,7 +295,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results",
                         help="folder for flash_attention.csv and flash_attention.png")
     parser.add_argument("--repeats", type=int, default=3, help="timed calls per point on CPU")
+    parser.add_argument("--roofline", action="store_true",
+                        help="write the roofline bound of this GPU (roofline.csv) instead")
     args = parser.parse_args(argv)
+    if args.roofline:
+        if not (args.small or torch.cuda.is_available()):
+            parser.error("the roofline of this machine's GPU needs a CUDA GPU; use --small")
+        rows = roofline(args.small)
+        args.out.mkdir(parents=True, exist_ok=True)
+        write_csv(rows, args.out / "roofline.csv", ROOFLINE_COLUMNS)
+        for r in rows:
+            if r["seqlen"] in (4096, 16384) or args.small:
+                print(f"{r['gpu']} {r['dtype']} {r['mode']:>7} D={r['head_dim']:<3} "
+                      f"N={r['seqlen']:<6} causal={r['causal']!s:<5} {r['tiles']:>11}: "
+                      f"at most {r['bound_tflops']:7.1f} TFLOP/s ({r['bound_ms']:.3g} ms)")
+        print(f"wrote {args.out / 'roofline.csv'}")
+        return 0
     if args.small:  # must happen before attnbook.kernels (and so triton) is imported
         os.environ.setdefault("TRITON_INTERPRET", "1")
     elif not torch.cuda.is_available():
@@ -249,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
         if config["seqlen"] == min(c["seqlen"] for c in configs(args.small)):
             error = check_ours(config["device"], config["dtype"], config["head_dim"],
                                config["causal"])
-            print(f"check: D={config['head_dim']} causal={config['causal']}: "
+            print(f"check: {config['dtype']} D={config['head_dim']} causal={config['causal']}: "
                   f"max |ours - SDPA| = {error:.1e}", flush=True)
         for name, fn in found.items():
             for mode in MODES:

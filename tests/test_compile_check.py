@@ -48,13 +48,19 @@ def _tile_rows(kernel, head_dim, element_size) -> int:
     return kernels.TILE_ROWS[kernel, element_size][head_dim]
 
 
-def _request(kernel, gpu, dtype, head_dim, causal=True, block=None) -> dict:
+def _request(kernel, gpu, dtype, head_dim, causal=True, block=None, block_n=None, warps=None,
+             stages=None) -> dict:
     """A request with its defaults filled in as compile_kernels fills them (block None: the
-    launcher's tile), so that equal compilations have equal requests."""
+    launcher's settings on that GPU; a block alone: square tiles, 4 warps, 2 stages), so that
+    equal compilations have equal requests."""
     if block is None:
-        block = _tile_rows(kernel, head_dim, ELEMENT_SIZE[dtype])
+        default = kernels.launch_settings(kernel, ELEMENT_SIZE[dtype], head_dim, GPUS[gpu])[0]
+    else:
+        default = (block, block, kernels.NUM_WARPS, kernels.NUM_STAGES)
+    block, block_n, warps, stages = (given or d for given, d in
+                                     zip((block, block_n, warps, stages), default))
     return dict(kernel=kernel, gpu=gpu, dtype=dtype, head_dim=head_dim, causal=causal,
-                block=block)
+                block=block, block_n=block_n, warps=warps, stages=stages)
 
 
 def _clean(r: Compiled) -> bool:
@@ -112,23 +118,27 @@ class _Compiler:
 
 
 def _tile_table_plan(dtype: str):
-    """The launcher's table for `dtype`, the requests for its own tiles, and the larger tiles.
+    """The fewest compilations that prove TILE_ROWS for `dtype`: (own, larger).
 
-    choose_tiles picks, for each kernel and head dimension, the first of the 64- and 32-row tiles
-    that is clean on every GPU, and 16 where neither is. So over all the candidates (those of
-    largest_tiles) it picks the table's entry t iff t is clean on every GPU (when t is 64 or 32)
-    and every larger tile is not clean on some GPU; smaller tiles cannot change the choice.
-    The plan: t on every GPU (`own`, requested with block None: the launcher's tile), and the
-    larger tiles (`larger`, as (kernel, head_dim, block)), seen by _larger_tiles.
+    TILE_ROWS holds, for each kernel and head dimension, the largest square tile of 64 and 32
+    rows (4 warps, 2 stages) that is clean on every GPU, and 16 where neither is. A larger tile,
+    or a wider head, holds more in shared memory and in registers, never less (the chapter's
+    report and test_report_describes_the_compiled_kernel show it), so it is enough to show, for
+    each tile t that a kernel's row of the table holds, that t is clean on every GPU at the
+    widest head that takes t (`own`, when t is 64 or 32), and that 2t is not clean on some GPU
+    at the narrowest head that takes t (`larger`, (dtype, kernel, head_dim, 2t), when t < 64).
     """
-    expected, own, larger = {}, [], []
+    own, larger = [], []
     for kernel in KERNELS:
-        for d in HEAD_DIMS:
-            tile = expected[kernel, d] = _tile_rows(kernel, d, ELEMENT_SIZE[dtype])
-            if tile in (64, 32):
-                own += [dict(kernel=kernel, gpu=g, dtype=dtype, head_dim=d) for g in GPUS]
-            larger += [(dtype, kernel, d, b) for b in (64, 32) if b > tile]
-    return expected, own, larger
+        tiles = [_tile_rows(kernel, d, ELEMENT_SIZE[dtype]) for d in HEAD_DIMS]
+        assert tiles == sorted(tiles, reverse=True), (kernel, tiles)  # wider heads, smaller tiles
+        for t in sorted(set(tiles)):
+            heads = [d for d, tile in zip(HEAD_DIMS, tiles) if tile == t]
+            if t in (64, 32):
+                own += [_request(kernel, g, dtype, max(heads), block=t) for g in GPUS]
+            if t < 64:
+                larger.append((dtype, kernel, min(heads), 2 * t))
+    return own, larger
 
 
 # The GPUs a larger tile is tried on, one after the other until one rejects it: the A100 rejects
@@ -147,8 +157,15 @@ def _larger_tiles(compiler, larger) -> list[Compiled]:
     return compiled
 
 
+# bfloat16 at the head dimensions LAUNCH names (16 and 32 take 64's settings, and need less).
 BFLOAT16 = [dict(kernel=kernel, gpu=gpu, dtype="bfloat16", head_dim=d)
-            for kernel in KERNELS for d in HEAD_DIMS for gpu in ("A100", "H100")]
+            for kernel in KERNELS for d in (64, 128) for gpu in ("A100", "H100")]
+# Every candidate of kernels.LAUNCH, in float16, at the head dimensions that its entries name.
+LAUNCH_CANDIDATES = [
+    dict(kernel=kernel, gpu=gpu, dtype="float16", head_dim=d, block=m, block_n=n, warps=w,
+         stages=s)
+    for (capability, kernel), by_dim in kernels.LAUNCH.items() for d, settings in by_dim.items()
+    for m, n, w, s in settings for gpu in GPUS if GPUS[gpu] == capability]
 REPORT = [dict(kernel="forward", gpu="H100", dtype="float16", head_dim=64, causal=False,
                block=32),
           dict(kernel="forward", gpu="H100", dtype="float16", head_dim=64, causal=False,
@@ -169,10 +186,11 @@ def compiler(request):
         name = getattr(item, "originalname", item.name)
         if (name == "test_tile_table_is_the_largest_tile_that_compiles_cleanly"
                 and kernels.triton.__version__ == LOCKED_TRITON):
-            _, own, more = _tile_table_plan(item.callspec.params["dtype"])
+            own, more = _tile_table_plan(item.callspec.params["dtype"])
             first += own + [_request(k, REJECTS_FIRST[0], t, d, block=b) for t, k, d, b in more]
             larger += more
         first += {"test_bfloat16_compiles_as_cleanly_as_float16_on_gpus_that_have_it": BFLOAT16,
+                  "test_every_launch_candidate_compiles_cleanly_on_its_gpu": LAUNCH_CANDIDATES,
                   "test_report_describes_the_compiled_kernel": REPORT,
                   "test_float32_products_do_not_use_tensor_cores": FLOAT32_DQ}.get(name, [])
     # compile_kernels deals the requests out to its processes in turn: the slowest first (the
@@ -194,15 +212,12 @@ LOCKED_TRITON = re.search(r"^triton==(\S+)$", (ROOT / "requirements.txt").read_t
                     reason=f"the tile table is derived with the locked Triton {LOCKED_TRITON}")
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
 def test_tile_table_is_the_largest_tile_that_compiles_cleanly(dtype, compiler):
-    expected, own, larger = _tile_table_plan(dtype)
-    compiled = compiler(own)
-    assert all(r.block == _tile_rows(r.kernel, r.head_dim, ELEMENT_SIZE[dtype])
-               for r in compiled)  # block None is the launcher's tile
-    compiled += _larger_tiles(compiler, larger)
-    # choose_tiles over these candidates picks what it picks over all those of largest_tiles
-    # (see _tile_table_plan; test_largest_tiles_... checks the candidates of largest_tiles).
-    assert choose_tiles(compiled) == expected
-    for _, kernel, d, b in larger:  # every larger tile breaks the rule on some GPU
+    own, larger = _tile_table_plan(dtype)
+    for r in compiler(own):  # every tile of 64 or 32 rows is clean on every GPU
+        assert _clean(r) and r.block == r.block_n == _tile_rows(r.kernel, r.head_dim,
+                                                                ELEMENT_SIZE[dtype]), r
+    compiled = _larger_tiles(compiler, larger)
+    for _, kernel, d, b in larger:  # the next larger tile breaks the rule on some GPU
         assert not all(_clean(r) for r in compiled
                        if (r.kernel, r.head_dim, r.block) == (kernel, d, b)), (kernel, d, b)
 
@@ -229,7 +244,8 @@ def test_largest_tiles_applies_choose_tiles_to_every_candidate(monkeypatch):
 
 
 def _fake(gpu, block, shared_kb=16, spill=0):
-    return Compiled("dq", gpu, "float16", 64, True, block, shared_kb * 1024, 100, spill, True)
+    return Compiled("dq", gpu, "float16", 64, True, block, block, 4, 2, shared_kb * 1024, 100,
+                    spill, True)
 
 
 def _on_all(block, **t4):
@@ -252,7 +268,23 @@ def test_bfloat16_compiles_as_cleanly_as_float16_on_gpus_that_have_it(compiler):
     for r in compiler(BFLOAT16):
         assert r.fits and r.spill_bytes == 0, r
         assert r.tensor_cores, r
-        assert r.block == _tile_rows(r.kernel, r.head_dim, 2)
+        assert (r.block, r.block_n, r.warps, r.stages) == kernels.launch_settings(
+            r.kernel, 2, r.head_dim, GPUS[r.gpu])[0]
+
+
+# What a GPU of compute capability 8.6 or 8.9 (RTX 30 and 40, A10, L4) gives one program; it
+# takes the A100's settings, so their defaults must fit there too.
+SM86_SHARED_MEMORY = 99 * 1024
+
+
+def test_every_launch_candidate_compiles_cleanly_on_its_gpu(compiler):
+    assert len(LAUNCH_CANDIDATES) >= len(kernels.LAUNCH) * 2  # two head dimensions per entry
+    for r in compiler(LAUNCH_CANDIDATES):
+        assert r.fits and r.spill_bytes == 0, r
+        assert r.tensor_cores == (r.gpu != "T4"), r  # the T4's tl.dot: no tensor cores here
+        if r.gpu == "A100" and (r.block, r.block_n, r.warps, r.stages) == kernels.LAUNCH[
+                80, r.kernel][r.head_dim][0]:
+            assert r.shared_bytes <= SM86_SHARED_MEMORY, r
 
 
 def test_report_describes_the_compiled_kernel(compiler):
@@ -284,8 +316,12 @@ def test_gpus_are_named_with_their_limits():
     (dict(kernel="dq", gpu="T4", dtype="float16", head_dim=48), "request head_dim must be"),
     (dict(kernel="dq", gpu="T4", dtype="float16", head_dim=64, block=24), "request block must"),
     (dict(kernel="dq", gpu="T4", dtype="float16"), "must be a dict with kernel, gpu"),
-    (dict(kernel="dq", gpu="T4", dtype="float16", head_dim=64, warps=8),
+    (dict(kernel="dq", gpu="T4", dtype="float16", head_dim=64, threads=256),
      "request key must be one of"),
+    (dict(kernel="dq", gpu="T4", dtype="float16", head_dim=64, warps=3), "request warps must"),
+    (dict(kernel="dq", gpu="T4", dtype="float16", head_dim=64, stages=0), "request stages must"),
+    (dict(kernel="dq", gpu="T4", dtype="float16", head_dim=64, block_n=24),
+     "request block_n must"),
     ("forward", "must be a dict with kernel, gpu"),
 ])
 def test_bad_requests_are_refused_before_compiling(request_, message):

@@ -7,6 +7,7 @@ combination) with B x H = 1 x 2.
 
 import csv
 import importlib.util
+import json
 import math
 import os
 import subprocess
@@ -100,6 +101,36 @@ def case_id(case):
 @pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_values_and_gradients_match_torch(case):
     check_against_torch(*case)
+
+
+@pytest.mark.parametrize("tiles", [(64, 32), (32, 64), (16, 64)], ids=lambda t: "x".join(map(str, t)))
+@pytest.mark.parametrize("lq, lk", [(100, 100), (70, 129), (129, 70)])
+def test_rectangular_tiles_split_the_causal_loops_correctly(tiles, lq, lk, monkeypatch):
+    # The interpreter runs TILE_ROWS' square tiles; a GPU runs LAUNCH's, such as 128 x 64. The
+    # masked and unmasked loops must meet where they should with BLOCK_M != BLOCK_N too.
+    from attnbook import kernels
+
+    monkeypatch.setattr(kernels, "launch_settings", lambda *args: [(*tiles, 4, 2)])
+    check_against_torch(lq, lk, 32, True, torch.float32, seed=5)
+
+
+def test_launch_settings_choose_by_gpu_and_dtype():
+    from attnbook.kernels import LAUNCH, NUM_STAGES, NUM_WARPS, TILE_ROWS, launch_settings
+
+    for (capability, kernel), by_dim in LAUNCH.items():
+        assert set(by_dim) == {64, 128} and all(len(c) >= 1 for c in by_dim.values())
+        for d in (16, 32, 64, 128):
+            assert launch_settings(kernel, 2, d, capability) == by_dim[64 if d <= 64 else 128]
+    # sm_86 and sm_89 (RTX 30 and 40, L4) take the A100's settings, sm_75 the T4's
+    assert launch_settings("dq", 2, 64, 86) == LAUNCH[80, "dq"][64]
+    assert launch_settings("dq", 2, 64, 75) == LAUNCH[75, "dq"][64]
+    # float32 everywhere, GPUs the table does not know, and the interpreter: TILE_ROWS
+    for capability in (None, 70, 90, 100, 120):
+        tile = TILE_ROWS["dkdv", 4][128]
+        assert launch_settings("dkdv", 4, 128, capability) == [(tile, tile, NUM_WARPS, NUM_STAGES)]
+    for capability in (None, 70, 100, 120):
+        tile = TILE_ROWS["forward", 2][64]
+        assert launch_settings("forward", 2, 64, capability) == [(tile, tile, NUM_WARPS, NUM_STAGES)]
 
 
 @pytest.mark.parametrize("layout", ["padded", "transposed"])
@@ -339,6 +370,25 @@ def test_benchmark_writes_its_csv_without_matplotlib(monkeypatch):
         sys.path.remove(str(ROOT / "benchmarks"))
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now fails
     assert benchmark.plot([], ROOT / "never-written.png") is False
+
+
+def test_chapters_become_plain_scripts_without_the_setup_cell(tmp_path):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import run_chapters
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    cells = [{"cell_type": "code", "source": ["# Setup. On Google Colab this installs\n",
+                                              "print(version('attnbook'))"]},
+             {"cell_type": "markdown", "source": ["# Title"]},
+             {"cell_type": "code", "source": ["%matplotlib inline\n", "x = 2\n", "!ls"]},
+             {"cell_type": "code", "source": ["assert x == 2"]}]
+    notebook = tmp_path / "99-test.ipynb"
+    notebook.write_text(json.dumps({"cells": cells}))
+    script = run_chapters.script(notebook)
+    assert script == "# %matplotlib inline\nx = 2\n# !ls\n\nassert x == 2\n"
+    real = run_chapters.script(ROOT / "notebooks" / "01-queries-keys-values.ipynb")
+    assert "version('attnbook')" not in real and "# Setup." not in real  # the setup cell: gone
 
 
 def test_gpu_session_script_is_valid_bash():

@@ -45,7 +45,10 @@ class Compiled:
     dtype: str  # a key of DTYPES
     head_dim: int
     causal: bool
-    block: int  # rows per tile, BLOCK_M = BLOCK_N
+    block: int  # rows per query tile, BLOCK_M
+    block_n: int  # rows per key tile, BLOCK_N
+    warps: int  # num_warps: threads per program / 32
+    stages: int  # num_stages: tiles loaded ahead
     shared_bytes: int  # shared memory per program
     registers: int  # 32-bit registers per thread
     spill_bytes: int  # registers that did not fit, stored to slow local memory
@@ -102,7 +105,8 @@ def _ptxas_usage(log: str) -> tuple[int, int]:
 
 
 def _compile_here(kernel: str, gpu: str, dtype: str, head_dim: int, causal: bool,
-                  block: int | None) -> Compiled:
+                  block: int | None, block_n: int | None = None, warps: int | None = None,
+                  stages: int | None = None) -> Compiled:
     # Compile in this process, which must have imported the kernels in compiled mode.
     import torch
     import triton
@@ -111,26 +115,33 @@ def _compile_here(kernel: str, gpu: str, dtype: str, head_dim: int, causal: bool
 
     if kernels.INTERPRETED:
         raise RuntimeError("the kernels were imported in interpreted mode: use compile_kernels")
-    block = block or kernels.TILE_ROWS[kernel, getattr(torch, dtype).itemsize][head_dim]
+    # block None: the launcher's settings on this GPU; a block alone: square, 4 warps, 2 stages
+    size = getattr(torch, dtype).itemsize
+    default = (kernels.launch_settings(kernel, size, head_dim, GPUS[gpu])[0] if block is None
+               else (block, block, kernels.NUM_WARPS, kernels.NUM_STAGES))
+    block, block_n, warps, stages = (given or d for given, d in
+                                     zip((block, block_n, warps, stages), default))
     signature, constants, attrs = _signature(kernel, dtype)
-    constants.update(CAUSAL=causal, BLOCK_M=block, BLOCK_N=block, HEAD_DIM=head_dim)
+    constants.update(CAUSAL=causal, BLOCK_M=block, BLOCK_N=block_n, HEAD_DIM=head_dim)
     log = io.StringIO()
     with contextlib.redirect_stdout(log):
         compiled = triton.compile(
             triton.compiler.ASTSource(kernels.TRITON_KERNELS[kernel], signature, constants, attrs),
             target=triton.backends.compiler.GPUTarget("cuda", GPUS[gpu], 32),
-            options={"num_warps": kernels.NUM_WARPS, "num_stages": kernels.NUM_STAGES})
+            options={"num_warps": warps, "num_stages": stages})
     registers, spills = _ptxas_usage(log.getvalue())
     tensor_cores = re.search(r"\b(wgmma\.mma_async|mma\.sync)", compiled.asm["ptx"]) is not None
-    return Compiled(kernel, gpu, dtype, head_dim, causal, block, compiled.metadata.shared,
-                    registers, spills, tensor_cores)
+    return Compiled(kernel, gpu, dtype, head_dim, causal, block, block_n, warps, stages,
+                    compiled.metadata.shared, registers, spills, tensor_cores)
 
 
 # chapters/12-flash-attention-triton.md, "What the compiler makes of it"
 def compile_kernels(requests: list[dict], workers: int | None = None) -> list[Compiled]:
     """Compile chapter 12's kernels for GPUs that need not be present, in up to `workers` (at most
     4) fresh processes, and report their resources. Each request names kernel, gpu, dtype (in
-    KERNELS, GPUS, DTYPES), head_dim, and optionally causal (True) and block (the launcher's)."""
+    KERNELS, GPUS, DTYPES), head_dim, and optionally causal (True), block and block_n (rows
+    of the query and key tiles), warps and stages (all the launcher's, or block alone: square
+    tiles, NUM_WARPS and NUM_STAGES)."""
     requests = [_checked(request) for request in requests]
     workers = (os.cpu_count() or 1) if workers is None else check_int("workers", workers, 1)
     n = min(workers, len(requests), 4)  # processes, each compiling every n-th request
@@ -151,7 +162,7 @@ def compile_kernels(requests: list[dict], workers: int | None = None) -> list[Co
 
 
 _CHILD = "from attnbook.compile_check import _main; _main()"
-_KEYS = ("kernel", "gpu", "dtype", "head_dim", "causal", "block")
+_KEYS = ("kernel", "gpu", "dtype", "head_dim", "causal", "block", "block_n", "warps", "stages")
 _SIZES = (16, 32, 64, 128)  # of a head, or of a tile's rows
 
 
@@ -161,19 +172,25 @@ def _checked(request: dict) -> dict:
         raise ValueError(f"a request must be a dict with kernel, gpu, dtype, head_dim: {request!r}")
     for key in request:
         check_choice("request key", key, _KEYS)
-    r = {"causal": True, "block": None, **request}
+    r = {"causal": True, "block": None, "block_n": None, "warps": None, "stages": None,
+         **request}
     for key, allowed in (("kernel", KERNELS), ("gpu", GPUS), ("dtype", DTYPES)):
         check_choice(f"request {key}", r[key], allowed)
     r["causal"] = check_bool("request causal", r["causal"])
     r["head_dim"] = _check_size("request head_dim", r["head_dim"])
-    r["block"] = None if r["block"] is None else _check_size("request block", r["block"])
+    for key in ("block", "block_n"):
+        r[key] = None if r[key] is None else _check_size(f"request {key}", r[key])
+    if r["warps"] is not None:
+        r["warps"] = _check_size("request warps", r["warps"], (1, 2, 4, 8, 16))
+    if r["stages"] is not None:
+        r["stages"] = check_int("request stages", r["stages"], 1, 6)
     return r
 
 
-def _check_size(name: str, value) -> int:
+def _check_size(name: str, value, sizes: tuple = _SIZES) -> int:
     size = check_int(name, value)
-    if size not in _SIZES:
-        raise ValueError(f"{name} must be one of {_SIZES}, got {name}={value!r}")
+    if size not in sizes:
+        raise ValueError(f"{name} must be one of {sizes}, got {name}={value!r}")
     return size
 
 

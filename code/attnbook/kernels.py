@@ -8,11 +8,15 @@ Built and explained in the book's chapter chapters/12-flash-attention-triton.md.
 __all__ = [
     "INTERPRETED",
     "TILE_ROWS",
+    "LAUNCH",
+    "AUTOTUNE_FROM",
+    "launch_settings",
     "TRITON_KERNELS",
     "flash_attention",
 ]
 
 # chapters/12-flash-attention-triton.md, "The Triton programming model"
+import functools
 import os
 
 import torch
@@ -92,25 +96,63 @@ def _forward_kernel(Q, K, V, O, LSE, stride_qb, stride_qh, stride_qm, stride_qd,
     m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # (BLOCK_M,) largest score so far
     l = tl.zeros([BLOCK_M], dtype=tl.float32)  # (BLOCK_M,) sum of exponentials so far
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)  # (BLOCK_M, D) unnormalised output
-    hi = tl.minimum(Lk, start_m + BLOCK_M + Lk - Lq) if CAUSAL else Lk  # skip keys no row may see
-    for start_n in range(0, hi, BLOCK_N):
-        cols = start_n + tl.arange(0, BLOCK_N)
-        k = _load_rows(K, cols, Lk, stride_kn, stride_kd, HEAD_DIM)  # (BLOCK_N, D)
-        v = _load_rows(V, cols, Lk, stride_vn, stride_vd, HEAD_DIM)  # (BLOCK_N, D)
-        s, ok = _scores(q, k, rows, cols, Lq, Lk, qk_scale, CAUSAL)  # (BLOCK_M, BLOCK_N)
-        s = tl.where(ok, s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no allowed key yet
-        alpha = tl.exp2(m - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l = l * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        m = m_new
+    mid, hi = _key_range(start_m, Lq, Lk, CAUSAL, BLOCK_M, BLOCK_N)
+    for start_n in range(0, mid, BLOCK_N):  # key tiles every row may see: no mask
+        acc, m, l = _forward_step(acc, m, l, q, K, V, rows, start_n, stride_kn, stride_kd,
+                                  stride_vn, stride_vd, Lq, Lk, qk_scale, CAUSAL, False,
+                                  BLOCK_N, HEAD_DIM)
+    for start_n in range(mid, hi, BLOCK_N):  # the diagonal and the last, partial tile: masked
+        acc, m, l = _forward_step(acc, m, l, q, K, V, rows, start_n, stride_kn, stride_kd,
+                                  stride_vn, stride_vd, Lq, Lk, qk_scale, CAUSAL, True,
+                                  BLOCK_N, HEAD_DIM)
     l_safe = tl.where(l == 0.0, 1.0, l)  # l == 0: the row may see no key at all
     O += b * stride_ob + h * stride_oh
     _store_rows(O, acc / l_safe[:, None], rows, Lq, stride_om, stride_od, HEAD_DIM)
     lse = tl.where(l == 0.0, float("inf"), m + tl.log2(l_safe))  # (BLOCK_M,)
     tl.store(LSE + bh * Lq + rows, lse, mask=rows < Lq)
+
+
+@triton.jit
+def _forward_step(acc, m, l, q, K, V, rows, start_n, stride_kn, stride_kd, stride_vn, stride_vd,
+                  Lq, Lk, qk_scale, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
+                  BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
+    # One key tile of the online softmax: acc, m and l updated with keys start_n ... .
+    k, v, s, ok = _key_tile(q, K, V, rows, start_n, stride_kn, stride_kd, stride_vn, stride_vd,
+                            Lq, Lk, qk_scale, CAUSAL, BLOCK_N, HEAD_DIM)
+    if MASKED:
+        s = tl.where(ok, s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no allowed key yet
+    alpha = tl.exp2(m - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l = l * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    return acc, m_new, l
+
+
+@triton.jit
+def _key_tile(q, K, V, rows, start_n, stride_kn, stride_kd, stride_vn, stride_vd, Lq, Lk,
+              qk_scale, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
+    # The K and V tiles of keys start_n ..., their scores against q and where they are allowed.
+    cols = start_n + tl.arange(0, BLOCK_N)
+    k = _load_rows(K, cols, Lk, stride_kn, stride_kd, HEAD_DIM)  # (BLOCK_N, D)
+    v = _load_rows(V, cols, Lk, stride_vn, stride_vd, HEAD_DIM)  # (BLOCK_N, D)
+    s, ok = _scores(q, k, rows, cols, Lq, Lk, qk_scale, CAUSAL)  # (BLOCK_M, BLOCK_N)
+    return k, v, s, ok
+
+
+@triton.jit
+def _key_range(start_m, Lq, Lk, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr):
+    # Key tiles [0, mid) are whole and seen by every row of the query tile start_m ...: no
+    # mask. Tiles [mid, hi) need one; under CAUSAL no row sees a key at or past hi.
+    if CAUSAL:  # query i sees key j iff j <= i + Lk - Lq
+        hi = tl.minimum(Lk, start_m + BLOCK_M + Lk - Lq)
+        mid = tl.maximum(tl.minimum(start_m + 1 + Lk - Lq, Lk), 0) // BLOCK_N * BLOCK_N
+    else:
+        hi = Lk
+        mid = Lk // BLOCK_N * BLOCK_N
+    return mid, hi
 
 
 @triton.jit
@@ -130,12 +172,43 @@ TILE_ROWS = {
     ("forward", 2): {16: 64, 32: 64, 64: 64, 128: 64},
     ("forward", 4): {16: 64, 32: 64, 64: 32, 128: 16},
     ("dkdv", 2): {16: 64, 32: 64, 64: 64, 128: 32},
-    ("dkdv", 4): {16: 64, 32: 32, 64: 16, 128: 16},
+    ("dkdv", 4): {16: 32, 32: 32, 64: 16, 128: 16},
     ("dq", 2): {16: 64, 32: 64, 64: 64, 128: 32},
-    ("dq", 4): {16: 64, 32: 64, 64: 32, 128: 32},
+    ("dq", 4): {16: 64, 32: 32, 64: 32, 128: 32},
 }
 NUM_WARPS, NUM_STAGES = 4, 2  # threads per program / 32, and tiles loaded ahead
 _LOG2E = 1.4426950408889634  # exp(x) == exp2(x * log2(e))
+
+
+# chapters/12-flash-attention-triton.md, "The forward kernel"
+# 2-byte dtypes on a GPU: candidates (BLOCK_M, BLOCK_N, num_warps, num_stages) by compute
+# capability and kernel, for head dims up to 64 and for 128; the first is the default. Each is
+# clean in compile_check's report (chapter 12, "Launch settings for each GPU").
+LAUNCH = {
+    (75, "forward"): {64: [(32, 32, 4, 2)], 128: [(32, 32, 8, 2)]},
+    (75, "dkdv"): {64: [(32, 32, 8, 2)], 128: [(32, 32, 8, 2)]},
+    (75, "dq"): {64: [(32, 32, 8, 2)], 128: [(16, 16, 8, 2)]},
+    (80, "forward"): {64: [(64, 64, 4, 3)], 128: [(128, 64, 8, 3), (64, 64, 4, 3)]},
+    (80, "dkdv"): {64: [(64, 64, 4, 3)], 128: [(64, 64, 8, 2), (32, 32, 4, 3)]},
+    (80, "dq"): {64: [(64, 64, 4, 3)], 128: [(64, 64, 8, 2), (32, 32, 4, 3)]},
+    (90, "forward"): {64: [(128, 64, 4, 3), (64, 64, 4, 3)],
+                      128: [(128, 64, 8, 3), (64, 64, 4, 3)]},
+    (90, "dkdv"): {64: [(64, 64, 4, 3)], 128: [(64, 64, 8, 2), (32, 32, 4, 3)]},
+    (90, "dq"): {64: [(64, 64, 4, 3)], 128: [(64, 64, 8, 2), (32, 32, 4, 3)]},
+}
+AUTOTUNE_FROM = 2048 * 2048  # Lq * Lk from which a GPU launch times its candidates
+
+
+def launch_settings(kernel: str, element_size: int, head_dim: int,
+                    capability: int | None = None) -> list[tuple[int, int, int, int]]:
+    """Chapter 12's candidate launch settings (BLOCK_M, BLOCK_N, num_warps, num_stages) of
+    `kernel`, the default first: LAUNCH's for 2-byte dtypes on a GPU of compute capability 7.5
+    to 9.0 (given as 75 to 90); else, and in the interpreter (None), TILE_ROWS' square tile."""
+    if capability is not None and element_size == 2 and 75 <= capability <= 90:
+        generation = 90 if capability == 90 else 80 if capability >= 80 else 75
+        return LAUNCH[generation, kernel][64 if head_dim <= 64 else 128]
+    block = TILE_ROWS[kernel, element_size][head_dim]
+    return [(block, block, NUM_WARPS, NUM_STAGES)]
 
 
 # chapters/12-flash-attention-triton.md, "The forward kernel"
@@ -144,17 +217,41 @@ def _forward(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.T
     B, H, Lq, D = q.shape
     o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((B, H, Lq), dtype=torch.float32, device=q.device)
-    _launch(_forward_kernel, "forward", Lq, q, causal,
+    _launch(_forward_kernel, "forward", q, k, causal,
             q, k, v, o, lse, *_strides(q, k, v, o), H, Lq, k.shape[2], scale * _LOG2E)
     return o, lse
 
 
-def _launch(kernel, name: str, length: int, q, causal: bool, *args) -> None:
-    # One program per tile of `length` rows (TILE_ROWS[name, ...]), for every (batch, head).
-    block = TILE_ROWS[name, q.element_size()][q.shape[-1]]
-    kernel[(triton.cdiv(length, block), q.shape[0] * q.shape[1])](
-        *args, CAUSAL=causal, BLOCK_M=block, BLOCK_N=block, HEAD_DIM=q.shape[-1],
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+def _launch(kernel, name: str, q, k, causal: bool, *args) -> None:
+    # One program per tile of rows (of keys for dK, dV, else of queries), for every (batch,
+    # head), with the settings of launch_settings; large problems on a GPU autotune among them.
+    capability = None if INTERPRETED else _capability(q.device)
+    settings = launch_settings(name, q.element_size(), q.shape[-1], capability)
+    length, axis = (k.shape[2], "BLOCK_N") if name == "dkdv" else (q.shape[2], "BLOCK_M")
+
+    def grid(meta):
+        return triton.cdiv(length, meta[axis]), q.shape[0] * q.shape[1]
+
+    if len(settings) > 1 and q.shape[2] * k.shape[2] >= AUTOTUNE_FROM:
+        _autotuned(kernel, tuple(settings))[grid](*args, CAUSAL=causal, HEAD_DIM=q.shape[-1])
+    else:
+        block_m, block_n, warps, stages = settings[0]
+        kernel[grid](*args, CAUSAL=causal, BLOCK_M=block_m, BLOCK_N=block_n,
+                     HEAD_DIM=q.shape[-1], num_warps=warps, num_stages=stages)
+
+
+@functools.cache
+def _capability(device: torch.device) -> int:
+    major, minor = torch.cuda.get_device_capability(device)
+    return 10 * major + minor  # 75 for a T4, 80 for an A100, 90 for an H100
+
+
+@functools.cache
+def _autotuned(kernel, settings: tuple):
+    # `kernel` timed over `settings` once for each (Lq, Lk, D, mask, dtype); the fastest is kept.
+    configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
+               for m, n, w, s in settings]
+    return triton.autotune(configs, key=["Lq", "Lk", "HEAD_DIM", "CAUSAL"])(kernel)
 
 
 def _strides(*tensors: torch.Tensor) -> list[int]:
@@ -178,23 +275,54 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, stride_qb, stride_qh, stride_qm, strid
     DO += b * stride_dob + h * stride_doh
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)  # (BLOCK_N, D)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)  # (BLOCK_N, D)
-    # Under CAUSAL the first query that sees key start_n is start_n - (Lk - Lq).
-    lo = tl.maximum(start_n - (Lk - Lq), 0) // BLOCK_M * BLOCK_M if CAUSAL else 0
-    for start_m in range(lo, Lq, BLOCK_M):
-        rows = start_m + tl.arange(0, BLOCK_M)
-        q = _load_rows(Q, rows, Lq, stride_qm, stride_qd, HEAD_DIM)  # (BLOCK_M, D)
-        do = _load_rows(DO, rows, Lq, stride_dom, stride_dod, HEAD_DIM)  # (BLOCK_M, D)
-        lse = tl.load(LSE + bh * Lq + rows, mask=rows < Lq, other=0.0)  # (BLOCK_M,)
-        delta = tl.load(DELTA + bh * Lq + rows, mask=rows < Lq, other=0.0)  # (BLOCK_M,)
-        s, ok = _scores(q, k, rows, cols, Lq, Lk, qk_scale, CAUSAL)  # (BLOCK_M, BLOCK_N)
-        p = tl.exp2(tl.where(ok, s - lse[:, None], float("-inf")))  # the forward's weights
-        dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision="ieee")
-        dp = tl.dot(do, tl.trans(v), input_precision="ieee")  # (BLOCK_M, BLOCK_N)
-        ds = p * (dp - delta[:, None])
-        dk += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision="ieee")
+    lo, mid = _query_range(start_n, Lq, Lk, CAUSAL, BLOCK_M, BLOCK_N)
+    for start_m in range(lo, mid, BLOCK_M):  # query tiles that see part of this key tile
+        dk, dv = _dkdv_step(dk, dv, k, v, Q, DO, LSE + bh * Lq, DELTA + bh * Lq, cols, start_m,
+                            stride_qm, stride_qd, stride_dom, stride_dod, Lq, Lk, qk_scale,
+                            CAUSAL, True, BLOCK_M, HEAD_DIM)
+    for start_m in range(mid, Lq, BLOCK_M):  # query tiles that see all of it: no mask
+        dk, dv = _dkdv_step(dk, dv, k, v, Q, DO, LSE + bh * Lq, DELTA + bh * Lq, cols, start_m,
+                            stride_qm, stride_qd, stride_dom, stride_dod, Lq, Lk, qk_scale,
+                            CAUSAL, False, BLOCK_M, HEAD_DIM)
     offset = b * stride_dkb + h * stride_dkh
     _store_rows(DK + offset, dk * scale, cols, Lk, stride_dkn, stride_dkd, HEAD_DIM)
     _store_rows(DV + offset, dv, cols, Lk, stride_dkn, stride_dkd, HEAD_DIM)
+
+
+@triton.jit
+def _dkdv_step(dk, dv, k, v, Q, DO, LSE, DELTA, cols, start_m, stride_qm, stride_qd, stride_dom,
+               stride_dod, Lq, Lk, qk_scale, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
+               BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
+    # One query tile's share of dK and dV. Rows past Lq load as 0: with dO = delta = 0 they add 0.
+    rows = start_m + tl.arange(0, BLOCK_M)
+    q = _load_rows(Q, rows, Lq, stride_qm, stride_qd, HEAD_DIM)  # (BLOCK_M, D)
+    do = _load_rows(DO, rows, Lq, stride_dom, stride_dod, HEAD_DIM)  # (BLOCK_M, D)
+    lse = tl.load(LSE + rows, mask=rows < Lq, other=0.0)  # (BLOCK_M,)
+    delta = tl.load(DELTA + rows, mask=rows < Lq, other=0.0)  # (BLOCK_M,)
+    s, ok = _scores(q, k, rows, cols, Lq, Lk, qk_scale, CAUSAL)  # (BLOCK_M, BLOCK_N)
+    if MASKED:
+        p = tl.exp2(tl.where(ok, s - lse[:, None], float("-inf")))  # the forward's weights
+    else:
+        p = tl.exp2(s - lse[:, None])
+    dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision="ieee")
+    dp = tl.dot(do, tl.trans(v), input_precision="ieee")  # (BLOCK_M, BLOCK_N)
+    ds = p * (dp - delta[:, None])
+    dk += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision="ieee")
+    return dk, dv
+
+
+@triton.jit
+def _query_range(start_n, Lq, Lk, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr):
+    # Query tiles [lo, mid) see part of the key tile start_n ...: masked; tiles [mid, Lq) see
+    # all of it. The last, partial key tile is masked for every query tile.
+    if CAUSAL:  # the first query that sees key j is j - (Lk - Lq)
+        lo = tl.maximum(start_n - (Lk - Lq), 0) // BLOCK_M * BLOCK_M
+        mid = tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - (Lk - Lq), 0), BLOCK_M) * BLOCK_M
+    else:
+        lo = 0
+        mid = 0
+    return lo, tl.where(start_n + BLOCK_N > Lk, Lq, tl.minimum(mid, Lq))
 
 
 # chapters/12-flash-attention-triton.md, "The backward pass"
@@ -216,18 +344,31 @@ def _dq_kernel(Q, K, V, DO, LSE, DELTA, stride_qb, stride_qh, stride_qm, stride_
     K += b * stride_kb + h * stride_kh
     V += b * stride_vb + h * stride_vh
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)  # (BLOCK_M, D)
-    hi = tl.minimum(Lk, start_m + BLOCK_M + Lk - Lq) if CAUSAL else Lk  # as in the forward
-    for start_n in range(0, hi, BLOCK_N):
-        cols = start_n + tl.arange(0, BLOCK_N)
-        k = _load_rows(K, cols, Lk, stride_kn, stride_kd, HEAD_DIM)  # (BLOCK_N, D)
-        v = _load_rows(V, cols, Lk, stride_vn, stride_vd, HEAD_DIM)  # (BLOCK_N, D)
-        s, ok = _scores(q, k, rows, cols, Lq, Lk, qk_scale, CAUSAL)  # (BLOCK_M, BLOCK_N)
-        p = tl.exp2(tl.where(ok, s - lse[:, None], float("-inf")))
-        dp = tl.dot(do, tl.trans(v), input_precision="ieee")
-        ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds.to(k.dtype), k, input_precision="ieee")
+    mid, hi = _key_range(start_m, Lq, Lk, CAUSAL, BLOCK_M, BLOCK_N)  # as in the forward
+    for start_n in range(0, mid, BLOCK_N):
+        dq = _dq_step(dq, q, do, lse, delta, K, V, rows, start_n, stride_kn, stride_kd,
+                      stride_vn, stride_vd, Lq, Lk, qk_scale, CAUSAL, False, BLOCK_N, HEAD_DIM)
+    for start_n in range(mid, hi, BLOCK_N):
+        dq = _dq_step(dq, q, do, lse, delta, K, V, rows, start_n, stride_kn, stride_kd,
+                      stride_vn, stride_vd, Lq, Lk, qk_scale, CAUSAL, True, BLOCK_N, HEAD_DIM)
     DQ += b * stride_dqb + h * stride_dqh
     _store_rows(DQ, dq * scale, rows, Lq, stride_dqm, stride_dqd, HEAD_DIM)
+
+
+@triton.jit
+def _dq_step(dq, q, do, lse, delta, K, V, rows, start_n, stride_kn, stride_kd, stride_vn,
+             stride_vd, Lq, Lk, qk_scale, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
+             BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
+    # One key tile's share of dQ: dS K_j, with P rebuilt from the logsumexp.
+    k, v, s, ok = _key_tile(q, K, V, rows, start_n, stride_kn, stride_kd, stride_vn, stride_vd,
+                            Lq, Lk, qk_scale, CAUSAL, BLOCK_N, HEAD_DIM)
+    if MASKED:
+        p = tl.exp2(tl.where(ok, s - lse[:, None], float("-inf")))
+    else:
+        p = tl.exp2(s - lse[:, None])
+    dp = tl.dot(do, tl.trans(v), input_precision="ieee")
+    ds = p * (dp - delta[:, None])
+    return dq + tl.dot(ds.to(k.dtype), k, input_precision="ieee")
 
 
 # chapters/12-flash-attention-triton.md, "The backward pass"
@@ -244,8 +385,8 @@ def _backward(q, k, v, o, lse, do, causal: bool, scale: float):
     dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
     inputs = (q, k, v, do, lse, delta, *_strides(q, k, v, do), H, Lq, k.shape[2],
               scale * _LOG2E, scale)
-    _launch(_dkdv_kernel, "dkdv", k.shape[2], q, causal, *inputs, dk, dv, *dk.stride())
-    _launch(_dq_kernel, "dq", Lq, q, causal, *inputs, dq, *dq.stride())
+    _launch(_dkdv_kernel, "dkdv", q, k, causal, *inputs, dk, dv, *dk.stride())
+    _launch(_dq_kernel, "dq", q, k, causal, *inputs, dq, *dq.stride())
     return dq, dk, dv
 
 
