@@ -1,17 +1,19 @@
 """The API reference generator (tools/api_reference.py) and the browser check of the built site
 (tools/site_check.py)."""
 
+import asyncio
 import importlib
 import re
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
-from markdown_it import MarkdownIt
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
 import api_reference  # noqa: E402
+import book_pdf  # noqa: E402
 import site_check  # noqa: E402
 
 import attnbook  # noqa: E402
@@ -25,38 +27,58 @@ def api_page():
     return text, problems
 
 
-def test_every_public_name_is_on_the_page_with_a_chapter(api_page):
+def entries(text: str) -> dict[str, tuple[str, str | None]]:
+    """{attnbook.module.name: (its directive, its built-in target)} on the generated page."""
+    found, module, current = {}, None, None
+    for line in text.splitlines():
+        if match := re.fullmatch(r"\.\. automodule:: (\S+)", line):
+            module = match.group(1)
+        elif match := re.fullmatch(r"\.\. (auto\w+|py:class):: (\S+)", line):
+            name = match.group(2)
+            current = name if name.startswith("attnbook.") else f"{module}.{name}"
+            found[current] = (match.group(1), None)
+        elif match := re.fullmatch(r" {3}\.\. built-in:: (\S+)", line):
+            found[current] = (found[current][0], match.group(1))
+    return found
+
+
+def test_every_public_name_has_an_autodoc_entry_and_a_chapter(api_page):
     text, problems = api_page
     assert problems == []
+    found = entries(text)
+    kinds = {"autofunction": "function", "autoclass": "class", "py:class": "class"}
     for module_name in attnbook.__all__:
         module = importlib.import_module(f"attnbook.{module_name}")
         assert f"## `attnbook.{module_name}`" in text
         for name in module.__all__:
-            label = api_reference.label(module_name, name)
-            block = text.split(f"({label})=\n", 1)[1].split("\n(api-", 1)[0]
-            assert block.startswith(f"### `{name}`")
-            assert "Built in " in block
-            assert f"from attnbook.{module_name} import {name}" in block
+            kind, target = found.pop(f"attnbook.{module_name}.{name}")
+            obj = getattr(module, name)
+            expected = "class" if isinstance(obj, type) else "function" if callable(obj) else None
+            assert kinds.get(kind) == expected, (name, kind)
+            assert target and target.startswith("chapters/"), name
+    assert found == {}, "entries for names outside __all__"
 
 
-def test_links_point_at_chapter_sections(api_page):
+def test_the_entries_name_chapter_headings_as_myst_slugs_them(api_page):
     text, _ = api_page
-    links = re.findall(r"\]\(\.\./(chapters/[^)#]+\.md)(?:#([^)]+))?\)", text)
-    assert links, "no link to a chapter"
-    published = api_reference.published_chapters()
-    for path, _anchor in links:
-        assert (ROOT / path).is_file()
-        assert path.removesuffix(".md") in published
+    from myst_parser.mdit_to_docutils.base import default_slugify
+
+    md = api_reference.heading_parser(api_reference.sphinx_config())
+    targets = {target for _, target in entries(text).values()}
+    assert "chapters/01-queries-keys-values#scaling-batches-and-masks" in targets
+    for target in targets:
+        doc, _, anchor = target.partition("#")
+        path = ROOT / f"{doc}.md"
+        assert path.is_file(), target
+        slugs = {default_slugify(s) for level, _, s in api_reference.headings(
+            md, path.read_text()) if level <= 2}
+        assert not anchor or anchor.rsplit("-", 1)[0] in slugs or anchor in slugs, target
 
 
-def test_a_signature_and_docstring_come_from_the_package(api_page):
-    text, _ = api_page
-    from attnbook.attention import scaled_dot_product_attention
-
-    first_line = scaled_dot_product_attention.__doc__.strip().splitlines()[0]
-    block = text.split("### `scaled_dot_product_attention`", 1)[1].split("\n### ", 1)[0]
-    assert "def scaled_dot_product_attention(" in block
-    assert api_reference.escape(first_line).replace("\\", "") in block.replace("\\", "")
+def test_constants_too_long_or_not_reproducible_are_shown_without_a_value():
+    assert api_reference.directive("x", "SMALL", {"a": 1}) == [".. autodata:: attnbook.x.SMALL"]
+    assert api_reference.directive("x", "BIG", list(range(200)))[1] == "   :no-value:"
+    assert api_reference.directive("x", "FN", {"f": object()})[1] == "   :no-value:"
 
 
 def test_heading_anchors_follow_myst():
@@ -71,20 +93,99 @@ def test_heading_anchors_follow_myst():
     assert default_slugify("softmax, again") == "softmax-again"
 
 
-def test_docstrings_are_shown_as_written():
-    doc = "Takes **kwargs and x[i], $5 <b> {role}`x` and `code_span*`\n\nReturns\n-------\nint"
-    html = MarkdownIt("commonmark").render(api_reference.docstring_markdown(doc))
-    assert "<strong>" not in html and "<h2>" not in html and "<b>" not in html
-    assert "**kwargs and x[i], $5 &lt;b&gt; {role}" in html
-    assert "<code>code_span*</code>" in html
-    indented = api_reference.docstring_markdown("Example:\n\n    f(1)\n    f(2)")
-    assert "```python\nf(1)\nf(2)\n```" in indented
-
-
 def test_a_name_without_a_chapter_cell_is_a_problem(monkeypatch):
-    monkeypatch.setattr(api_reference, "export_sections", lambda chapters: ({}, {}))
-    _, problems = api_reference.generate()
+    monkeypatch.setattr(api_reference, "export_sections", lambda chapters: {})
+    text, problems = api_reference.generate()
     assert "attnbook.attention.softmax: no export cell defines it" in problems
+    assert "built-in::" not in text
+
+
+# --- the API page built by Sphinx, on a small book of two pages ----------------------------------
+
+CHAPTER = """# Softmax
+
+## Scores and weights
+
+The weights come from {py:func}`attnbook.attention.softmax`.
+
+```python
+import numpy as np
+from attnbook.attention import softmax
+
+weights = softmax(np.zeros(3))
+```
+"""
+
+
+def build_small_book(tmp_path: Path, api: str) -> tuple[Path, str]:
+    """Build chapters/01-queries-keys-values.md and book/api.md with the book's own autodoc and
+    sphinx-codeautolink settings (from _config.yml) and book/_ext; (the HTML, the warnings)."""
+    import io
+
+    import yaml
+    from sphinx.application import Sphinx
+
+    src = tmp_path / "src"
+    (src / "chapters").mkdir(parents=True)
+    (src / "book").mkdir()
+    (src / "chapters" / "01-queries-keys-values.md").write_text(CHAPTER)
+    (src / "book" / "api.md").write_text(api)
+    (src / "index.md").write_text("# Book\n\n```{toctree}\nchapters/01-queries-keys-values\n"
+                                  "book/api\n```\n")
+    book = yaml.safe_load((ROOT / "_config.yml").read_text())["sphinx"]
+    settings = {k: v for k, v in book["config"].items()
+                if k.startswith(("autodoc_", "codeautolink_", "nitpick", "myst_heading"))
+                or k in ("add_module_names", "default_role", "toc_object_entries_show_parents")}
+    (src / "conf.py").write_text(
+        f"import sys\nsys.path.insert(0, {str(ROOT / 'book' / '_ext')!r})\n"
+        f"extensions = ['myst_parser', *{book['extra_extensions']!r}, 'api_sections']\n"
+        + "".join(f"{k} = {v!r}\n" for k, v in settings.items())
+    )
+    warnings = io.StringIO()
+    app = Sphinx(src, src, tmp_path / "html", tmp_path / "doctrees", "html",
+                 status=None, warning=warnings, freshenv=True, keep_going=True)
+    app.config.nitpicky = True
+    app.build()
+    return tmp_path / "html", warnings.getvalue()
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_entries_are_python_objects_linked_to_their_section_and_from_code(tmp_path):
+    from attnbook.compile_check import GPUS
+
+    rst = [".. automodule:: attnbook.attention", "",
+           *api_reference.directive("attention", "softmax", attnbook.attention.softmax), "",
+           "   .. built-in:: chapters/01-queries-keys-values#scores-and-weights", "",
+           ".. automodule:: attnbook.compile_check", "",
+           *api_reference.directive("compile_check", "GPUS", GPUS), "",
+           "   .. built-in:: chapters/99-not-written#anything"]
+    api = "# API\n\n```{eval-rst}\n" + "\n".join(rst) + "\n```\n"
+    html, warnings = build_small_book(tmp_path, api)
+    assert warnings == ""
+    objects = api_reference.inventory(html)
+    assert objects["attnbook.attention.softmax"] == "py:function"
+    assert objects["attnbook.attention"] == "py:module"
+    assert objects["attnbook.compile_check.GPUS"] == "py:data"
+    page = (html / "book" / "api.html").read_text()
+    links = api_reference.entry_links(page)
+    assert links["attnbook.attention.softmax"] == [
+        "../chapters/01-queries-keys-values.html",
+        "../chapters/01-queries-keys-values.html#scores-and-weights",
+    ]
+    assert links["attnbook.compile_check.GPUS"] == []  # a chapter not on the site: no link
+    assert re.search(r"99-not-written\.md</span></code> \(not yet on this site\)", page)
+    assert "dict() -&gt; new empty dictionary" not in page  # not dict's docstring as GPUS's
+    code = (html / "chapters" / "01-queries-keys-values.html").read_text()
+    assert "attnbook.attention.softmax" in api_reference.code_links(code)
+    assert 'href="../book/api.html#attnbook.attention.softmax"' in code.split("<pre>")[0]  # prose
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_a_section_that_does_not_exist_fails_the_build(tmp_path):
+    api = ("# API\n\n```{eval-rst}\n.. autofunction:: attnbook.attention.softmax\n\n"
+           "   .. built-in:: chapters/01-queries-keys-values#no-such-heading\n```\n")
+    _, warnings = build_small_book(tmp_path, api)
+    assert "local id not found" in warnings and "no-such-heading" in warnings
 
 
 # --- site check: the parts that need no browser --------------------------------------------------
@@ -180,3 +281,175 @@ def test_the_browser_check_finds_each_kind_of_problem(tmp_path):
         "Colab link on a page that is not a chapter",
     ]:
         assert expected in problems
+
+
+# --- the attention explorer (attnbook.viz) in the browser ----------------------------------------
+
+
+def explorer_page(*explorers: str) -> str:
+    return f"<!DOCTYPE html><html><body>{''.join(explorers)}</body></html>"
+
+
+@pytest.mark.skipif(not site_check.find_chromium(), reason="no Chromium (make site-check installs it)")
+def test_the_browser_check_tries_each_explorer(tmp_path):
+    from attnbook.attention import softmax
+    from attnbook.viz import attention_explorer
+
+    scores = np.random.default_rng(0).normal(size=(2, 4, 4)) * 3
+    tokens = ["<b>", "keys", "to", "car"]
+    working = attention_explorer(tokens, softmax(scores))._repr_html_()
+    site = tmp_path / "html"
+    site.mkdir()
+    (site / "index.html").write_text(explorer_page(
+        working, attention_explorer(tokens[:2], np.eye(2))._repr_html_()))
+    dead = re.sub(r"<script>.*?</script>", "", working, flags=re.DOTALL)  # no program
+    same_heads = attention_explorer(tokens, softmax(np.stack([scores[0]] * 2)))._repr_html_()
+    (site / "broken.html").write_text(explorer_page(dead, same_heads))
+    (site / "twice.html").write_text(explorer_page(working, working))
+    results = {r.path: r for r in site_check.run(site, tmp_path, None)}
+    assert results["index.html"].problems == []
+    broken = "\n".join(results["broken.html"].problems)
+    dead_id, same_id = (re.search(r'id="([^"]+)"', html).group(1) for html in (dead, same_heads))
+    assert f"attention explorer {dead_id}: focusing token 0 changes nothing" in broken
+    assert f"attention explorer {dead_id}: token 3 shows [" in broken  # no values written
+    assert f"attention explorer {same_id}: every head shows the same picture" in broken
+    assert same_id + ": focusing" not in broken and same_id + ": token" not in broken
+    assert "attention explorers without distinct ids" in "\n".join(results["twice.html"].problems)
+
+
+# --- downloads, buttons, canonical links and the sitemap, on pages made up here -------------------
+
+CONFIG = site_check.SiteConfig("https://github.com/o/r", "main", "https://o.github.io/r/",
+                               frozenset({"chapters/01-a.md"}))
+BASE = "http://127.0.0.1:1"
+
+
+def page_info(**changes) -> dict:
+    info = {"canonical": ["https://o.github.io/r/chapters/01-a.html"],
+            "icons": [{"href": f"{BASE}/_static/favicon.svg", "raw": "../_static/favicon.svg"}],
+            "issues": ["https://github.com/o/r/issues/new?title=x"],
+            "edit": ["https://github.com/o/r/edit/main/chapters/01-a.md"],
+            "downloads": [{"text": ".ipynb", "href": f"{BASE}/_sources/chapters/01-a.ipynb"},
+                          {"text": ".md", "href": f"{BASE}/_sources/chapters/01-a.md"}]}
+    return {**info, **changes}
+
+
+def made_up_site(tmp_path) -> Path:
+    site = tmp_path / "html"
+    (site / "_sources" / "chapters").mkdir(parents=True)
+    (site / "_static").mkdir()
+    (site / "_static" / "favicon.svg").write_text("<svg/>")
+    (site / "_sources" / "chapters" / "01-a.md").write_text("# A")
+    return site
+
+
+def test_buttons_canonical_link_and_favicon(tmp_path):
+    site = made_up_site(tmp_path)
+    result = site_check.PageResult("chapters/01-a.html")
+    site_check.check_buttons(result, page_info(), BASE, site, CONFIG)
+    assert result.problems == []
+
+    result = site_check.PageResult("chapters/01-a.html")
+    site_check.check_buttons(result, page_info(
+        canonical=[], icons=[{"href": "https://cdn.example.org/i.png", "raw": "x"}], issues=[],
+        edit=["https://github.com/o/r/edit/main/chapters/01-b.md"]), BASE, site, CONFIG)
+    assert result.problems == [
+        "canonical link is [], not ['https://o.github.io/r/chapters/01-a.html']",
+        "favicon is not served by the site: x",
+        "no 'Open an issue' button for https://github.com/o/r: []",
+        "edit buttons ['https://github.com/o/r/edit/main/chapters/01-b.md'] do not open "
+        "chapters/01-a.md",
+    ]
+    (site / "_sources" / "book").mkdir()
+    (site / "_sources" / "book" / "api.md").write_text("generated")
+    result = site_check.PageResult("book/api.html")
+    site_check.check_buttons(result, page_info(
+        canonical=["https://o.github.io/r/book/api.html"],
+        edit=["https://github.com/o/r/edit/main/book/api.md"]), BASE, site, CONFIG)
+    assert result.problems == ["edit button on a page with no file to edit: "
+                               "['https://github.com/o/r/edit/main/book/api.md']"]
+
+
+def test_downloads_must_be_the_committed_files(tmp_path):
+    site = made_up_site(tmp_path)
+    notebooks = tmp_path / "notebooks"
+    notebooks.mkdir()
+    chapter = site_check.ROOT / "chapters" / "01-queries-keys-values.md"
+    (notebooks / "01-queries-keys-values.ipynb").write_text('{"cells": []}')
+    served = site / "_sources" / "chapters"
+    (served / "01-queries-keys-values.md").write_bytes(chapter.read_bytes())
+    (served / "01-queries-keys-values.ipynb").write_text('{"cells": []}')
+    downloads = [{"text": s, "href": f"{BASE}/_sources/chapters/01-queries-keys-values{s}"}
+                 for s in (".ipynb", ".md")]
+    result = site_check.PageResult("chapters/01-queries-keys-values.html")
+    site_check.check_downloads(result, downloads, BASE, site, notebooks)
+    assert result.problems == []
+
+    (served / "01-queries-keys-values.ipynb").write_text('{"cells": [], "stale": 1}')
+    site_check.check_downloads(result, downloads[1:], BASE, site, notebooks)
+    site_check.check_downloads(result, downloads, BASE, site, notebooks)
+    assert result.problems == [
+        "download menu offers [] as .ipynb, not one file of the site",
+        f"the .ipynb download is not the file {notebooks / '01-queries-keys-values.ipynb'}",
+    ]
+
+
+def test_the_sitemap_lists_every_chapter_and_only_pages(tmp_path):
+    site = made_up_site(tmp_path)
+    (site / "chapters").mkdir()
+    (site / "chapters" / "01-a.html").write_text("")
+    pages = [site_check.PageResult("chapters/01-a.html"), site_check.PageResult("chapters/02-b.html")]
+    (site / "sitemap.xml").write_text(
+        "<urlset><url><loc>https://o.github.io/r/chapters/01-a.html</loc></url>"
+        "<url><loc>https://o.github.io/r/chapters/09-gone.html</loc></url>"
+        "<url><loc>https://elsewhere.org/chapters/01-a.html</loc></url></urlset>")
+    assert site_check.check_sitemap(site, CONFIG, pages).problems == [
+        "lists https://o.github.io/r/chapters/09-gone.html, which is not a page under "
+        "https://o.github.io/r/",
+        "lists https://elsewhere.org/chapters/01-a.html, which is not a page under "
+        "https://o.github.io/r/",
+        "does not list chapters/02-b.html",
+    ]
+    (site / "sitemap.xml").unlink()
+    assert site_check.check_sitemap(site, CONFIG, pages).problems == ["the site has no sitemap.xml"]
+
+
+def test_the_published_site_is_where_the_repository_says():
+    config = site_check.site_config()
+    owner, name = config.repository.removeprefix("https://github.com/").split("/")
+    assert config.baseurl == f"https://{owner}.github.io/{name}/"
+    assert "book/_static/favicon.svg" in config.tracked or (
+        site_check.ROOT / "book" / "_static" / "favicon.svg").is_file()
+
+
+# --- make pdf: the book printed by Chromium ------------------------------------------------------
+
+
+def test_pages_are_counted_from_the_page_objects():
+    pdf = b"<< /Type /Pages /Count 2 >> << /Type /Page >> << /Type/Page /Parent 1 0 R >>"
+    assert book_pdf.page_count(pdf) == 2
+
+
+@pytest.mark.skipif(not site_check.find_chromium(), reason="no Chromium (make site-check installs it)")
+def test_the_book_page_is_printed_as_sphinx_wrote_its_links(tmp_path):
+    # singlehtml writes the root document (book/intro.html) with links relative to the top folder
+    site = tmp_path / "singlehtml"
+    (site / "book").mkdir(parents=True)
+    (site / "_images").mkdir()
+    (site / "_images" / "pixel.gif").write_bytes(PIXEL)
+    (site / "index.html").write_text('<meta http-equiv="Refresh" content="0; url=book/intro.html" />')
+    body = '<section><h1>Intro</h1><img src="_images/pixel.gif" alt=""></section>' + "".join(
+        f'<span id="document-ch{i}"></span><section><h1>Chapter {i}</h1>'
+        f'<img src="_images/pixel.gif" alt=""></section>' for i in (1, 2))
+    (site / "book" / "intro.html").write_text(f"<!DOCTYPE html><html><body>{body}"
+                                              '<p class="book-pdf">not printed</p></body></html>')
+    out = tmp_path / "book.pdf"
+    server, base = site_check.serve(site)
+    try:
+        info, outside = asyncio.run(book_pdf.print_pdf(
+            site_check.ensure_chromium(), base, book_pdf.book_page(site), out))
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert outside == [] and info["images"] == 3 and info["broken"] == []
+    assert book_pdf.page_count(out.read_bytes()) == 3  # each document on a page of its own

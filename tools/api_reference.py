@@ -1,40 +1,53 @@
-"""Write the book's API reference page from the package and the chapters.
+"""Write the book's API reference page, book/api.md, for Sphinx's autodoc.
 
-Every public name of attnbook (each module's `__all__`) is listed with its signature and its
-docstring, read from the imported package (`inspect.signature`, `inspect.getdoc`), and with a
-link to the section of the chapter that builds it: the nearest `# ` or `## ` heading above the
-`export` cell that defines the name. The link uses the heading's MyST anchor
+Every public name of attnbook (each module's `__all__`) becomes a Python-domain object of
+Sphinx: the page holds one autodoc directive per name (`autofunction`, `autoclass` with its
+methods, `autodata`), which reads the signature and the docstring from the imported package when
+the book is built, so each name is in the index and the search, and a target for {py:func}
+references and for the links that sphinx-codeautolink puts on names in the chapters' code cells.
+What no library knows is where the book builds each name: the section of the chapter above the
+`export` cell that defines it (the nearest `# ` or `## ` heading). Each entry ends with a
+`built-in` directive (book/_ext/api_sections.py) naming that section by its MyST anchor
 (`myst_heading_anchors` in _config.yml), computed here exactly as myst-parser computes it; the
 book is built with `-W -n`, so a link that does not resolve fails the build.
 
     python tools/api_reference.py [OUT]     write OUT (default book/api.md) if its text changed
     python tools/api_reference.py --check   write nothing; fail if a public name has no chapter
                                             cell defining it (tests/test_site_tools.py checks it)
+    python tools/api_reference.py --check-site HTML
+                                            check a built site: every public name is an object
+                                            of its objects.inv with an entry on the API page that
+                                            links to a chapter, and chapter code links to them
 
-The page is generated when the book is built (`make book`, `make site-verified`) and is not
-committed. A chapter that is not in _toc.yml is not on the site: its names are listed without
-a link.
+The page is generated when the book is built (`make book`, `make site-verified`, `make pdf`) and
+is not committed. A chapter that is not in _toc.yml is not on the site: its names are listed
+without a link.
 """
 
 from __future__ import annotations
 
 import argparse
-import ast
+import functools
 import importlib
 import inspect
-import os
 import re
 import sys
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import unquote
 
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tangle import ROOT, Chapter, public_names, read_chapters  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "book" / "_ext"))
+from api_sections import use_triton_interpreter  # noqa: E402
+
 OUT = ROOT / "book" / "api.md"
 PACKAGE = "attnbook"
+LONGEST_VALUE = 200  # a constant whose repr is longer is shown without its value
 
 
 @dataclass(frozen=True)
@@ -45,10 +58,17 @@ class Section:
     heading: str | None
     anchor: str | None
 
+    @property
+    def target(self) -> str:
+        """The argument of the `built-in` directive: chapters/NN-slug[#anchor]."""
+        doc = f"chapters/{self.chapter.slug}"
+        return f"{doc}#{self.anchor}" if self.anchor else doc
+
 
 # --- the chapters: headings, their anchors, and the export cells below them -----------------------
 
 
+@functools.cache
 def sphinx_config() -> dict:
     """The Sphinx configuration Jupyter Book makes from _config.yml (its defaults included)."""
     from jupyter_book.config import get_final_config
@@ -83,24 +103,13 @@ def headings(md, text: str) -> list[tuple[int, str, str]]:
     return found
 
 
-def assigned_source(source: str, name: str) -> str | None:
-    """The right-hand side of `name = ...` in an export cell, as source text."""
-    for node in ast.parse(source).body:
-        if isinstance(node, ast.Assign) and any(
-            isinstance(t, ast.Name) and t.id == name for t in node.targets
-        ):
-            return ast.unparse(node.value)
-    return None
-
-
-def export_sections(chapters: list[Chapter]) -> tuple[dict, dict]:
-    """For each (module, name): the Section building it, and the export cell's source."""
+def export_sections(chapters: list[Chapter]) -> dict[tuple[str, str], Section]:
+    """For each (module, name): the Section building it."""
     from myst_parser.mdit_to_docutils.base import default_slugify
 
     config = sphinx_config()
     md, depth = heading_parser(config), int(config.get("myst_heading_anchors", 0))
     sections: dict[tuple[str, str], Section] = {}
-    sources: dict[tuple[str, str], str] = {}
     for chapter in chapters:
         slugs: list[str] = []
         current: tuple[str | None, str | None] = (None, None)
@@ -124,8 +133,7 @@ def export_sections(chapters: list[Chapter]) -> tuple[dict, dict]:
         for cell in chapter.export_cells():  # the tangler's own reading of the export cells
             for name in public_names(cell.source):
                 sections[cell.module, name] = Section(chapter, *section_at[cell.index])
-                sources[cell.module, name] = cell.source
-    return sections, sources
+    return sections
 
 
 def published_chapters() -> set[str]:
@@ -146,168 +154,41 @@ def published_chapters() -> set[str]:
     return files
 
 
-# --- markdown ----------------------------------------------------------------------------------
-
-_CODE_SPAN = re.compile(r"(`+)(.+?)\1")
-_SPECIAL = re.compile(r"([\\*_\[\]<>{}$#|~!])")
+# --- the page: one autodoc directive per public name ---------------------------------------------
 
 
-def escape(text: str) -> str:
-    """Markdown for plain text: every character markdown or MyST would read as syntax escaped,
-    except inside `code spans`, which stay code."""
-    out, pos = [], 0
-    for match in _CODE_SPAN.finditer(text):
-        out.append(_SPECIAL.sub(r"\\\1", text[pos : match.start()]))
-        out.append(match.group(0))
-        pos = match.end()
-    out.append(_SPECIAL.sub(r"\\\1", text[pos:]))
-    return "".join(out)
-
-
-def docstring_markdown(doc: str) -> str:
-    """A docstring as markdown: paragraphs of prose (escaped), indented or `>>>` blocks as code."""
-    blocks = []
-    for paragraph in re.split(r"\n\s*\n", doc.strip()):
-        lines = paragraph.splitlines()
-        if all(line.startswith("    ") for line in lines) or lines[0].lstrip().startswith(">>>"):
-            code = inspect.cleandoc("\n".join(lines)) if lines[0].startswith(" ") else paragraph
-            blocks.append(f"```python\n{code}\n```")
-            continue
-        text = []
-        for line in lines:
-            line = escape(line)
-            if re.fullmatch(r"\s*[-=+:]+\s*", line) or re.match(r"\s*[:+]", line):
-                line = "\\" + line.lstrip()  # no setext underline, thematic break or deflist
-            text.append(line)
-        blocks.append("\n".join(text))
-    return "\n\n".join(blocks)
-
-
-def first_paragraph(doc: str) -> str:
-    return " ".join(re.split(r"\n\s*\n", doc.strip())[0].split())
-
-
-def signature(name: str, obj, prefix: str = "", width: int = 72) -> str:
-    """`prefix name(params) -> ret`, one parameter a line when it is longer than `width`."""
-    try:
-        sig = inspect.signature(obj)
-    except (TypeError, ValueError):
-        return f"{prefix}{name}(...)"
+def directive(module: str, name: str, obj) -> list[str]:
+    """The reST that documents `module.name`: autodoc reads the object itself; a class that a
+    module only gathers from another is an alias naming the class where it is documented."""
+    origin = getattr(obj, "__module__", None)
+    qualified = f"{PACKAGE}.{module}.{name}"
+    if inspect.isclass(obj) and origin != f"{PACKAGE}.{module}":
+        return [f".. py:class:: {name}", "",
+                f"   The class :py:class:`{origin}.{obj.__qualname__}`, gathered here."]
     if inspect.isclass(obj):
-        sig = sig.replace(return_annotation=sig.empty)
-    text = f"{prefix}{name}{sig}"
-    if len(text) <= width or not sig.parameters:
-        return text
-    params, previous = [], None
-    for p in sig.parameters.values():  # the markers / and * where inspect puts them
-        if previous is p.POSITIONAL_ONLY and p.kind is not p.POSITIONAL_ONLY:
-            params.append("/")
-        if p.kind is p.KEYWORD_ONLY and previous not in (p.KEYWORD_ONLY, p.VAR_POSITIONAL):
-            params.append("*")
-        params.append(str(p))
-        previous = p.kind
-    if previous is inspect.Parameter.POSITIONAL_ONLY:
-        params.append("/")
-    ret = sig.return_annotation
-    ret = "" if ret is sig.empty else f" -> {inspect.formatannotation(ret)}"
-    return f"{prefix}{name}(\n" + "".join(f"    {p},\n" for p in params) + f"){ret}"
+        return [f".. autoclass:: {qualified}", "   :members:", "   :undoc-members:"]
+    if callable(obj):
+        return [f".. autofunction:: {qualified}"]
+    value = repr(obj)
+    hidden = len(value) > LONGEST_VALUE or " at 0x" in value  # too long, or not reproducible
+    return [f".. autodata:: {qualified}"] + (["   :no-value:"] if hidden else [])
 
 
-def methods(cls) -> list[tuple[str, object, str]]:
-    """Public methods and properties the class itself defines, in source order: (name, the
-    member as called on an instance, its own docstring, not one inherited)."""
-    found = []
-    for name, member in vars(cls).items():
-        if name.startswith("_"):
-            continue
-        if isinstance(member, staticmethod):
-            found.append((name, member.__func__, member.__func__.__doc__))
-        elif isinstance(member, classmethod) or inspect.isfunction(member):
-            func = getattr(member, "__func__", member)
-            found.append((name, _without_first(func), func.__doc__))
-        elif isinstance(member, property):
-            found.append((name, member, member.__doc__))
-    return found
-
-
-def _without_first(func):
-    """`func` as seen bound: its signature without `self` or `cls`."""
-    try:
-        sig = inspect.signature(func)
-    except (TypeError, ValueError):
-        return func
-    params = list(sig.parameters.values())[1:]
-    bound = lambda: None  # noqa: E731 (a carrier for the signature)
-    bound.__signature__ = sig.replace(parameters=params)
-    return bound
-
-
-def inline(markdown: str) -> str:
-    """A chapter's title or heading for this page: as written (math stays math), unless it uses
-    a role such as {glue:text}, which means something only on its own page."""
-    return escape(markdown) if "{" in markdown else markdown
-
-
-def section_link(section: Section | None, published: set[str]) -> str:
+def find_section(sections: dict, module: str, name: str, obj) -> Section | None:
+    """The section building `module.name`, or, for a name gathered from another module, the one
+    building it there."""
+    section = sections.get((module, name))
     if section is None:
-        return "(no chapter cell defines it)"
-    chapter = section.chapter
-    doc = f"chapters/{chapter.slug}"
-    where = inline(chapter.title) + (f", *{inline(section.heading)}*" if section.heading else "")
-    if doc not in published:
-        return f"{where} ({chapter.relpath}, not yet on this site)"
-    target = f"../{doc}.md" + (f"#{section.anchor}" if section.anchor else "")
-    return f"[{where}]({target})"
-
-
-def entry(module: str, name: str, obj, section, source, published: set[str]) -> str:
-    lines = [f"({label(module, name)})=", f"### `{name}`", ""]
-    if inspect.isclass(obj):
-        code = signature(name, obj, "class ")
-    elif callable(obj):
-        code = signature(name, obj, "def ")
-    else:
-        value = assigned_source(source, name) if source else None
-        code = f"{name} = {value if value and len(value) <= 200 else repr(obj)[:200]}"
-    lines += ["```python", code, "```", ""]
-    if not (inspect.isclass(obj) or callable(obj)) and code != f"{name} = {obj!r}":
-        lines += [f"When this page was built: `{name} = {obj!r}`"[:300], ""]
-    doc = inspect.getdoc(obj) if (inspect.isclass(obj) or callable(obj)) else None
-    if doc:
-        lines += [docstring_markdown(doc), ""]
-    if inspect.isclass(obj):
-        members = methods(obj)
-        if members:
-            lines.append("Methods:")
-            lines.append("")
-            for mname, member, mdoc in members:
-                if isinstance(member, property):
-                    head = f"`{mname}` (property)"
-                else:
-                    head = f"`{signature(mname, member, width=10**6)}`"
-                summary = escape(first_paragraph(inspect.cleandoc(mdoc))) if mdoc else ""
-                lines.append(f"- {head}" + (f": {summary}" if summary else ""))
-            lines.append("")
-    lines += [f"Built in {section_link(section, published)}: `from {PACKAGE}.{module} "
-              f"import {name}`", ""]
-    return "\n".join(lines)
-
-
-def label(module: str, name: str) -> str:
-    return f"api-{module}-{name}".lower().replace("_", "-")
+        origin = (getattr(obj, "__module__", "") or "").removeprefix(PACKAGE + ".")
+        section = sections.get((origin, name))
+    return section
 
 
 def generate() -> tuple[str, list[str]]:
     """The page's text, and the problems found (public names no chapter cell defines)."""
-    if "TRITON_INTERPRET" not in os.environ:
-        import torch
-
-        if not torch.cuda.is_available():
-            os.environ["TRITON_INTERPRET"] = "1"
+    use_triton_interpreter()
     package = importlib.import_module(PACKAGE)
-    chapters = read_chapters()
-    sections, sources = export_sections(chapters)
-    published = published_chapters()
+    sections = export_sections(read_chapters())
     problems = []
     parts = [
         "% Generated by tools/api_reference.py when the book is built. Do not edit this file:",
@@ -315,32 +196,105 @@ def generate() -> tuple[str, list[str]]:
         "",
         "# API reference",
         "",
-        f"Every public name of the package `{PACKAGE}` (version {package.__version__}), module by "
-        "module in the order the book builds them, with its signature and docstring as the "
-        "installed package has them, and a link to the section of the chapter where it is built "
-        "and checked. The page is generated from the package and the chapters each time the "
-        "book is built.",
+        f"Every public name of the package `{PACKAGE}`, module by module in the order the book "
+        "builds them: its signature and docstring, read from the package by Sphinx's autodoc "
+        "when the book is built, and a link to the section of the chapter where it is built and "
+        "checked. A name in a chapter's code cell links to its entry here.",
         "",
     ]
     for module_name in package.__all__:
         module = importlib.import_module(f"{PACKAGE}.{module_name}")
-        summary = first_paragraph(inspect.getdoc(module) or module_name).rstrip(".")
-        parts += [f"## `{PACKAGE}.{module_name}`: {escape(summary)}", ""]
         names = list(getattr(module, "__all__", []))
+        rst = [f".. automodule:: {PACKAGE}.{module_name}", ""]
         if not names:
-            parts += ["This module exports no names.", ""]
+            rst += ["This module exports no names.", ""]
         for name in names:
             obj = getattr(module, name)
-            key = (module_name, name)
-            section = sections.get(key)
-            if section is None:
-                origin = getattr(obj, "__module__", "") or ""
-                key = (origin.removeprefix(PACKAGE + "."), name)
-                section = sections.get(key)
+            section = find_section(sections, module_name, name, obj)
             if section is None:
                 problems.append(f"{PACKAGE}.{module_name}.{name}: no export cell defines it")
-            parts.append(entry(module_name, name, obj, section, sources.get(key), published))
+            rst += directive(module_name, name, obj) + [""]
+            if section is not None:
+                rst += [f"   .. built-in:: {section.target}", ""]
+        parts += [f"## `{PACKAGE}.{module_name}`", "", "```{eval-rst}", *rst[:-1], "```", ""]
     return "\n".join(parts).rstrip() + "\n", problems
+
+
+# --- the built site: objects, entries and the links from chapter code ----------------------------
+
+API_PAGE = "book/api.html"
+# A name that chapter 11's code uses, and the chapter that builds it (the issue's example).
+EXAMPLE = ("chapters/11-tiling.html", f"{PACKAGE}.attention.scaled_dot_product_attention",
+           "chapters/01-queries-keys-values.html")
+
+
+def inventory(site: Path) -> dict[str, str]:
+    """objects.inv of a built site: {name: role} for the objects of the Python domain."""
+    raw = (site / "objects.inv").read_bytes()
+    body = zlib.decompress(raw.split(b"\n", 4)[4]).decode()
+    found = {}
+    for line in body.splitlines():
+        match = re.match(r"(\S+)\s+(py:\w+)\s+-?\d+\s", line)
+        if match:
+            found[match.group(1)] = match.group(2)
+    return found
+
+
+def entry_links(html: str) -> dict[str, list[str]]:
+    """{object id: the hrefs of its `built-in` paragraph} on the API page."""
+    links: dict[str, list[str]] = {}
+    for match in re.finditer(r'<dt class="sig sig-object py" id="([^"]+)"', html):
+        end = html.find('<dt class="sig sig-object py"', match.end())
+        block = html[match.end(): end if end >= 0 else len(html)]
+        para = re.search(r'<p class="api-built-in">(.*?)</p>', block, re.DOTALL)
+        # a class's own paragraph comes before the entries of its methods
+        links[match.group(1)] = re.findall(r'href="([^"]+)"', para.group(1)) if para else []
+    return links
+
+
+def code_links(html: str) -> set[str]:
+    """The API entries that names in a page's code link to (sphinx-codeautolink's links)."""
+    return {unquote(href.split("#", 1)[1]) for href in re.findall(
+        r'<a class="sphinx-codeautolink-a" href="([^"]*api\.html#[^"]+)"', html)}
+
+
+def check_site(site: Path) -> list[str]:
+    """What is wrong with the API reference of a built site (nothing: [])."""
+    use_triton_interpreter()
+    package = importlib.import_module(PACKAGE)
+    objects = inventory(site)
+    api = (site / API_PAGE).read_text()
+    entries = entry_links(api)
+    published = published_chapters()
+    sections = export_sections(read_chapters())
+    problems = []
+    for module_name in package.__all__:
+        module = importlib.import_module(f"{PACKAGE}.{module_name}")
+        if objects.get(f"{PACKAGE}.{module_name}") != "py:module":
+            problems.append(f"{PACKAGE}.{module_name} is not a py:module in objects.inv")
+        for name in module.__all__:
+            qualified = f"{PACKAGE}.{module_name}.{name}"
+            if qualified not in objects:
+                problems.append(f"{qualified} is not an object in objects.inv")
+            if qualified not in entries:
+                problems.append(f"{qualified} has no entry on {API_PAGE}")
+                continue
+            section = find_section(sections, module_name, name, getattr(module, name))
+            on_site = section and f"chapters/{section.chapter.slug}" in published
+            want = f"../chapters/{section.chapter.slug}.html" if on_site else None
+            if want and not any(h.split("#")[0] == want for h in entries[qualified]):
+                problems.append(f"{qualified}: its entry does not link to {want}")
+    page, name, builder = EXAMPLE
+    if name not in code_links((site / page).read_text()):
+        problems.append(f"{page}: no name in its code links to the entry of {name}")
+    if not any(h.startswith(f"../{builder}") for h in entries.get(name, [])):
+        problems.append(f"the entry of {name} does not link to {builder}")
+    chapters = sorted(site.glob("chapters/*.html"))
+    linked = [p for p in chapters if code_links(p.read_text())]
+    if len(linked) < len(chapters):
+        unlinked = sorted(p.name for p in set(chapters) - set(linked))
+        problems.append(f"no name in the code of {', '.join(unlinked)} links to the API page")
+    return problems
 
 
 def main() -> int:
@@ -348,7 +302,17 @@ def main() -> int:
     parser.add_argument("out", nargs="?", type=Path, default=OUT)
     parser.add_argument("--check", action="store_true",
                         help="write nothing; exit 1 if a public name has no chapter cell")
+    parser.add_argument("--check-site", type=Path, metavar="HTML",
+                        help="check the API page and the code links of a built site")
     args = parser.parse_args()
+    if args.check_site:
+        problems = check_site(args.check_site)
+        for problem in problems:
+            print(f"api reference: {problem}", file=sys.stderr)
+        if not problems:
+            print(f"api reference: {args.check_site} has every public name as a Python object, "
+                  "linked to its chapter and from the chapters' code")
+        return 1 if problems else 0
     text, problems = generate()
     for problem in problems:  # code/ out of date with the chapters: make check-sync says more
         print(f"api reference: {problem}", file=sys.stderr)

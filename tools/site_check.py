@@ -11,7 +11,16 @@ Debian's Chromium, driven by Playwright. A page passes when:
 - every link inside the site resolves: the file exists and, for `page.html#anchor`, the page
   has an element with that id;
 - every "Open in Colab" link (class colab-link, book/_ext/colab_links.py) is the one for its
-  chapter and names a notebook that exists in notebooks/; every chapter page has one.
+  chapter and names a notebook that exists in notebooks/; every chapter page has one, as a badge;
+- every chapter page's download menu offers its executed notebook, the very file
+  notebooks/<chapter>.ipynb that Colab opens, and its .md source, the very file in chapters/;
+- every page has a favicon, a canonical link under _config.yml's html.baseurl and an "Open an
+  issue" button; every page with a source has an "Edit this page" button opening a file of the
+  repository (except pages written at build time, book/_ext/site_fixes.py's GENERATED_PAGES);
+  sitemap.xml lists every chapter page, under html.baseurl, and only pages that exist;
+- every attention explorer (attnbook.viz, class attnbook-explorer) reacts: focusing one token and
+  hovering another give two different pictures (the tokens' computed shading and the values they
+  show, which are the embedded weights), and its head selector changes the picture.
 
     python tools/site_check.py [SITE]   SITE: the built HTML (default: the site `make test` builds,
                                         _build/verified/_build/html); `make site-check`
@@ -64,6 +73,7 @@ TABS = 2  # pages open at once (the machines have 2 cores)
 
 sys.path.insert(0, str(ROOT / "book" / "_ext"))
 from colab_links import colab_url  # noqa: E402
+from site_fixes import GENERATED_PAGES  # noqa: E402
 
 # Run in the page once it has loaded: wait for MathJax's first typesetting and for every image,
 # then report what the checks need.
@@ -110,6 +120,15 @@ async () => {
     links: [...document.querySelectorAll('a[href]')]
       .map(a => ({href: a.href, raw: a.getAttribute('href')})),
     colab: [...document.querySelectorAll('.colab-link a')].map(a => a.href),
+    colabBadges: document.querySelectorAll('.colab-link a img').length,
+    downloads: [...document.querySelectorAll('.dropdown-download-buttons a')]
+      .map(a => ({text: a.textContent.trim(), href: a.href})),
+    edit: [...document.querySelectorAll('a.btn-source-edit-button')].map(a => a.href),
+    issues: [...document.querySelectorAll('a.btn-source-issues-button')].map(a => a.href),
+    canonical: [...document.querySelectorAll('link[rel="canonical"]')].map(l => l.href),
+    icons: [...document.querySelectorAll('link[rel~="icon"]')]
+      .map(l => ({href: l.href, raw: l.getAttribute('href')})),
+    explorers: document.querySelectorAll('.attnbook-explorer').length,
     execTables: [...document.querySelectorAll('table')]
       .filter(t => t.tHead && t.tHead.textContent.includes('Run Time'))
       .map(t => ({head: [...t.tHead.rows[0].cells].map(c => c.textContent.trim()),
@@ -120,6 +139,69 @@ async () => {
   };
 }
 """
+
+# The picture an attention explorer shows now: each token's computed shading and shown value.
+PICTURE_JS = """
+root => [...root.querySelectorAll('[data-token-index]')].map(el => ({
+  shade: getComputedStyle(el).backgroundColor,
+  value: (el.querySelector('.ax-value') || {}).textContent || ''}))
+"""
+# Two tokens whose rows differ (layer 0, head 0), read from the explorer's embedded JSON.
+PAIR_JS = """
+root => {
+  const data = JSON.parse(document.getElementById(root.id + '-data').textContent);
+  const rows = data.weights[0][0], same = (a, b) => JSON.stringify(a) === JSON.stringify(b);
+  for (let j = rows.length - 1; j > 0; j--)
+    if (!same(rows[j], rows[0])) return {i: 0, j, row: rows[j], digits: data.digits};
+  return null;
+}
+"""
+ACTION_TIMEOUT_MS = 5_000
+
+
+async def check_explorers(page) -> list[str]:
+    """Focus one token of each explorer and hover another: two pictures, and they must differ;
+    the values shown are the weights the explorer holds; each head selector changes the picture."""
+    problems = []
+    roots = page.locator(".attnbook-explorer")
+    ids = await roots.evaluate_all("roots => roots.map(r => r.id)")
+    if len(set(ids)) != len(ids) or not all(ids):
+        problems.append(f"attention explorers without distinct ids: {ids}")
+    for n, uid in enumerate(ids):
+        root, name = roots.nth(n), f"attention explorer {uid or n}"
+        tokens = root.locator("[data-token-index]")
+        pair = await root.evaluate(PAIR_JS)
+        if pair is None:
+            continue  # every row the same: no two tokens can show different pictures
+        await page.mouse.move(0, 0)  # over the page's header: scrolling brings no token under it
+        before = await root.evaluate(PICTURE_JS)
+        await tokens.nth(pair["i"]).focus(timeout=ACTION_TIMEOUT_MS)
+        focused = await root.evaluate(PICTURE_JS)
+        await tokens.nth(pair["j"]).hover(timeout=ACTION_TIMEOUT_MS)
+        hovered = await root.evaluate(PICTURE_JS)
+        if focused == before:
+            problems.append(f"{name}: focusing token {pair['i']} changes nothing")
+        if hovered == focused:
+            problems.append(f"{name}: hovering token {pair['j']} shows the same picture as "
+                            f"focusing token {pair['i']}")
+        shown = [token["value"] for token in hovered]
+        wanted = [f"{w:.{pair['digits']}f}" for w in pair["row"]]
+        if shown != wanted:
+            problems.append(f"{name}: token {pair['j']} shows {shown}, its weights are {wanted}")
+        problems += await check_selector(root, name)
+    return problems
+
+
+async def check_selector(root, name: str) -> list[str]:
+    """Each choice of the head selector (heads, and their average) repaints the picture."""
+    select = root.locator("select.ax-head")
+    if not await select.count():
+        return []
+    pictures = set()
+    for value in await select.locator("option").evaluate_all("os => os.map(o => o.value)"):
+        await select.select_option(value, timeout=ACTION_TIMEOUT_MS)
+        pictures.add(repr(await root.evaluate(PICTURE_JS)))
+    return [] if len(pictures) > 1 else [f"{name}: every head shows the same picture"]
 
 
 @dataclass
@@ -219,6 +301,97 @@ def check_colab(result: PageResult, hrefs: list[str], notebooks: Path) -> None:
             result.problems.append(f"Colab link on a page that is not a chapter: {href}")
 
 
+@dataclass(frozen=True)
+class SiteConfig:
+    """What _config.yml says the pages of the published site carry."""
+
+    repository: str  # https://github.com/<owner>/<name>
+    branch: str
+    baseurl: str  # where the site is published, ending in /
+    tracked: frozenset[str]  # the repository's files (git ls-files), which edit links may open
+
+
+def site_config(root: Path = ROOT) -> SiteConfig:
+    config = yaml.safe_load((root / "_config.yml").read_text())
+    listed = subprocess.run(["git", "ls-files"], cwd=root, capture_output=True, text=True)
+    tracked = listed.stdout.split() if listed.returncode == 0 else [
+        p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()]
+    return SiteConfig(config["repository"]["url"].rstrip("/"),
+                      config["repository"].get("branch") or "main",
+                      config.get("html", {}).get("baseurl", "").rstrip("/") + "/",
+                      frozenset(tracked))
+
+
+def page_source(site: Path, page: str) -> str | None:
+    """The source path of a page (chapters/01-x.md), if the site has its copy in _sources."""
+    stem = page.removesuffix(".html")
+    for suffix in (".md", ".ipynb", ".rst"):
+        if (site / "_sources" / (stem + suffix)).is_file():
+            return stem + suffix
+    return None
+
+
+def check_buttons(result: PageResult, info: dict, base: str, site: Path,
+                  config: SiteConfig) -> None:
+    """Canonical link, favicon, "Open an issue" and "Edit this page" on every page."""
+    canonical = config.baseurl + result.path
+    if info["canonical"] != [canonical]:
+        result.problems.append(f"canonical link is {info['canonical']}, not [{canonical!r}]")
+    if not info["icons"]:
+        result.problems.append("has no favicon (link rel=icon)")
+    for icon in info["icons"]:
+        if not icon["href"].startswith(base + "/"):
+            result.problems.append(f"favicon is not served by the site: {icon['raw']}")
+        resolve_link(result, icon, base, site)
+    if len(info["issues"]) != 1 or not info["issues"][0].startswith(config.repository
+                                                                     + "/issues/new?"):
+        result.problems.append(f"no 'Open an issue' button for {config.repository}: "
+                               f"{info['issues']}")
+    source = page_source(site, result.path)
+    stem = result.path.removesuffix(".html")
+    if source is None or stem in GENERATED_PAGES:
+        if info["edit"]:
+            result.problems.append(f"edit button on a page with no file to edit: {info['edit']}")
+    elif info["edit"] != [f"{config.repository}/edit/{config.branch}/{source}"]:
+        result.problems.append(f"edit buttons {info['edit']} do not open {source}")
+    elif source not in config.tracked:
+        result.problems.append(f"edit button opens {source}, which the repository does not hold")
+
+
+def check_downloads(result: PageResult, downloads: list[dict], base: str, site: Path,
+                    notebooks: Path) -> None:
+    """A chapter page offers the very files notebooks/<chapter>.ipynb and chapters/<chapter>.md."""
+    chapter = result.path.removeprefix("chapters/").removesuffix(".html")
+    for suffix, original in [(".ipynb", notebooks / f"{chapter}.ipynb"),
+                             (".md", ROOT / "chapters" / f"{chapter}.md")]:
+        links = [d["href"] for d in downloads if d["text"] == suffix]
+        if len(links) != 1 or not links[0].startswith(base + "/"):
+            result.problems.append(f"download menu offers {links} as {suffix}, not one file "
+                                   "of the site")
+            continue
+        served = site / unquote(urlsplit(links[0]).path).lstrip("/")
+        if not served.is_file() or served.read_bytes() != original.read_bytes():
+            result.problems.append(f"the {suffix} download is not the file {original}")
+
+
+def check_sitemap(site: Path, config: SiteConfig, results: list[PageResult]) -> PageResult:
+    """sitemap.xml: every chapter page, under html.baseurl, and only pages that exist."""
+    result = PageResult("sitemap.xml")
+    if not (site / "sitemap.xml").is_file():
+        result.problems.append("the site has no sitemap.xml")
+        return result
+    listed = re.findall(r"<loc>([^<]+)</loc>", (site / "sitemap.xml").read_text())
+    result.links = len(listed)
+    for url in listed:
+        rel = url.removeprefix(config.baseurl)
+        if rel == url or not (site / unquote(rel)).is_file():
+            result.problems.append(f"lists {url}, which is not a page under {config.baseurl}")
+    for page in (r.path for r in results if r.path.startswith("chapters/")):
+        if config.baseurl + page not in listed:
+            result.problems.append(f"does not list {page}")
+    return result
+
+
 def resolve_link(result: PageResult, link: dict, base: str, site: Path) -> None:
     """Check one internal link's file now; keep its #fragment for when every page is read."""
     href = link["href"]
@@ -253,7 +426,7 @@ def check_redirect(path: str, site: Path) -> PageResult | None:
 
 
 async def check_page(context, base: str, path: str, site: Path, notebooks: Path,
-                     shots: Path | None) -> PageResult:
+                     shots: Path | None, config: SiteConfig | None) -> PageResult:
     """Open one page in a fresh tab (no listener or request left over from another page)."""
     result = PageResult(path)
     events: list[str] = []
@@ -292,6 +465,8 @@ async def check_page(context, base: str, path: str, site: Path, notebooks: Path,
         if response is None or response.status != 200:
             events.append(f"page answered HTTP {response.status if response else '?'}")
         info = await page.evaluate(INSPECT_JS)
+        if info["explorers"]:
+            events.extend(await check_explorers(page))
         if shots:
             shot = shots / (path.replace("/", "__").removesuffix(".html") + ".png")
             await page.screenshot(path=str(shot), full_page=True)
@@ -304,11 +479,12 @@ async def check_page(context, base: str, path: str, site: Path, notebooks: Path,
     # Console errors that only repeat the blocked external requests are reported once, below.
     result.problems += [e for e in events if not any(url in e for url in external)]
     result.problems += [f"requests something outside the site: {url}" for url in external]
-    analyse(result, info, base, site, notebooks)
+    analyse(result, info, base, site, notebooks, config)
     return result
 
 
-def analyse(result: PageResult, info: dict, base: str, site: Path, notebooks: Path) -> None:
+def analyse(result: PageResult, info: dict, base: str, site: Path, notebooks: Path,
+            config: SiteConfig | None = None) -> None:
     """The checks on what INSPECT_JS reported."""
     result.math, result.typeset = info["math"], info["typeset"]
     if info["math"] and info["mathjax"] != "ready":
@@ -329,6 +505,12 @@ def analyse(result: PageResult, info: dict, base: str, site: Path, notebooks: Pa
     for link in info["links"]:
         resolve_link(result, link, base, site)
     check_colab(result, info["colab"], notebooks)
+    if expected_colab(result.path):
+        if info["colab"] and not info["colabBadges"]:
+            result.problems.append("the Colab link is not a badge (an image)")
+        check_downloads(result, info["downloads"], base, site, notebooks)
+    if config:
+        check_buttons(result, info, base, site, config)
     for exec_table in info["execTables"]:
         check_execution_table(result, exec_table, site)
 
@@ -382,7 +564,7 @@ def table(results: list[PageResult]) -> str:
 
 
 async def check_all(browser_path: Path, base: str, site: Path, notebooks: Path,
-                    shots: Path | None, tabs: int) -> list[PageResult]:
+                    shots: Path | None, tabs: int, config: SiteConfig | None) -> list[PageResult]:
     from playwright.async_api import async_playwright
 
     async with async_playwright() as playwright:
@@ -397,25 +579,27 @@ async def check_all(browser_path: Path, base: str, site: Path, notebooks: Path,
             if redirect:
                 return redirect
             async with slots:
-                return await check_page(context, base, path, site, notebooks, shots)
+                return await check_page(context, base, path, site, notebooks, shots, config)
 
         results = await asyncio.gather(*(one(path) for path in pages(site)))
         await browser.close()
     return list(results)
 
 
-def run(site: Path, notebooks: Path, shots: Path | None, tabs: int = TABS) -> list[PageResult]:
-    """Check every page of `site`, `tabs` pages at a time; anchors last, once every page's ids
-    are known."""
+def run(site: Path, notebooks: Path, shots: Path | None, tabs: int = TABS,
+        config: SiteConfig | None = None) -> list[PageResult]:
+    """Check every page of `site`, `tabs` pages at a time; anchors and the sitemap last, once every
+    page is known. With `config` (what _config.yml says of the published site), also each page's
+    canonical link, favicon and repository buttons, and the sitemap."""
     browser_path = ensure_chromium()
     server, base = serve(site)
     try:
-        results = asyncio.run(check_all(browser_path, base, site, notebooks, shots, tabs))
+        results = asyncio.run(check_all(browser_path, base, site, notebooks, shots, tabs, config))
     finally:
         server.shutdown()
         server.server_close()
     check_fragments(results)
-    return results
+    return results + ([check_sitemap(site, config, results)] if config else [])
 
 
 def main() -> int:
@@ -432,7 +616,8 @@ def main() -> int:
     if args.screenshots:
         args.screenshots.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
-    results = run(args.site.resolve(), args.notebooks.resolve(), args.screenshots, args.tabs)
+    results = run(args.site.resolve(), args.notebooks.resolve(), args.screenshots, args.tabs,
+                  site_config())
     print(table(results))
     problems = [(r.path, p) for r in results for p in r.problems]
     seconds = time.monotonic() - start

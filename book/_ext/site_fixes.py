@@ -1,4 +1,4 @@
-"""Sphinx extension: two fixes for console errors that every reader's browser would log.
+"""Sphinx extension: fixes for what every page shows or logs, and the site's sitemap.
 
 - Sphinx 7.4 writes a script that has a body and no file twice when an extension adds it after
   the builder starts (sphinx-thebe does), so the browser raises "Identifier 'THEBE_JS_URL' has
@@ -6,10 +6,22 @@
 - pydata-sphinx-theme logs "Got invalid theme mode" on a reader's first visit when no
   `default_mode` is set; it is set to "auto" (follow the reader's system), the theme's fallback.
 
-tools/site_check.py (make site-check) finds such errors.
+- The repository menu's buttons read "Edit this page" and "Open an issue", and a page that a
+  tool writes at build time (book/api.md, from tools/api_reference.py) has no edit button: the
+  file it would open is not in the repository.
+- sitemap.xml lists every page under `html_baseurl` (_config.yml's html.baseurl, where the site
+  is published), which also gives every page its canonical link.
+
+tools/site_check.py (make site-check) checks each of these on the built pages.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
+from xml.sax.saxutils import escape
+
+GENERATED_PAGES = {"book/api"}  # written by tools/api_reference.py, not committed
+SITEMAP_NS = "http://www.sitemaps.org/schemas/sitemap/0.9"
 
 
 def set_default_mode(app, config) -> None:
@@ -32,7 +44,33 @@ def drop_duplicate_scripts(app, pagename, templatename, context, doctree) -> Non
     context["script_files"] = unique
 
 
+def relabel_source_buttons(app, pagename, templatename, context, doctree) -> None:
+    """After sphinx-book-theme's add_source_buttons (priority 501) has made the menu."""
+    names = {"source-edit-button": "Edit this page", "source-issues-button": "Open an issue"}
+    for group in context.get("header_buttons", []):
+        if group.get("label") != "source-buttons":
+            continue
+        group["buttons"] = [
+            {**button, "text": names.get(button.get("label"), button.get("text"))}
+            for button in group["buttons"]
+            if not (button.get("label") == "source-edit-button" and pagename in GENERATED_PAGES)
+        ]
+
+
+def write_sitemap(app, exception) -> None:
+    if exception or app.builder.format != "html" or not app.config.html_baseurl:
+        return
+    base = app.config.html_baseurl.rstrip("/") + "/"
+    urls = sorted(base + app.builder.get_target_uri(doc) for doc in app.env.found_docs)
+    lines = [f"  <url><loc>{escape(url)}</loc></url>" for url in urls]
+    text = "\n".join(['<?xml version="1.0" encoding="UTF-8"?>', f'<urlset xmlns="{SITEMAP_NS}">',
+                      *lines, "</urlset>", ""])
+    (Path(app.outdir) / "sitemap.xml").write_text(text, encoding="utf-8")
+
+
 def setup(app):
     app.connect("config-inited", set_default_mode)
     app.connect("html-page-context", drop_duplicate_scripts, priority=900)
+    app.connect("html-page-context", relabel_source_buttons, priority=600)
+    app.connect("build-finished", write_sitemap)
     return {"version": "1.0", "parallel_read_safe": True, "parallel_write_safe": True}

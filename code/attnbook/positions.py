@@ -97,7 +97,7 @@ def _check_float_dtype(dtype) -> torch.dtype:
 def alibi_bias(num_heads: int, q_len: int, k_len: int | None = None, *,
                dtype: torch.dtype = torch.float32,
                device: torch.device | str | None = None) -> torch.Tensor:
-    """ALiBi's score bias (num_heads, q_len, k_len), [h, i, j] = -slope_h * |k_len - q_len + i - j|:
+    """ALiBi's bias (num_heads, q_len, k_len), [h, i, j] = -slope_h * abs(k_len - q_len + i - j):
     the queries are the last q_len of k_len positions (default q_len). float16 and bfloat16 are
     computed in float32, where a distance past 65,504 is finite, and rounded back."""
     q_len = check_int("q_len", q_len, minimum=1)

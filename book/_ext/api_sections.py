@@ -1,0 +1,78 @@
+"""Sphinx extension: the API reference's link from each name to the chapter section building it.
+
+book/api.md (written by tools/api_reference.py) documents every public name of attnbook with
+autodoc, and ends each entry with
+
+    .. built-in:: chapters/01-queries-keys-values#scaled-dot-product-attention
+
+which becomes "Built in <the chapter>, <the section>.", each a link to that page and to that
+heading's MyST anchor (myst_heading_anchors), resolved by myst-parser as a Markdown link
+`[](chapters/01-queries-keys-values.md#...)` is: an anchor that does not exist is a warning, an
+error under -W. A chapter that is not on the site (not in _toc.yml) is named without a link.
+
+A constant (autodoc's `data`) that has no doc-comment of its own is shown without the docstring
+of its type (`dict`'s, `bool`'s), which autodoc would otherwise show as the constant's.
+
+The package is imported by autodoc while the book is built; on a machine without a GPU, Triton's
+kernels (attnbook.kernels) need its interpreter, which must be chosen before triton is imported.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+
+from docutils import nodes
+from sphinx.addnodes import pending_xref
+from sphinx.util.docutils import SphinxDirective
+
+
+def use_triton_interpreter() -> None:
+    """TRITON_INTERPRET=1 where there is no GPU, as tools/api_reference.py sets it."""
+    if "TRITON_INTERPRET" not in os.environ:
+        import torch
+
+        if not torch.cuda.is_available():
+            os.environ["TRITON_INTERPRET"] = "1"
+
+
+class BuiltIn(SphinxDirective):
+    """`.. built-in:: chapters/NN-slug[#anchor]`: where the entry's name is built."""
+
+    required_arguments = 1
+
+    def link(self, doc: str, anchor: str | None) -> pending_xref:
+        """A link myst-parser resolves, showing the chapter's or the section's title."""
+        return pending_xref(
+            "", nodes.inline("", ""), refdomain="doc", reftype="myst", reftarget=doc,
+            reftargetid=anchor, refexplicit=False, refdoc=self.env.docname, refwarn=True,
+        )
+
+    def run(self) -> list[nodes.Node]:
+        doc, _, anchor = self.arguments[0].partition("#")
+        paragraph = nodes.paragraph(classes=["api-built-in"])
+        paragraph += nodes.Text("Built in ")
+        if doc not in self.env.found_docs:
+            paragraph += nodes.literal(text=f"{doc}.md")
+            paragraph += nodes.Text(" (not yet on this site).")
+            return [paragraph]
+        paragraph += self.link(doc, None)
+        if anchor:
+            paragraph += nodes.Text(", section ")
+            paragraph += self.link(doc, anchor)
+        paragraph += nodes.Text(".")
+        return [paragraph]
+
+
+def drop_type_docstring(app, what, name, obj, options, lines: list[str]) -> None:
+    """autodoc-process-docstring: a constant's docstring is its own or none."""
+    type_doc = getattr(type(obj), "__doc__", None)
+    if what == "data" and type_doc and "\n".join(lines).strip() == inspect.cleandoc(type_doc):
+        lines.clear()
+
+
+def setup(app):
+    use_triton_interpreter()
+    app.add_directive("built-in", BuiltIn)
+    app.connect("autodoc-process-docstring", drop_type_docstring)
+    return {"version": "1.0", "parallel_read_safe": True, "parallel_write_safe": True}

@@ -1,0 +1,169 @@
+# Do not edit: tools/tangle.py generates this file from chapters/01-queries-keys-values.md.
+"""An attention explorer: attention weights over a sentence's tokens as HTML that Jupyter, Colab
+and the book's site display, with nothing fetched from outside.
+
+Built and explained in the book's chapter chapters/01-queries-keys-values.md.
+"""
+
+__all__ = [
+    "explorer_weights",
+    "explorer_html",
+    "AttentionExplorer",
+    "attention_explorer",
+]
+
+# chapters/01-queries-keys-values.md, "Pointing at a word: an attention explorer"
+import hashlib
+import html
+import itertools
+import json
+
+import numpy as np
+import torch
+
+from attnbook.conventions import check_array, check_instance, check_int, check_real  # noqa: F811
+
+
+def explorer_weights(tokens, weights, atol: float = 1e-3) -> np.ndarray:
+    """`weights` of shape (T, T), (heads, T, T) or (layers, heads, T, T) as a float64 array of
+    shape (layers, heads, T, T) (chapter 1), checked against `tokens`, T strings: finite,
+    non-negative, every row summing to 1 within `atol` or all zero (no allowed key)."""
+    check_instance("tokens", tokens, (list, tuple))
+    for i, token in enumerate(tokens):
+        check_instance(f"tokens[{i}]", token, str)
+    T = check_int("len(tokens)", len(tokens), minimum=1)
+    atol = check_real("atol", atol, 0, 0.5)
+    if isinstance(weights, torch.Tensor):
+        weights = weights.detach().cpu().double()
+    w = check_array("weights", weights, min_ndim=2).astype(np.float64)
+    if w.ndim > 4 or w.shape[-2:] != (T, T) or w.size == 0:
+        raise ValueError(f"weights must have shape (T, T), (heads, T, T) or (layers, heads, T, T)"
+                         f" with T = len(tokens) = {T}, got shape {w.shape}")
+    sums = w.sum(axis=-1)  # (..., T): one per query
+    bad = ~np.isfinite(sums) | (w.min(axis=-1) < 0) | ((abs(sums - 1) > atol) & (sums != 0))
+    if bad.any():
+        where = tuple(np.argwhere(bad)[0])
+        raise ValueError(f"weights must be finite, non-negative and sum to 1 in every row (or be"
+                         f" all zero), got weights[{', '.join(map(str, where))}, :] summing to "
+                         f"{float(sums[where]):.4g}")
+    return w.reshape((1,) * (4 - w.ndim) + w.shape)
+
+
+# chapters/01-queries-keys-values.md, "Pointing at a word: an attention explorer"
+_STYLE = """
+.attnbook-explorer { font-family: sans-serif; margin: 0.5em 0; }
+.attnbook-explorer .ax-controls label { margin-left: 0.5em; font-size: 0.9em; }
+.attnbook-explorer .ax-tokens { display: flex; flex-wrap: wrap; gap: 4px; margin: 0.5em 0; }
+.attnbook-explorer .ax-token { display: inline-flex; flex-direction: column; align-items: center;
+  padding: 2px 6px; border: 1px solid #999; border-radius: 4px; cursor: pointer; }
+.attnbook-explorer .ax-token.ax-query { outline: 2px solid #1f5fbf; }
+.attnbook-explorer .ax-value { font-size: 0.75em; min-height: 1.2em; }
+"""
+
+_SCRIPT = """(function () {
+  var root = document.getElementById("__UID__");
+  if (!root || root.dataset.ready) return;  // already running (the output was shown twice)
+  root.dataset.ready = "yes";
+  var data = JSON.parse(document.getElementById("__UID__-data").textContent);
+  var tokens = root.querySelectorAll("[data-token-index]");
+  var layer = root.querySelector(".ax-layer"), head = root.querySelector(".ax-head");
+  var readout = root.querySelector(".ax-readout"), chosen = null;
+  function row(i) {  // query i's weights over the keys: one head's, or the mean over heads
+    var heads = data.weights[layer ? Number(layer.value) : 0];
+    if (!head || head.value !== "mean") return heads[head ? Number(head.value) : 0][i];
+    return heads[0][i].map(function (_, j) {
+      return heads.reduce(function (sum, h) { return sum + h[i][j]; }, 0) / heads.length;
+    });
+  }
+  function show(i) {
+    var w = row(i), best = 0;
+    chosen = i;
+    tokens.forEach(function (el, j) {
+      el.style.backgroundColor = "rgba(255, 140, 0, " + w[j].toFixed(3) + ")";
+      el.querySelector(".ax-value").textContent = w[j].toFixed(data.digits);
+      el.classList.toggle("ax-query", j === i);
+      if (w[j] > w[best]) best = j;
+    });
+    readout.textContent = "\\u201c" + data.tokens[i] + "\\u201d gives its largest weight, " +
+      w[best].toFixed(data.digits) + ", to \\u201c" + data.tokens[best] + "\\u201d";
+  }
+  tokens.forEach(function (el) {
+    var i = Number(el.dataset.tokenIndex);
+    el.addEventListener("mouseenter", function () { show(i); });
+    el.addEventListener("focus", function () { show(i); });
+  });
+  [layer, head].forEach(function (select) {
+    if (select) select.addEventListener("change", function () { if (chosen !== null) show(chosen); });
+  });
+})();"""
+
+
+# chapters/01-queries-keys-values.md, "Pointing at a word: an attention explorer"
+def _options(name: str, count: int, uid: str, average: bool = False) -> str:
+    """A <select> of `count` numbered choices (plus the average), or nothing for one choice."""
+    if count == 1:
+        return ""
+    choices = [f'<option value="{i}">{i}</option>' for i in range(count)]
+    if average:
+        choices.append('<option value="mean">average over heads</option>')
+    return (f'<label for="{uid}-{name}">{name}</label> '
+            f'<select id="{uid}-{name}" class="ax-{name}">{"".join(choices)}</select> ')
+
+
+def _json_for_script(data) -> str:
+    """JSON that an HTML <script> element holds safely: no `<`, `>` or `&` left to parse."""
+    text = json.dumps(data, separators=(",", ":"), ensure_ascii=False)
+    return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+
+
+def explorer_html(tokens, weights: np.ndarray, uid: str, title: str = "", digits: int = 3) -> str:
+    """The explorer's HTML for `weights` (layers, heads, T, T) from explorer_weights (chapter 1),
+    its element ids all starting with `uid`."""
+    L, H, T, _ = weights.shape
+    spans = "".join(
+        f'<span class="ax-token" tabindex="0" data-token-index="{i}">'
+        f'<span class="ax-text">{html.escape(token)}</span><span class="ax-value"></span></span>'
+        for i, token in enumerate(tokens))
+    data = {"tokens": list(tokens), "digits": digits,
+            "weights": np.round(weights, digits).tolist()}  # (L, H, T, T)
+    return (f'<div class="attnbook-explorer" id="{uid}"><style>{_STYLE}</style>'
+            f'<div class="ax-title">{html.escape(title)}</div>'
+            f'<div class="ax-controls">{_options("layer", L, uid)}'
+            f'{_options("head", H, uid, average=True)}</div>'
+            f'<div class="ax-tokens">{spans}</div>'
+            '<div class="ax-readout" aria-live="polite">Hover over a token, or reach it with '
+            'the Tab key, to see where it attends.</div>'
+            f'<script type="application/json" id="{uid}-data">{_json_for_script(data)}</script>'
+            f'<script>{_SCRIPT.replace("__UID__", uid)}</script></div>')
+
+
+# chapters/01-queries-keys-values.md, "Pointing at a word: an attention explorer"
+_shown = itertools.count()  # explorers displayed so far by this Python process
+
+
+class AttentionExplorer:
+    """Attention weights over `tokens` that Jupyter, Colab and the book's site display as an
+    interactive explorer (chapter 1); make one with attention_explorer."""
+
+    def __init__(self, tokens, weights, title: str = "", digits: int = 3):
+        self.weights = explorer_weights(tokens, weights)  # (L, H, T, T)
+        self.tokens = list(tokens)
+        self.title = check_instance("title", title, str)
+        self.digits = check_int("digits", digits, minimum=1, maximum=6)
+
+    def __repr__(self) -> str:
+        L, H, T, _ = self.weights.shape
+        return f"AttentionExplorer(tokens={T}, layers={L}, heads={H})"
+
+    def _repr_html_(self) -> str:
+        digest = hashlib.sha256(json.dumps([self.tokens, self.title]).encode())
+        digest.update(np.round(self.weights, self.digits).tobytes())
+        uid = f"attnbook-explorer-{next(_shown)}-{digest.hexdigest()[:8]}"
+        return explorer_html(self.tokens, self.weights, uid, self.title, self.digits)
+
+
+def attention_explorer(tokens, weights, title: str = "", digits: int = 3) -> AttentionExplorer:
+    """An explorer of `weights` (T, T), (heads, T, T) or (layers, heads, T, T) over `tokens`, a
+    list of T strings (chapter 1): hovering over or focusing a token shades the others by its
+    weights; selectors choose the layer and the head, or the average over heads."""
+    return AttentionExplorer(tokens, weights, title=title, digits=digits)

@@ -1,0 +1,144 @@
+"""attnbook.viz (chapter 1): the attention explorer's HTML, read back with Python's HTML parser."""
+
+import json
+import re
+from html.parser import HTMLParser
+
+import numpy as np
+import pytest
+import torch
+
+from attnbook.attention import softmax
+from attnbook.viz import AttentionExplorer, attention_explorer, explorer_weights
+
+
+class Page(HTMLParser):
+    """Every start tag's attributes, the text of the token elements and the embedded JSON."""
+
+    def __init__(self, text: str):
+        super().__init__()
+        self.tags, self.texts, self.json, self._where = [], [], [], None
+        self.feed(text)
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        self.tags.append((tag, attrs))
+        if attrs.get("class") == "ax-text":
+            self._where = "text"
+        elif tag == "script" and attrs.get("type") == "application/json":
+            self._where = "json"
+        else:
+            self._where = None
+
+    def handle_endtag(self, tag):
+        self._where = None
+
+    def handle_data(self, data):
+        if self._where == "text":
+            self.texts.append(data)
+        elif self._where == "json":
+            self.json.append(data)
+
+    def ids(self) -> list[str]:
+        return [attrs["id"] for _, attrs in self.tags if "id" in attrs]
+
+    def data(self) -> dict:
+        (text,) = self.json
+        return json.loads(text)
+
+
+def random_weights(*shape, seed=0) -> np.ndarray:
+    return softmax(np.random.default_rng(seed).normal(size=shape) * 2)
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (5, 5), (3, 5, 5), (2, 3, 5, 5)])
+def test_tokens_indices_and_weights_survive_the_round_trip(shape):
+    T = shape[-1]
+    tokens = [f"w{i}" for i in range(T)]
+    weights = random_weights(*shape, seed=T)
+    page = Page(attention_explorer(tokens, weights, digits=4)._repr_html_())
+    assert page.texts == tokens
+    indices = [attrs["data-token-index"] for _, attrs in page.tags if "data-token-index" in attrs]
+    assert indices == [str(i) for i in range(T)]
+    assert all(attrs.get("tabindex") == "0" for _, attrs in page.tags
+               if "data-token-index" in attrs)
+    data = page.data()
+    assert data["tokens"] == tokens and data["digits"] == 4
+    expected = weights.reshape((1,) * (4 - len(shape)) + shape)
+    np.testing.assert_allclose(np.array(data["weights"]), expected, rtol=0, atol=5e-5 + 1e-12)
+
+
+def test_selectors_appear_for_more_than_one_layer_or_head():
+    def selects(weights):
+        page = Page(attention_explorer(["a", "b"], weights)._repr_html_())
+        return {attrs["class"]: [a.get("value") for t, a in page.tags if t == "option"]
+                for tag, attrs in page.tags if tag == "select"}
+
+    assert selects(np.eye(2)) == {}
+    assert selects(np.stack([np.eye(2)] * 3)) == {"ax-head": ["0", "1", "2", "mean"]}
+    both = selects(np.stack([np.stack([np.eye(2)] * 2)] * 3))
+    assert set(both) == {"ax-layer", "ax-head"}
+
+
+def test_tokens_are_text_not_markup():
+    tokens = ["<b>", "</script><script>alert(1)</script>", "&amp;", '"x"']
+    html = attention_explorer(tokens, np.full((4, 4), 0.25))._repr_html_()
+    page = Page(html)
+    assert page.texts == tokens and page.data()["tokens"] == tokens
+    assert [tag for tag, _ in page.tags].count("b") == 0
+    assert [tag for tag, _ in page.tags].count("script") == 2  # the JSON and the program
+    assert "<b>" not in html and "&lt;b&gt;" in html
+
+
+def test_no_outside_requests_and_unique_ids():
+    first = attention_explorer(["a", "b", "c"], random_weights(2, 2, 3, 3))
+    pages = [first._repr_html_(), first._repr_html_(),
+             attention_explorer(["a", "b", "c"], random_weights(2, 2, 3, 3))._repr_html_()]
+    ids = [i for html in pages for i in Page(html).ids()]
+    assert len(ids) == len(set(ids))  # three explorers on one page share no id
+    for html in pages:
+        assert not re.search(r"https?:|<(link|img|iframe)\b|\b(src|href)=|url\(|@import", html)
+        assert not re.search(r"\b(fetch|import|XMLHttpRequest)\b", html)
+        root = Page(html).ids()[0]
+        assert all(i.startswith(root) for i in Page(html).ids())
+        assert f'getElementById("{root}")' in html
+
+
+def test_tensors_and_zero_rows_are_accepted():
+    torch.manual_seed(0)
+    weights = torch.softmax(torch.randn(2, 4, 4, dtype=torch.float16), -1)
+    assert explorer_weights(list("abcd"), weights).shape == (1, 2, 4, 4)
+    leaf = torch.softmax(torch.randn(4, 4, requires_grad=True), -1)
+    assert explorer_weights(list("abcd"), leaf).dtype == np.float64
+    no_key = np.full((3, 3), 1 / 3)
+    no_key[1] = 0  # a query with no allowed key: the book's softmax gives a row of zeros
+    np.testing.assert_array_equal(explorer_weights(list("abc"), no_key)[0, 0], no_key)
+
+
+@pytest.mark.parametrize("tokens, weights, error, match", [
+    ("abc", np.eye(3), TypeError, "tokens"),
+    (["a", 1, "c"], np.eye(3), TypeError, r"tokens\[1\]"),
+    ([], np.zeros((0, 0)), ValueError, r"len\(tokens\)"),
+    (["a", "b"], np.eye(3), ValueError, "weights must have shape"),
+    (["a", "b"], np.eye(2)[0], ValueError, "weights"),
+    (["a", "b"], np.ones((1, 1, 1, 2, 2)) / 2, ValueError, "weights must have shape"),
+    (["a", "b"], np.zeros((0, 2, 2)), ValueError, "weights must have shape"),
+    (["a", "b"], np.full((2, 2), 0.6), ValueError, r"weights\[0, :\] summing to 1.2"),
+    (["a", "b"], np.array([[1.5, -0.5], [0, 1]]), ValueError, "non-negative"),
+    (["a", "b"], np.array([[np.nan, 1], [0, 1]]), ValueError, r"weights\[0, :\] summing to nan"),
+    (["a", "b"], np.array([[np.inf, 0], [0, 1]]), ValueError, "finite"),
+    (["a", "b"], np.array([["x", "y"], ["z", "w"]]), TypeError, "weights"),
+])
+def test_bad_input_names_the_argument(tokens, weights, error, match):
+    with pytest.raises(error, match=match):
+        attention_explorer(tokens, weights)
+
+
+def test_bad_options_name_the_option():
+    with pytest.raises(TypeError, match="title"):
+        AttentionExplorer(["a"], np.ones((1, 1)), title=None)
+    with pytest.raises(ValueError, match="digits"):
+        attention_explorer(["a"], np.ones((1, 1)), digits=0)
+    with pytest.raises(ValueError, match="atol"):
+        explorer_weights(["a"], np.ones((1, 1)), atol=-1)
+    assert explorer_weights(["a", "b"], np.array([[0.6, 0.5], [0, 1]]), atol=0.2).shape[-1] == 2
