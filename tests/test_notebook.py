@@ -69,11 +69,29 @@ def test_median_seconds_warms_up_batches_and_times_every_call_in_turns():
     assert len(syncs) == 2 * (2 + 2 * 3)  # before and after every timed batch
 
 
+@pytest.mark.skipif(sys.platform == "win32", reason="the default clock there is the wall clock")
+def test_median_seconds_counts_the_threads_work_not_its_waiting():
+    asleep, = median_seconds(lambda: time.sleep(0.002), repeats=1, batch_seconds=0.004)
+    assert asleep < 0.001  # the default clock, the thread's CPU time, does not count a sleep
+    awake, = median_seconds(lambda: time.sleep(0.002), repeats=1, batch_seconds=0.004,
+                            clock=time.perf_counter)
+    assert awake >= 0.002
+
+
+def test_median_seconds_reads_the_clock_it_is_given():
+    ticks = iter(range(1000))
+    # a call longer than the batch runs alone, and this clock advances one "second" per reading
+    times = median_seconds(lambda: time.sleep(0.002), repeats=3, batch_seconds=0.001,
+                           clock=lambda: float(next(ticks)))
+    assert times == [1.0]
+
+
 @pytest.mark.parametrize("kwargs, error, text", [
     ({"repeats": 0}, ValueError, "repeats must be at least 1, got repeats=0"),
     ({"repeats": True}, TypeError, "repeats must be an int"),
     ({"batch_seconds": 0.0}, ValueError, "batch_seconds must be a finite number in"),
     ({"batch_seconds": math.nan}, ValueError, "batch_seconds=nan"),
+    ({"clock": "wall"}, TypeError, "clock must be a function returning seconds, got clock='wall'"),
 ])
 def test_median_seconds_names_a_bad_setting(kwargs, error, text):
     with pytest.raises(error, match=text):

@@ -17,6 +17,7 @@ import math
 import os
 import socket
 import statistics
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -59,30 +60,39 @@ def glue(name: str, value, *, digits: int | None = None) -> None:
 
 # chapters/a1-conventions.md, "Timing a call on a busy machine"
 def median_seconds(*calls: Callable[[], object], repeats: int = 5, batch_seconds: float = 0.05,
-                   synchronize: Callable[[], object] | None = None) -> list[float]:
+                   synchronize: Callable[[], object] | None = None,
+                   clock: Callable[[], float] | None = None) -> list[float]:
     """The median time of one call of each of `calls`, in seconds (appendix, "Timing a call").
 
     Each is warmed up, then measured `repeats` times, in turns, in batches of calls lasting about
     `batch_seconds`. `synchronize` (for example torch.cuda.synchronize) runs before each reading
-    of the clock, for work that a device runs asynchronously.
+    of the clock, for work that a device runs asynchronously. `clock` reads seconds; by default
+    the calling thread's CPU time (time.thread_time), which other programs on a busy machine do
+    not inflate, and the wall clock (time.perf_counter) with `synchronize` or on Windows.
     """
     if not calls or not all(callable(fn) for fn in calls):
         raise TypeError(f"median_seconds times callables, got calls={calls!r}")
     repeats = check_int("repeats", repeats, minimum=1)
     batch_seconds = check_positive("batch_seconds", batch_seconds)
+    if clock is not None and not callable(clock):
+        raise TypeError(f"clock must be a function returning seconds, got clock={clock!r}")
     wait = synchronize or (lambda: None)
+    if clock is None:  # a thread's time is wrong for a device's work, and coarse on Windows
+        clock = time.perf_counter if synchronize or sys.platform == "win32" else time.thread_time
 
-    def seconds(fn, n: int) -> float:
+    def seconds(fn, n: int, read=clock) -> float:
         wait()
-        start = time.perf_counter()
+        start = read()
         for _ in range(n):
             fn()
         wait()
-        return time.perf_counter() - start
+        return read() - start
 
     for fn in calls:
         fn()  # warm-up
-    batch = [max(1, math.ceil(batch_seconds / max(seconds(fn, 1), 1e-9))) for fn in calls]
+    # batch sizes come from the wall clock: it is fine-grained everywhere, so never reads 0
+    batch = [max(1, math.ceil(batch_seconds / max(seconds(fn, 1, time.perf_counter), 1e-9)))
+             for fn in calls]
     rounds = [[seconds(fn, n) / n for fn, n in zip(calls, batch)] for _ in range(repeats)]
     return [statistics.median(column) for column in zip(*rounds)]
 
