@@ -105,10 +105,16 @@ NBVAL := --nbval --nbval-sanitize-with tests/nbval_sanitize.cfg -p no:cacheprovi
 # everything in one process.
 WORKERS ?= 2
 XDIST := $(if $(filter-out 0,$(WORKERS)),-n $(WORKERS) --dist loadfile)
+# Each worker's share of the cores, as its thread count (OMP_NUM_THREADS, which PyTorch, MKL and
+# OpenBLAS read): more threads than cores, and OpenMP's threads wait for one another (a chapter
+# ran 4.7 times slower so on the 2-core machine). The notebooks were recorded with every core,
+# so this run also checks that no compared output depends on the thread count. A thread count
+# already set in the environment is kept.
+WORKER_THREADS := $(if $(XDIST),$(shell python3 -c 'import os; print(max(1, (os.cpu_count() or 1) // $(WORKERS)))'))
 
 ## pytest: package tests, then every notebook re-executed and compared by nbval
 pytest: $(STAMP)
-	$(VENV)/bin/pytest tests notebooks $(NBVAL) $(XDIST) --durations=5
+	$(if $(WORKER_THREADS),OMP_NUM_THREADS=$${OMP_NUM_THREADS:-$(WORKER_THREADS)}) $(VENV)/bin/pytest tests notebooks $(NBVAL) $(XDIST) --durations=5
 
 ## test-package: the package's own tests (not the book's pipeline) with whatever Python runs them,
 ## for the CI matrix of Python versions: PYTHON=python3.13 make test-package, in an environment
