@@ -8,8 +8,8 @@ STAMP := $(VENV)/.installed
 BOOK_FLAGS := -W -n --keep-going
 export PYTHONHASHSEED := 0
 
-.PHONY: book test test-package test-portable colab-check tangle notebooks check-sync lint lock pytest site-verified \
-	site-check api-reference pdf mathjax venv clean
+.PHONY: book test test-package test-portable colab-check gpu-profile tangle notebooks check-sync lint lock pytest site-verified \
+	site-check api-reference pdf mathjax venv clean test-lowest lab dist
 VERIFIED := _build/verified
 # MathJax is served by the site itself (no CDN: math is typeset offline). It comes once from the
 # npm registry, like the venv; _config.yml's html_static_path copies it into every build.
@@ -94,10 +94,17 @@ check-sync: $(STAMP)
 	$(PY) tools/tangle.py --check
 
 ## lint: ruff on the Python, actionlint on the GitHub workflows (its shellcheck and pyflakes checks
-## off: neither is in the lock, so what they find would depend on the machine)
+## off: neither is in the lock, so what they find would depend on the machine) and zizmor, their
+## security audit (--offline: the audits that ask GitHub's API are left out); then the README's
+## tested-versions table against .venv's versions (tools/tested_versions.py; WRITE=1 rewrites it)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check code tools tests book/_ext notebooks conftest.py
 	$(VENV)/bin/actionlint -shellcheck= -pyflakes= .github/workflows/*.yml
+	$(VENV)/bin/zizmor --offline --quiet .github/workflows/*.yml .github/dependabot.yml
+	$(PY) -m pip freeze --quiet > $(VENV)/freeze.txt
+	$(PY) tools/tested_versions.py $(if $(WRITE),--write) record \
+		locked-$$($(PY) -c 'import sys; print("%d.%d" % sys.version_info[:2])') $(VENV)/freeze.txt
+	$(PY) tools/tested_versions.py $(if $(WRITE),--write) table
 
 NBVAL := --nbval --nbval-sanitize-with tests/nbval_sanitize.cfg -p no:cacheprovider
 # pytest-xdist: WORKERS processes share the test files out, each file (each notebook) whole on one
@@ -121,7 +128,52 @@ pytest: $(STAMP)
 ## that has the package, pytest and hypothesis (see .github/workflows/test.yml)
 PACKAGE_TESTS := tests --ignore=tests/test_pipeline.py --ignore=tests/test_site_tools.py
 test-package:
-	$(or $(PYTHON),python3) -m pytest $(PACKAGE_TESTS) -p no:cacheprovider -q
+	$(or $(PYTHON),python3) -m pytest $(PACKAGE_TESTS) -p no:cacheprovider -q -rx
+
+## test-lowest: the package's tests at the lowest versions pyproject.toml allows: uv's
+## --resolution lowest-direct installs each dependency that the package and its test and notebook
+## extras name at its floor (theirs at the newest that fit), from PyPI alone, into a fresh
+## environment on LOWEST_PYTHON (3.11, the oldest supported; CI runs 3.13 too). On Linux that is
+## PyPI's CUDA torch, about 3 GB, with the Triton it pins. Then every module the chapters import is
+## imported (tools/notebook_imports.py), the package's tests run (make test-package), and what was
+## installed is checked against .github/tested-versions/ and the README's table (WRITE=1
+## rewrites them: tools/tested_versions.py).
+LOWEST_PYTHON ?= 3.11
+LOWEST := _build/lowest/$(LOWEST_PYTHON)
+UV ?= $(if $(wildcard $(VENV)/bin/uv),$(VENV)/bin/uv,uv)
+test-lowest:
+	rm -rf $(LOWEST)
+	$(UV) venv --no-config --quiet --python $(LOWEST_PYTHON) $(LOWEST)/venv
+	$(UV) pip install --no-config --python $(LOWEST)/venv/bin/python --resolution lowest-direct \
+		".[test,notebook]"
+	$(UV) pip check --no-config --python $(LOWEST)/venv/bin/python
+	$(UV) pip freeze --no-config --python $(LOWEST)/venv/bin/python > $(LOWEST)/freeze.txt
+	$(LOWEST)/venv/bin/python tools/notebook_imports.py
+	$(MAKE) --no-print-directory test-package PYTHON=$(LOWEST)/venv/bin/python
+	$(LOWEST)/venv/bin/python tools/tested_versions.py $(if $(WRITE),--write) record lowest-$(LOWEST_PYTHON) \
+		$(LOWEST)/freeze.txt
+	$(LOWEST)/venv/bin/python tools/tested_versions.py $(if $(WRITE),--write) table
+
+## dist: the wheel and the sdist in dist/ (python -m build), and a check that the sdist holds what
+## the package's tests need beside the package: their conftest files, the lock (the compile
+## check reads its Triton pin) and the benchmark the kernel tests run. DIST_PYTHON: a Python
+## with `build` other than .venv's (CI's dist job).
+DIST_PYTHON ?= $(PY)
+dist: $(if $(filter $(PY),$(DIST_PYTHON)),$(STAMP))
+	rm -rf dist
+	$(DIST_PYTHON) -m build --outdir dist .
+	tar tzf dist/attnbook-*.tar.gz > dist/sdist-files.txt
+	for f in conftest.py tests/conftest.py tests/nbval_sanitize.cfg requirements.txt \
+		benchmarks/flash_attention.py; do \
+		grep -q "^attnbook-[^/]*/$$f$$" dist/sdist-files.txt || { echo "make dist: $$f is not in the sdist"; exit 1; }; \
+	done
+	@echo "make dist: $$(ls dist/*.whl dist/*.tar.gz | tr '\n' ' ')"
+
+## lab: JupyterLab (in the lock, as in the package's `notebook` extra) on the committed notebooks,
+## with .venv's kernel, which imports the package from code/; LAB_ARGS="--no-browser --port=8899"
+## to choose
+lab: $(STAMP)
+	$(VENV)/bin/jupyter lab --ServerApp.root_dir=notebooks $(LAB_ARGS)
 
 ## test-portable: every notebook compared again with PyTorch, MKL and OpenMP made to choose other
 ## CPU kernels, so that a digit that depends on the machine fails here, not on a reader's machine
@@ -161,6 +213,13 @@ pdf: $(STAMP) $(MATHJAX) api-reference
 	$(VENV)/bin/jupyter-book build . --builder singlehtml --path-output $(PDF_BUILD) $(BOOK_FLAGS)
 	$(PY) tools/book_pdf.py $(PDF_BUILD)/_build/singlehtml $(PDF)
 	if [ -d $(VERIFIED)/_build/html ]; then cp $(PDF) $(VERIFIED)/_build/html/attnbook.pdf; fi
+
+## gpu-profile: every gpu: true chapter executed top to bottom with the GPU profile forced on this
+## CPU (ATTNBOOK_PROFILE=gpu ATTNBOOK_DEVICE=cpu), written to benchmarks/results/gpu-profile-on-cpu.json
+## (ONLY="07 12" for some of them). Not part of `make test`, which checks that the record is current.
+gpu-profile: $(STAMP)
+	$(PY) tools/tangle.py
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) tools/gpu_profile.py $(ONLY)
 
 ## colab-check: every notebook alone, top to bottom, in an environment like Colab's (Python 3.12,
 ## the newest numpy, torch, matplotlib and transformers, none of requirements.txt), its own first

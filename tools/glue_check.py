@@ -1,0 +1,94 @@
+"""A glued number must not show digits its record does not have.
+
+A chapter records a result with `glue(name, value, digits=2)` (appendix A), which keeps two
+significant digits, and quotes it in the prose as {glue:text}`name:.1%`. That format shows three
+digits, so a record of 0.25 reads "25.0%", a precision the cell never had, and a record of 0.7
+(one digit of 0.65) reads "70%". This check reads every {glue:text}`name:format` of the chapters
+whose name is glued with `digits=`, formats the value the committed notebook recorded, as the
+site does, and fails when the text shows more significant digits than `digits`. Values glued
+without `digits` are exact (counts, sizes) and may show all their digits.
+
+    python tools/glue_check.py      # exit 1 and list the glue roles that show too many digits
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import nbformat
+
+ROOT = Path(__file__).resolve().parents[1]
+GLUE = re.compile(r"\{glue:text\}`([^`]*)`")
+RECORD = "application/papermill.record/text/plain"
+# glue("name", value, digits=2) or glue(f"name_{key}", ..., digits=2), on one line
+GLUED_WITH_DIGITS = re.compile(r'glue\((f?)"([^"]+)",[^\n]*?digits=(\d+)')
+
+
+def recorded(notebook: nbformat.NotebookNode) -> dict[str, str]:
+    """Each glued name of an executed notebook, with the text of its record."""
+    values = {}
+    for cell in notebook.cells:
+        for output in cell.get("outputs", []) if cell.cell_type == "code" else []:
+            name = output.get("metadata", {}).get("scrapbook", {}).get("name")
+            if name and RECORD in output.get("data", {}):
+                values[name] = output["data"][RECORD]
+    return values
+
+
+def shown_digits(text: str) -> int | None:
+    """How many significant digits a number as the site shows it carries; None for no number.
+
+    "0.25" has 2, "25.0%" 3, "100.0%" 4, "70%" 2 (a zero that is shown is claimed), "1,086" 4,
+    "2.5e-07" 2: the digits of the mantissa from its first nonzero one."""
+    mantissa = re.split(r"[eE]", text.strip().replace(",", "").rstrip("%"))[0].lstrip("+-")
+    if not re.fullmatch(r"\d*\.?\d*", mantissa) or not re.search(r"[1-9]", mantissa):
+        return None
+    return len(mantissa.replace(".", "").lstrip("0"))
+
+
+def rounded_names(chapter_text: str) -> dict[re.Pattern, int]:
+    """Each name the chapter glues with `digits=N` (a pattern, for names made by f-strings)."""
+    found = {}
+    for quote_f, name, digits in GLUED_WITH_DIGITS.findall(chapter_text):
+        pattern = re.escape(name) if not quote_f else re.sub(
+            r"\\\{.*?\\\}", ".+", re.escape(name))
+        found[re.compile(pattern + r"\Z")] = int(digits)
+    return found
+
+
+def problems(chapter_text: str, values: dict[str, str]) -> list[str]:
+    """The glue roles of one chapter whose format shows more digits than their record has."""
+    from myst_nb.core.variables import format_plain_text
+
+    rounded, found = rounded_names(chapter_text), []
+    for match in GLUE.finditer(chapter_text):
+        name, _, spec = match.group(1).partition(":")
+        digits = next((n for pattern, n in rounded.items() if pattern.match(name)), None)
+        if name not in values or digits is None:
+            continue  # not rounded (exact), or not recorded: the book build reports that
+        shown = format_plain_text(values[name], spec or "s")
+        showing = shown_digits(shown)
+        if showing is not None and showing > digits:
+            found.append(f"{{glue:text}}`{match.group(1)}` shows {shown!r}, {showing} significant "
+                         f"digits, but {name} is glued with digits={digits} "
+                         f"(record {values[name]})")
+    return found
+
+
+def check_book(root: Path = ROOT) -> list[str]:
+    found = []
+    for chapter in sorted((root / "chapters").glob("*.md")):
+        notebook = root / "notebooks" / f"{chapter.stem}.ipynb"
+        if not notebook.exists():
+            continue
+        values = recorded(nbformat.read(notebook, as_version=4))
+        found += [f"{chapter.name}: {p}" for p in problems(chapter.read_text(), values)]
+    return found
+
+
+if __name__ == "__main__":
+    found = check_book()
+    print("\n".join(found) or "glue_check: every glued number shows only the digits it has")
+    sys.exit(1 if found else 0)
