@@ -139,11 +139,14 @@ test-package:
 ## installed is checked against .github/tested-versions/ and the README's table (WRITE=1
 ## rewrites them: tools/tested_versions.py).
 LOWEST_PYTHON ?= 3.11
+# The interpreter uv takes for it: by default the first Python LOWEST_PYTHON it finds (a path
+# where that one is not on PATH).
+LOWEST_INTERPRETER ?= $(LOWEST_PYTHON)
 LOWEST := _build/lowest/$(LOWEST_PYTHON)
 UV ?= $(if $(wildcard $(VENV)/bin/uv),$(VENV)/bin/uv,uv)
 test-lowest:
 	rm -rf $(LOWEST)
-	$(UV) venv --no-config --quiet --python $(LOWEST_PYTHON) $(LOWEST)/venv
+	$(UV) venv --no-config --quiet --python $(LOWEST_INTERPRETER) $(LOWEST)/venv
 	$(UV) pip install --no-config --python $(LOWEST)/venv/bin/python --resolution lowest-direct \
 		".[test,notebook]"
 	$(UV) pip check --no-config --python $(LOWEST)/venv/bin/python
@@ -154,20 +157,21 @@ test-lowest:
 		$(LOWEST)/freeze.txt
 	$(LOWEST)/venv/bin/python tools/tested_versions.py $(if $(WRITE),--write) table
 
-## dist: the wheel and the sdist in dist/ (python -m build), and a check that the sdist holds what
+## dist: the wheel and the sdist in $(DIST) (python -m build), and a check that the sdist holds what
 ## the package's tests need beside the package: their conftest files, the lock (the compile
 ## check reads its Triton pin) and the benchmark the kernel tests run. DIST_PYTHON: a Python
 ## with `build` other than .venv's (CI's dist job).
 DIST_PYTHON ?= $(PY)
+DIST := _build/dist
 dist: $(if $(filter $(PY),$(DIST_PYTHON)),$(STAMP))
-	rm -rf dist
-	$(DIST_PYTHON) -m build --outdir dist .
-	tar tzf dist/attnbook-*.tar.gz > dist/sdist-files.txt
+	rm -rf $(DIST)
+	$(DIST_PYTHON) -m build --outdir $(DIST) .
+	tar tzf $(DIST)/attnbook-*.tar.gz > $(DIST)/sdist-files.txt
 	for f in conftest.py tests/conftest.py tests/nbval_sanitize.cfg requirements.txt \
 		benchmarks/flash_attention.py; do \
-		grep -q "^attnbook-[^/]*/$$f$$" dist/sdist-files.txt || { echo "make dist: $$f is not in the sdist"; exit 1; }; \
+		grep -q "^attnbook-[^/]*/$$f$$" $(DIST)/sdist-files.txt || { echo "make dist: $$f is not in the sdist"; exit 1; }; \
 	done
-	@echo "make dist: $$(ls dist/*.whl dist/*.tar.gz | tr '\n' ' ')"
+	@echo "make dist: $$(ls $(DIST)/*.whl $(DIST)/*.tar.gz | tr '\n' ' ')"
 
 ## lab: JupyterLab (in the lock, as in the package's `notebook` extra) on the committed notebooks,
 ## with .venv's kernel, which imports the package from code/; LAB_ARGS="--no-browser --port=8899"

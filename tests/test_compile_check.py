@@ -13,6 +13,15 @@ attnbook.kernels and attnbook.compile_check, the Triton version, the Python vers
 TRITON_* environment. A repeated run reads the reports back; a fresh clone, or any change to the
 kernels, to compile_check or to Triton, compiles again. ATTNBOOK_COMPILE_CACHE=0 turns the disk
 cache off.
+
+The tile table and the launch settings were chosen with the Triton that requirements.txt pins,
+and another release allocates registers differently. So what the compiler decides (spills, shared
+memory, tensor cores) is asserted under that Triton only. Under any other, the same requests are
+compiled and compared with the same rule, and what breaks it is this Triton's compile report: the
+test is marked xfail with the report's summary, the whole report is given as a
+CompileReportWarning and written to _build/compile-report-triton-<version>.txt, and the package's
+tests pass on a release nobody here chose. README, "Tested versions", says how such a report
+becomes a new tile table.
 """
 
 import hashlib
@@ -21,13 +30,16 @@ import os
 import re
 import sys
 import threading
+import warnings
 from dataclasses import asdict
 from pathlib import Path
 
 import pytest
 
-from attnbook import compile_check, kernels
-from attnbook.compile_check import (
+pytest.importorskip("triton", reason="Triton (the triton extra) has wheels for Linux only")
+
+from attnbook import compile_check, kernels  # noqa: E402
+from attnbook.compile_check import (  # noqa: E402
     GPUS,
     KERNELS,
     SHARED_MEMORY,
@@ -141,6 +153,52 @@ def _tile_table_plan(dtype: str):
     return own, larger
 
 
+def _locked_triton(lock: Path) -> str | None:
+    """The Triton that the lock pins (None without a lock, as in a bare copy of the tests)."""
+    found = lock.exists() and re.search(r"^triton==(\S+)$", lock.read_text(), re.MULTILINE)
+    return found.group(1) if found else None
+
+
+# The tile table and the launch settings were derived with the Triton of the lock: another
+# release allocates registers differently (Triton 3.6 spills 8 B in the A100's dK/dV kernel at
+# D=128, 3.9 some float32 tiles that fit with 3.7), so under it they are compared, not asserted.
+LOCKED_TRITON = _locked_triton(ROOT / "requirements.txt")
+TRITON = kernels.triton.__version__
+REPORT_FILE = ROOT / "_build" / f"compile-report-triton-{TRITON}.txt"
+
+
+class CompileReportWarning(UserWarning):
+    """What another Triton than the lock's compiles differently from the rule the tests hold."""
+
+
+def _describe(r: Compiled) -> str:
+    """One line of the compile report."""
+    return (f"{r.kernel:7} {r.gpu:4} {r.dtype:8} D={r.head_dim:<3} {r.block}x{r.block_n} "
+            f"warps {r.warps} stages {r.stages}: {r.shared_bytes} B shared of "
+            f"{SHARED_MEMORY[r.gpu]}, {r.registers} registers, {r.spill_bytes} B spilled, "
+            f"{'tensor cores' if r.tensor_cores else 'no tensor cores'}")
+
+
+def _hold(rule: str, broken: list[str], triton: str = TRITON, locked: str | None = LOCKED_TRITON,
+          report_file: Path = REPORT_FILE) -> None:
+    """`broken`, the report's lines that break `rule`, fail the test under the lock's Triton.
+    Under another they are that Triton's compile report: given in full as a CompileReportWarning
+    and in report_file, and the test is xfailed with its summary."""
+    if not broken:
+        return
+    if triton == locked:
+        pytest.fail(f"{rule}, under the locked Triton {triton}:\n" + "\n".join(broken))
+    report = (f"Triton {triton} (the lock pins {locked}): {len(broken)} compiled kernels break "
+              f"the rule '{rule}':\n" + "\n".join(broken))
+    report_file.parent.mkdir(parents=True, exist_ok=True)
+    with report_file.open("a") as f:
+        f.write(report + "\n\n")
+    warnings.warn(report, CompileReportWarning, stacklevel=2)
+    where = report_file.relative_to(ROOT) if report_file.is_relative_to(ROOT) else report_file
+    pytest.xfail(f"Triton {triton} is not the lock's {locked}: {len(broken)} break '{rule}' "
+                 f"(the report: {where})")
+
+
 # The GPUs a larger tile is tried on, one after the other until one rejects it: the A100 rejects
 # most (spills), the H100 the few that the A100 accepts, the T4 by its shared memory only.
 REJECTS_FIRST = ("A100", "H100", "T4")
@@ -184,8 +242,7 @@ def compiler(request):
         if getattr(item, "module", None) is not request.module:  # nbval cells have none
             continue
         name = getattr(item, "originalname", item.name)
-        if (name == "test_tile_table_is_the_largest_tile_that_compiles_cleanly"
-                and kernels.triton.__version__ == LOCKED_TRITON):
+        if name == "test_tile_table_is_the_largest_tile_that_compiles_cleanly":
             own, more = _tile_table_plan(item.callspec.params["dtype"])
             first += own + [_request(k, REJECTS_FIRST[0], t, d, block=b) for t, k, d, b in more]
             larger += more
@@ -201,25 +258,20 @@ def compiler(request):
     return compiler
 
 
-# The table was derived with the Triton of the lock: another release allocates registers
-# differently (with Triton 3.9 some float32 tiles spill that fit with 3.7), so there the table
-# is not tested.
-LOCKED_TRITON = re.search(r"^triton==(\S+)$", (ROOT / "requirements.txt").read_text(),
-                          re.MULTILINE).group(1)
-
-
-@pytest.mark.skipif(kernels.triton.__version__ != LOCKED_TRITON,
-                    reason=f"the tile table is derived with the locked Triton {LOCKED_TRITON}")
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
 def test_tile_table_is_the_largest_tile_that_compiles_cleanly(dtype, compiler):
     own, larger = _tile_table_plan(dtype)
+    broken = []
     for r in compiler(own):  # every tile of 64 or 32 rows is clean on every GPU
-        assert _clean(r) and r.block == r.block_n == _tile_rows(r.kernel, r.head_dim,
-                                                                ELEMENT_SIZE[dtype]), r
+        assert r.block == r.block_n == _tile_rows(r.kernel, r.head_dim, ELEMENT_SIZE[dtype]), r
+        if not _clean(r):
+            broken.append(f"the table's tile: {_describe(r)}")
     compiled = _larger_tiles(compiler, larger)
     for _, kernel, d, b in larger:  # the next larger tile breaks the rule on some GPU
-        assert not all(_clean(r) for r in compiled
-                       if (r.kernel, r.head_dim, r.block) == (kernel, d, b)), (kernel, d, b)
+        tried = [r for r in compiled if (r.kernel, r.head_dim, r.block) == (kernel, d, b)]
+        if all(_clean(r) for r in tried):
+            broken += [f"a larger tile, clean on every GPU: {_describe(r)}" for r in tried]
+    _hold(f"TILE_ROWS[{dtype}] holds the largest clean tile", broken)
 
 
 def test_largest_tiles_applies_choose_tiles_to_every_candidate(monkeypatch):
@@ -265,11 +317,13 @@ def test_choose_tiles_states_the_chapters_rule():
 
 
 def test_bfloat16_compiles_as_cleanly_as_float16_on_gpus_that_have_it(compiler):
+    broken = []
     for r in compiler(BFLOAT16):
-        assert r.fits and r.spill_bytes == 0, r
-        assert r.tensor_cores, r
         assert (r.block, r.block_n, r.warps, r.stages) == kernels.launch_settings(
             r.kernel, 2, r.head_dim, GPUS[r.gpu])[0]
+        if not (r.fits and r.spill_bytes == 0 and r.tensor_cores):
+            broken.append(_describe(r))
+    _hold("bfloat16 fits, spills nothing and uses tensor cores", broken)
 
 
 # What a GPU of compute capability 8.6 or 8.9 (RTX 30 and 40, A10, L4) gives one program; it
@@ -279,12 +333,17 @@ SM86_SHARED_MEMORY = 99 * 1024
 
 def test_every_launch_candidate_compiles_cleanly_on_its_gpu(compiler):
     assert len(LAUNCH_CANDIDATES) >= len(kernels.LAUNCH) * 2  # two head dimensions per entry
+    broken = []
     for r in compiler(LAUNCH_CANDIDATES):
-        assert r.fits and r.spill_bytes == 0, r
-        assert r.tensor_cores == (r.gpu != "T4"), r  # the T4's tl.dot: no tensor cores here
+        clean = r.fits and r.spill_bytes == 0
+        clean &= r.tensor_cores == (r.gpu != "T4")  # the T4's tl.dot: no tensor cores here
         if r.gpu == "A100" and (r.block, r.block_n, r.warps, r.stages) == kernels.LAUNCH[
                 80, r.kernel][r.head_dim][0]:
-            assert r.shared_bytes <= SM86_SHARED_MEMORY, r
+            clean &= r.shared_bytes <= SM86_SHARED_MEMORY
+        if not clean:
+            broken.append(_describe(r))
+    _hold("every launch candidate fits, spills nothing, uses tensor cores but on the T4, and the "
+          "A100's first fits an RTX 30 or 40", broken)
 
 
 def test_report_describes_the_compiled_kernel(compiler):
@@ -302,6 +361,38 @@ def test_float32_products_do_not_use_tensor_cores(compiler):
     (r,) = compiler(FLOAT32_DQ)  # block None: the launcher's tile
     assert not r.tensor_cores
     assert r.block == _tile_rows("dq", 16, 4)
+
+
+def _spilling(gpu="A100", spill=8):
+    return Compiled("dkdv", gpu, "float16", 128, True, 64, 64, 8, 2, 74240, 255, spill, True)
+
+
+def test_hold_fails_under_the_locked_triton():
+    _hold("spills nothing", [], triton="3.7.1", locked="3.7.1")  # nothing broken: passes
+    with pytest.raises(pytest.fail.Exception, match="spills nothing, under the locked Triton "
+                       "3.7.1:\ndkdv    A100 float16  D=128 64x64 warps 8 stages 2: 74240 B"):
+        _hold("spills nothing", [_describe(_spilling())], triton="3.7.1", locked="3.7.1")
+
+
+def test_hold_reports_another_triton_without_failing(tmp_path):
+    report_file = tmp_path / "report.txt"
+    line = _describe(_spilling())
+    assert line.endswith("255 registers, 8 B spilled, tensor cores")
+    with pytest.warns(CompileReportWarning, match="Triton 3.6.0 \\(the lock pins 3.7.1\\): 1 "
+                      "compiled kernels break the rule 'spills nothing'") as caught:
+        with pytest.raises(pytest.xfail.Exception, match="Triton 3.6.0 is not the lock's 3.7.1"):
+            _hold("spills nothing", [line], triton="3.6.0", locked="3.7.1",
+                  report_file=report_file)
+    assert line in str(caught[0].message) and line in report_file.read_text()
+    _hold("spills nothing", [], triton="3.6.0", locked="3.7.1", report_file=tmp_path / "none")
+    assert not (tmp_path / "none").exists()  # nothing broken: nothing reported
+
+
+def test_locked_triton_is_the_locks_pin(tmp_path):
+    assert LOCKED_TRITON == _locked_triton(ROOT / "requirements.txt")
+    (tmp_path / "requirements.txt").write_text("torch==2.13.0\ntriton==3.7.1\n")
+    assert _locked_triton(tmp_path / "requirements.txt") == "3.7.1"
+    assert _locked_triton(tmp_path / "missing.txt") is None  # no lock: every Triton is compared
 
 
 def test_gpus_are_named_with_their_limits():

@@ -18,7 +18,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from attnbook.kernels import INTERPRETED, flash_attention
+pytest.importorskip("triton", reason="Triton (the triton extra) has wheels for Linux only")
+
+from attnbook.kernels import INTERPRETED, flash_attention  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DEVICE = "cpu" if INTERPRETED else "cuda"
