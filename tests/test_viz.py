@@ -142,3 +142,34 @@ def test_bad_options_name_the_option():
     with pytest.raises(ValueError, match="atol"):
         explorer_weights(["a"], np.ones((1, 1)), atol=-1)
     assert explorer_weights(["a", "b"], np.array([[0.6, 0.5], [0, 1]]), atol=0.2).shape[-1] == 2
+
+
+@pytest.mark.parametrize("uid", ['x" onmouseover="alert(1)', 'a");alert(1);("', "a b", "a<b>",
+                                 "", "1abc", "a\\nb", "é", 3, None])
+def test_explorer_html_refuses_a_uid_that_could_inject(uid):
+    """Issue 29: the uid goes into attributes and into the script, so it is validated."""
+    from attnbook.viz import explorer_html
+
+    with pytest.raises(ValueError, match="uid"):
+        explorer_html(["a", "b"], np.eye(2), uid)
+
+
+def test_explorer_html_checks_its_arguments_and_escapes_every_string():
+    from attnbook.viz import explorer_html
+
+    attack = '</div><script>alert("t")</script><img src=x onerror=alert(1)>'
+    page_html = explorer_html([attack, "b"], np.eye(2), "ok-id_1", title=attack)
+    page = Page(page_html)
+    assert [tag for tag, _ in page.tags].count("script") == 2  # the JSON and the program only
+    assert not any(tag in ("img", "b") for tag, _ in page.tags)
+    assert page.texts[0] == attack and page.data()["tokens"][0] == attack
+    assert attack not in page_html and "alert(1)" not in page_html.split("<script>")[-1]
+    assert Page(page_html).ids()[0] == "ok-id_1"
+    with pytest.raises(ValueError, match="weights"):
+        explorer_html(["a", "b"], np.full((2, 2), np.nan), "u")  # NaN would be invalid JSON
+    with pytest.raises(TypeError, match="title"):
+        explorer_html(["a"], np.ones((1, 1)), "u", title=None)
+    with pytest.raises(ValueError, match="digits"):
+        explorer_html(["a"], np.ones((1, 1)), "u", digits=9)
+    with pytest.raises(TypeError, match=r"tokens\[0\]"):
+        explorer_html([1], np.ones((1, 1)), "u")

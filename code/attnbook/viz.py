@@ -17,6 +17,7 @@ import hashlib
 import html
 import itertools
 import json
+import re
 
 import numpy as np
 import torch
@@ -117,8 +118,15 @@ def _json_for_script(data) -> str:
 
 
 def explorer_html(tokens, weights: np.ndarray, uid: str, title: str = "", digits: int = 3) -> str:
-    """The explorer's HTML for `weights` (layers, heads, T, T) from explorer_weights (chapter 1),
-    its element ids all starting with `uid`."""
+    """The explorer's HTML for `weights` over `tokens`, checked by explorer_weights (chapter 1),
+    its element ids all starting with `uid`: letters, digits, `-` and `_` only, since it goes
+    into attributes and into the script. Tokens and title are escaped, shown as text."""
+    weights = explorer_weights(tokens, weights)  # (L, H, T, T), finite: valid JSON
+    if not isinstance(uid, str) or not re.fullmatch(r"[A-Za-z][A-Za-z0-9_-]*", uid):
+        raise ValueError(f"uid must be a letter followed by letters, digits, '-' or '_' (it goes "
+                         f"into HTML attributes and the script), got uid={uid!r}")
+    title = check_instance("title", title, str)
+    digits = check_int("digits", digits, minimum=1, maximum=6)
     L, H, T, _ = weights.shape
     spans = "".join(
         f'<span class="ax-token" tabindex="0" data-token-index="{i}">'
