@@ -206,3 +206,54 @@ def test_check_token_ids_shape_and_device():
         c.check_token_ids("idx", ids, 5, device="meta")
     with pytest.raises(TypeError, match="integer ids"):  # the dtype is checked before the shape
         c.check_token_ids("idx", ids.float()[0], 5, shape=(None, None))
+
+
+UNSIGNED = (torch.uint8, torch.uint16, torch.uint32, torch.uint64)
+
+
+@pytest.mark.parametrize("dtype", UNSIGNED)
+def test_unsigned_token_ids_become_int64_or_are_refused_by_value(dtype):
+    """Issue 29: PyTorch has no min or max for uint16/32/64 ("min_all" NotImplementedError)."""
+    ids = c.check_token_ids("ids", torch.tensor([[3, 0, 9]], dtype=dtype), 10)
+    assert ids.dtype == torch.int64 and ids.tolist() == [[3, 0, 9]]
+    assert c.check_token_ids("ids", torch.zeros(0, 2, dtype=dtype), 10).shape == (0, 2)
+    transposed = torch.tensor([[1, 2], [3, 4]], dtype=dtype).T  # not contiguous
+    assert c.check_token_ids("ids", transposed, 5).tolist() == [[1, 3], [2, 4]]
+    with pytest.raises(ValueError, match=r"ids must lie in \[0, vocab_size=10\), got values "
+                                         r"from 0 to 10"):
+        c.check_token_ids("ids", torch.tensor([0, 10], dtype=dtype), 10)
+
+
+def test_uint64_ids_of_2_to_the_63_or_more_are_out_of_range():
+    big = torch.tensor([1, 2**63 + 5], dtype=torch.uint64)
+    with pytest.raises(ValueError, match=r"idx must lie in \[0, vocab_size=10\).*2\*\*63"):
+        c.check_token_ids("idx", big, 10)
+
+
+@pytest.mark.parametrize("dtype", UNSIGNED[1:])
+def test_models_that_take_ids_accept_unsigned_ids(dtype):
+    from attnbook.bert import BERT, BERTConfig
+    from attnbook.encdec import EncoderDecoder, EncoderDecoderConfig
+    from attnbook.gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    ids = torch.tensor([[5, 1, 7, 3], [2, 2, 0, 6]])
+    gpt = GPT(GPTConfig(vocab_size=10, context_length=8, d_model=16, num_layers=1, num_heads=2,
+                        dropout=0.0)).eval()
+    torch.testing.assert_close(gpt(ids.to(dtype)), gpt(ids))
+    bert = BERT(BERTConfig(vocab_size=10, d_model=16, num_layers=1, num_heads=2, d_ff=32,
+                           max_position=8, dropout=0.0)).eval()
+    types = torch.tensor([[0, 0, 1, 1], [0, 1, 1, 1]])
+    torch.testing.assert_close(bert(ids.to(dtype), types.to(dtype)), bert(ids, types))
+    encdec = EncoderDecoder(EncoderDecoderConfig(src_vocab=10, tgt_vocab=10, d_model=16,
+                                                 num_heads=2, num_layers=1, max_len=8,
+                                                 dropout=0.0)).eval()
+    torch.testing.assert_close(encdec(ids.to(dtype), ids.to(dtype)), encdec(ids, ids))
+    with pytest.raises(ValueError, match="idx must lie"):
+        gpt(torch.tensor([[1, 12]], dtype=dtype))
+
+
+@pytest.mark.parametrize("vocab_size,error", [(True, TypeError), (4.5, TypeError), (0, ValueError)])
+def test_check_token_ids_checks_vocab_size(vocab_size, error):
+    with pytest.raises(error, match="vocab_size"):
+        c.check_token_ids("ids", torch.tensor([], dtype=torch.long), vocab_size)

@@ -126,20 +126,28 @@ def check_device(name: str, device) -> torch.device:
 
 def check_token_ids(name: str, ids, vocab_size: int, shape: tuple[int | None, ...] | None = None,
                     device: torch.device | None = None) -> torch.Tensor:
-    """`ids`, an integer tensor with every id in [0, vocab_size), of `shape` (None entries allow
-    any size) on `device`, as int64.
+    """`ids`, an integer tensor (unsigned dtypes included) with every id in [0, vocab_size), of
+    `shape` (None entries allow any size) on `device`, as int64.
 
     int64, so that a label such as -100 can be stored next to them: in uint8 it would wrap to 156.
     """
+    vocab_size = check_int("vocab_size", vocab_size, 1)
     if not isinstance(ids, torch.Tensor):
         raise _type_error(name, ids, "a torch.Tensor of integer ids")
     if ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex():
         raise TypeError(f"{name} must hold integer ids, got dtype {ids.dtype}")
     _check_shape_and_device(name, ids, shape, device)
+    if ids.dtype == torch.uint64:  # PyTorch has no min or max for uint16, uint32 and uint64;
+        wide = ids.view(torch.int64)  # an id of 2**63 or more reads as negative: out of range
+        if ids.numel() and int(wide.min()) < 0:
+            raise ValueError(f"{name} must lie in [0, vocab_size={vocab_size}), got an id of "
+                             "2**63 or more (dtype torch.uint64)")
+        ids = wide
+    ids = ids.long()  # every other integer dtype fits in int64
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
         raise ValueError(f"{name} must lie in [0, vocab_size={vocab_size}), got values from "
                          f"{int(ids.min())} to {int(ids.max())}")
-    return ids.long()
+    return ids
 
 
 def _check_shape_and_device(name: str, x: torch.Tensor, shape, device) -> None:
