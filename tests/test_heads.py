@@ -653,3 +653,31 @@ def test_head_helpers_refuse_bad_input():
         mask_heads(layer, [-1])
     with pytest.raises(TypeError, match="heads"):
         mask_heads(layer, [1.0])
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_from_torch_of_a_sequence_first_layer_gives_its_output_on_the_same_tensor(bias):
+    """Issue 29: nn.MultiheadAttention(batch_first=False) reads (L, B, d_model); so does its copy."""
+    g = torch.Generator().manual_seed(3)
+    module = nn.MultiheadAttention(16, 4, bias=bias, dtype=DOUBLE)  # batch_first=False
+    with torch.no_grad():
+        for parameter in module.parameters():
+            parameter.normal_(0.0, 0.3, generator=g)
+    module.eval()
+    x = torch.randn(5, 3, 16, generator=g, dtype=DOUBLE)  # (L, B, d_model)
+    context = torch.randn(7, 3, 16, generator=g, dtype=DOUBLE)
+    mask = torch.rand(3, 4, 5, 7, generator=g) < 0.6
+    mask[..., 0] = True
+    ours = from_torch(module)
+    assert isinstance(ours, MultiHeadAttention)
+    out_t, w_t = module(x, context, context, attn_mask=~mask.reshape(12, 5, 7),
+                        average_attn_weights=False)
+    out, w = ours(x, context, mask=mask, return_weights=True)
+    assert out.shape == (5, 3, 16)
+    torch.testing.assert_close(out, out_t)
+    torch.testing.assert_close(w, w_t)
+    torch.testing.assert_close(ours(x), module(x, x, x)[0])
+    causal = torch.ones(5, 5, dtype=torch.bool).triu(1)
+    torch.testing.assert_close(ours(x, is_causal=True), module(x, x, x, attn_mask=causal)[0])
+    with pytest.raises(ValueError, match="x"):
+        ours(x[0])  # (B, d_model): refused by the layer's own check, naming x

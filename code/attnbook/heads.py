@@ -150,14 +150,18 @@ def _check_tokens(name: str, t, weight: torch.Tensor, batch: int | None = None) 
 
 # chapters/03-heads.md, "Checking against PyTorch's MultiheadAttention"
 def from_torch(module: nn.MultiheadAttention) -> MultiHeadAttention:
-    """A MultiHeadAttention with the weights, device, dtype and mode of `module`."""
+    """A MultiHeadAttention with the weights, device, dtype and mode of `module`. The book's layer
+    is batch first, (B, L, d_model); for a sequence-first `module` (batch_first=False, PyTorch's
+    default) the copy reads and returns (L, B, d_model) as `module` does, while its masks and
+    weights stay batch first, (B, H, Lq, Lk), as everywhere in the book."""
     check_instance("module", module, nn.MultiheadAttention)
     if module.in_proj_weight is None or module.bias_k is not None or module.add_zero_attn:
         raise ValueError("module must have kdim == vdim == embed_dim, add_bias_kv=False and "
                          f"add_zero_attn=False, got {module}")
     has_bias = module.in_proj_bias is not None
-    ours = MultiHeadAttention(module.embed_dim, module.num_heads, bias=has_bias,
-                              dropout=module.dropout).to(module.in_proj_weight)  # dtype, device
+    kind = MultiHeadAttention if module.batch_first else _SequenceFirst
+    ours = kind(module.embed_dim, module.num_heads, bias=has_bias,
+                dropout=module.dropout).to(module.in_proj_weight)  # dtype, device
     names = ("q_proj", "k_proj", "v_proj")  # in_proj_* holds the three stacked: (3 d_model, ...)
     state = {f"{n}.weight": w for n, w in zip(names, module.in_proj_weight.chunk(3))}
     state |= {f"out_proj.{k}": t for k, t in module.out_proj.state_dict().items()}
@@ -165,6 +169,18 @@ def from_torch(module: nn.MultiheadAttention) -> MultiHeadAttention:
         state |= {f"{n}.bias": b for n, b in zip(names, module.in_proj_bias.chunk(3))}
     ours.load_state_dict(state)
     return ours.train(module.training)
+
+
+class _SequenceFirst(MultiHeadAttention):
+    """MultiHeadAttention for inputs and outputs (L, B, d_model), as a sequence-first
+    nn.MultiheadAttention's; made by from_torch."""
+
+    def forward(self, x, context=None, *args, **kwargs):
+        def flip(t):  # (L, B, d) <-> (B, L, d); anything else is left for the checks to refuse
+            return t.transpose(0, 1) if isinstance(t, torch.Tensor) and t.dim() == 3 else t
+
+        result = super().forward(flip(x), flip(context), *args, **kwargs)
+        return (flip(result[0]), result[1]) if isinstance(result, tuple) else flip(result)
 
 
 # chapters/03-heads.md, "Keeping keys and values for generation"
