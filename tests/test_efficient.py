@@ -72,7 +72,8 @@ def test_window_of_one_sees_itself_only():
 
 def test_global_and_block_masks_match_loops():
     for lq, lk, n in [(5, 5, 0), (4, 9, 2), (9, 4, 3), (1, 1, 1)]:
-        loop = torch.tensor([[i + lk - lq < n or j < n for j in range(lk)] for i in range(lq)])
+        loop = torch.tensor([[0 <= i + lk - lq < n or j < n for j in range(lk)]
+                             for i in range(lq)])
         assert torch.equal(global_token_mask(lq, lk, n), loop)
     layout = torch.rand(4, 5, generator=torch.Generator().manual_seed(0)) < 0.5
     for b, lq, lk in [(3, 12, 15), (3, 10, 13), (1, 4, 5)]:
@@ -139,7 +140,7 @@ def test_block_sparse_attention_propagates_nan():
 @pytest.mark.parametrize("call,match", [
     (lambda q: block_sparse_attention(q, q, q, torch.ones(4, 4), 2), "mask"),
     (lambda q: block_sparse_attention(q, q, q, torch.ones(4, 5, dtype=torch.bool), 2), "mask"),
-    (lambda q: block_sparse_attention(q, q, q, torch.ones(1, 4, 4, dtype=torch.bool), 2), "mask"),
+    (lambda q: block_sparse_attention(q, q, q, torch.ones(3, 4, 4, dtype=torch.bool), 2), "mask"),
     (lambda q: block_sparse_attention(q, q, q, torch.ones(4, 4, dtype=torch.bool), 0),
      "block_size"),
     (lambda q: block_sparse_attention(q[0], q, q, torch.ones(4, 4, dtype=torch.bool)), "q"),
@@ -327,3 +328,118 @@ def test_retention_gamma_is_checked(gamma, match):
 def test_retention_arguments_are_checked(call, match):
     with pytest.raises((TypeError, ValueError), match=match):
         call(randn(1, 3, 4, 2))
+
+
+# --- issue 29: broadcast masks, negative positions, tiny gamma, empty inputs --------------------
+
+
+@pytest.mark.parametrize("shape", [(1, 23), (23, 1), (23,), (), (2, 1, 23, 23), (1, 3, 1, 23),
+                                   (2, 3, 23, 23)])
+def test_block_sparse_attention_broadcast_masks_equal_attend(shape):
+    q, k, v = randn(2, 3, 23, 4, seed=1), randn(2, 3, 23, 4, seed=2), randn(2, 3, 23, 5, seed=3)
+    mask = torch.rand(shape, generator=torch.Generator().manual_seed(4)) < 0.3
+    for block in (4, 7, 64):
+        torch.testing.assert_close(block_sparse_attention(q, k, v, mask, block),
+                                   attend(q, k, v, mask)[0], rtol=1e-12, atol=1e-12)
+
+
+def test_block_sparse_attention_empty_and_keyless_inputs():
+    q = randn(1, 2, 6, 4)
+    empty = block_sparse_attention(q[:, :, :0], q, q, torch.ones(0, 6, dtype=torch.bool), 4)
+    assert empty.shape == (1, 2, 0, 4)
+    with pytest.raises(ValueError, match=r"k\.shape\[2\]"):  # attend refuses no keys too
+        block_sparse_attention(q, q[:, :, :0], q[:, :, :0], torch.ones(6, 0, dtype=torch.bool))
+    with pytest.raises(ValueError, match="mask"):
+        block_sparse_attention(q, q, q, torch.ones(3, 6, 6, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("lq,lk,n", [(4, 2, 0), (4, 2, 1), (6, 3, 2), (5, 5, 2), (2, 5, 3),
+                                     (7, 1, 1)])
+def test_global_token_mask_queries_before_the_keys_are_not_global(lq, lk, n):
+    loop = torch.tensor([[0 <= i + lk - lq < n or j < n for j in range(lk)] for i in range(lq)])
+    assert torch.equal(global_token_mask(lq, lk, n), loop)
+    assert not global_token_mask(4, 2, 0).any()
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("fn", ["linear", "performer"])
+def test_linear_and_performer_with_no_queries(fn, causal):
+    k, v = randn(2, 3, 5, 4, seed=1), randn(2, 3, 5, 6, seed=2)
+    q = randn(2, 3, 0, 4)
+    out = linear_attention(q, k, v, causal) if fn == "linear" else \
+        performer_attention(q, k, v, 8, causal, torch.Generator().manual_seed(0))
+    assert out.shape == (2, 3, 0, 6) and out.dtype == torch.float64
+
+
+def test_random_and_positive_features_check_dtype_and_shape():
+    with pytest.raises(TypeError, match="dtype"):
+        random_features(4, 4, dtype=torch.int64)
+    with pytest.raises(TypeError, match="dtype"):
+        random_features(4, 4, dtype="float32")
+    with pytest.raises(ValueError, match="x"):
+        positive_features(torch.tensor(1.0), torch.ones(3, 1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("chunk", [1, 3, 64])
+def test_retention_with_a_gamma_that_underflows(dtype, chunk):
+    q, k, v = (randn(1, 2, 10, 4, seed=s) for s in range(3))
+    reference = retention_reference(q, k, v, 1e-46).to(dtype)  # 1e-46 is 0 in float32
+    diagonal = ((q * k).sum(-1, keepdim=True) * v).to(dtype)  # o_n = (q_n . k_n) v_n
+    torch.testing.assert_close(reference, diagonal)
+    for mode in MODES:
+        out = retention(q.to(dtype), k.to(dtype), v.to(dtype), 1e-46, mode, chunk)
+        assert out.isfinite().all()
+        torch.testing.assert_close(out, reference)
+    tensor_gamma = torch.tensor([1e-46, 0.5], dtype=dtype)
+    if dtype == torch.float32:  # the (H,) tensor holds 0: refused, as 0 is outside (0, 1]
+        with pytest.raises(ValueError, match="gamma"):
+            retention(q.float(), k.float(), v.float(), tensor_gamma)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_retention_with_no_positions(mode):
+    q = randn(2, 3, 0, 4)
+    out = retention(q, q, randn(2, 3, 0, 5), 0.9, mode, 4)
+    assert out.shape == (2, 3, 0, 5) and out.dtype == torch.float64
+
+
+def test_retention_three_forms_are_three_code_paths():
+    """The recurrent mode is the state recurrence written out: it matches a loop over
+    retention_step and the parallel form, and the chunkwise form with any chunk."""
+    q, k, v = randn(1, 2, 13, 3, seed=5), randn(1, 2, 13, 3, seed=6), randn(1, 2, 13, 2, seed=7)
+    gamma = torch.tensor([0.7, 0.95], dtype=torch.float64)
+    S = torch.zeros(1, 2, 3, 2, dtype=torch.float64)
+    outs = []
+    for n in range(13):  # S_n = gamma S_(n-1) + k_n^T v_n, o_n = q_n S_n, by hand
+        S = gamma[None, :, None, None] * S + k[:, :, n, :, None] * v[:, :, n, None, :]
+        outs.append(torch.einsum("bhd,bhde->bhe", q[:, :, n], S))
+    by_hand = torch.stack(outs, 2)
+    for mode, chunk in [("recurrent", 64), ("parallel", 64), ("chunkwise", 1), ("chunkwise", 4),
+                        ("chunkwise", 13)]:
+        torch.testing.assert_close(retention(q, k, v, gamma, mode, chunk), by_hand,
+                                   rtol=1e-12, atol=1e-12)
+
+
+def test_gradients_of_block_sparse_attention_and_retention_match_their_references():
+    q, k, v = (randn(1, 2, 13, 4, seed=s).requires_grad_() for s in range(3))
+    mask = sliding_window_mask(13, 13, 3) | global_token_mask(13, 13, 1)
+    ours = torch.autograd.grad(block_sparse_attention(q, k, v, mask, 4).square().sum(), (q, k, v))
+    reference = torch.autograd.grad(attend(q, k, v, mask)[0].square().sum(), (q, k, v))
+    for a, b in zip(ours, reference):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    parallel = torch.autograd.grad(retention(q, k, v, 0.8).square().sum(), (q, k, v))
+    for mode in ("recurrent", "chunkwise"):
+        grads = torch.autograd.grad(retention(q, k, v, 0.8, mode, 4).square().sum(), (q, k, v))
+        for a, b in zip(grads, parallel):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+def test_elu_feature_map_checks_x():
+    from attnbook.efficient import elu_feature_map
+
+    x = randn(3, 4)
+    torch.testing.assert_close(elu_feature_map(x), torch.where(x > 0, x + 1, x.exp()))
+    for bad in ("a", torch.tensor([1, 2])):
+        with pytest.raises(TypeError, match="x"):
+            elu_feature_map(bad)

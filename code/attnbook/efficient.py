@@ -58,12 +58,13 @@ def sliding_window_mask(lq: int, lk: int, window: int,
 def global_token_mask(lq: int, lk: int, num_global: int,
                       device: torch.device | str | None = None) -> torch.Tensor:
     """Boolean mask (lq, lk), True where query i (at position i + lk - lq) or key j is one of
-    the first `num_global` positions: global tokens, as in Longformer and BigBird."""
+    the first `num_global` positions: global tokens, as in Longformer and BigBird. With
+    lq > lk, the first lq - lk queries sit before every key (negative positions): not global."""
     lq, lk = check_int("lq", lq, 1), check_int("lk", lk, 1)
     num_global = check_int("num_global", num_global, 0)
     device = None if device is None else check_device("device", device)
-    p = torch.arange(lq, device=device)[:, None] + (lk - lq)  # (Lq, 1)
-    return (p < num_global) | (torch.arange(lk, device=device)[None, :] < num_global)
+    p = torch.arange(lq, device=device)[:, None] + (lk - lq)  # (Lq, 1), negative before the keys
+    return ((p >= 0) & (p < num_global)) | (torch.arange(lk, device=device)[None, :] < num_global)
 
 
 def block_sparse_mask(layout: torch.Tensor, block_size: int, lq: int | None = None,
@@ -102,29 +103,32 @@ def _check_mask_2d(mask) -> torch.Tensor:
 def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
                            block_size: int = 64) -> torch.Tensor:
     """heads.attend(q, k, v, mask)'s output (B, H, Lq, dv), computing only the tiles where `mask`
-    (Lq, Lk) allows a key: each block of queries attends to the keys of its non-empty tiles."""
+    allows a key. The mask broadcasts to (B, H, Lq, Lk), as attend's: (Lq, Lk), (1, Lk),
+    (Lq, 1), (B, 1, Lq, Lk)...; a tile is computed if any batch element or head needs it."""
     q = check_tensor("q", q, 4)
     k = check_tensor("k", k, 4, dtype=q.dtype, device=q.device, shape=(*q.shape[:2], None, None))
     v = check_tensor("v", v, 4, dtype=q.dtype, device=q.device, shape=(*k.shape[:3], None))
-    mask = check_mask("mask", _check_mask_2d(mask), (q.shape[2], k.shape[2]), q.device)
-    layout, b = tile_layout(mask, block_size), block_size  # (nq, nk)
-    out = q.new_zeros(*q.shape[:3], v.shape[-1])  # (B, H, Lq, dv)
+    (b, h, lq, _), lk = q.shape, check_int("k.shape[2]", k.shape[2], 1)  # a key, as in attend
+    mask = check_mask("mask", mask, (b, h, lq, lk), q.device)
+    mask = mask.reshape((1,) * (4 - mask.dim()) + mask.shape).expand(-1, -1, lq, lk)  # 4 axes
+    layout = tile_layout(mask.flatten(0, 1).any(dim=0), block_size)  # (nq, nk)
+    out, bs = q.new_zeros(b, h, lq, v.shape[-1]), block_size  # (B, H, Lq, dv)
     for i, row in enumerate(layout):
         tiles = row.nonzero().flatten().tolist()
         if not tiles:
             continue  # these queries see no key: zeros
-        keys = torch.cat([torch.arange(j * b, min(j * b + b, k.shape[2]), device=q.device)
+        keys = torch.cat([torch.arange(j * bs, min(j * bs + bs, lk), device=q.device)
                           for j in tiles])  # the columns of the non-empty tiles
-        rows = slice(i * b, i * b + b)
+        rows = slice(i * bs, i * bs + bs)
         out[:, :, rows] = attend(q[:, :, rows], k[:, :, keys], v[:, :, keys],
-                                 mask[rows, keys])[0]  # (B, H, bq, dv)
+                                 mask[:, :, rows][..., keys])[0]  # (B, H, bq, dv)
     return out
 
 
 # chapters/13-efficient-attention.md, "Linear attention"
 def elu_feature_map(x: torch.Tensor) -> torch.Tensor:
     """phi(x) = elu(x) + 1, positive everywhere: linear attention's default feature map."""
-    return F.elu(x) + 1.0
+    return F.elu(check_tensor("x", x)) + 1.0
 
 
 def _check_qkv_any(q, k, v) -> tuple[torch.Tensor, ...]:
@@ -156,11 +160,11 @@ def linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: 
         return (fq @ state / (fq @ fk.sum(dim=-2)[..., None] + eps)).to(q.dtype)
     states = torch.cumsum(fk[..., :, None] * v[..., None, :], dim=-3)  # (..., Lk, D, Dv)
     norms = torch.cumsum(fk, dim=-2)  # (..., Lk, D): z after each key
-    blind = max(0, q.shape[-2] - k.shape[-2])  # the first queries, which see no key
-    seen = q.shape[-2] - blind  # the others end at the last `seen` keys, in order
+    (lq, lk), blind = (q.shape[-2], k.shape[-2]), max(0, q.shape[-2] - k.shape[-2])
+    seen = lq - blind  # the first `blind` queries see no key; the others end at the last keys
     fq = fq[..., blind:, :]  # (..., seen, D)
-    num = (fq[..., None, :] @ states[..., -seen:, :, :]).squeeze(-2)  # (..., seen, Dv)
-    den = (fq * norms[..., -seen:, :]).sum(dim=-1, keepdim=True)  # (..., seen, 1)
+    num = (fq[..., None, :] @ states[..., lk - seen:, :, :]).squeeze(-2)  # (..., seen, Dv)
+    den = (fq * norms[..., lk - seen:, :]).sum(dim=-1, keepdim=True)  # (..., seen, 1)
     return F.pad(num / (den + eps), (0, 0, blind, 0)).to(q.dtype)  # no key: zeros
 
 
@@ -173,6 +177,8 @@ def random_features(num_features: int, dim: int, orthogonal: bool = True,
     length of a Gaussian vector, so that every row is still N(0, I_dim)."""
     m, d = check_int("num_features", num_features, 1), check_int("dim", dim, 1)
     orthogonal = check_bool("orthogonal", orthogonal)
+    if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise TypeError(f"dtype must be a floating-point torch.dtype, got dtype={dtype!r}")
     if generator is not None:
         check_instance("generator", generator, torch.Generator)
     w = torch.randn(m, d, generator=generator, dtype=torch.float64)  # (m, d)
@@ -190,7 +196,7 @@ def random_features(num_features: int, dim: int, orthogonal: bool = True,
 def positive_features(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """FAVOR+'s `phi(x) = exp(w x - |x|^2 / 2) / sqrt(m)` for x (..., L, D) and w (m, D):
     `E[phi(q) . phi(k)] = exp(q . k)` when the rows of w are N(0, I_D). -> (..., L, m)."""
-    x = check_tensor("x", x)
+    x = check_tensor("x", x, tuple(range(1, 9)))
     w = check_tensor("w", w, 2, dtype=x.dtype, device=x.device, shape=(None, x.shape[-1]))
     return _log_features(x, w).exp() / math.sqrt(w.shape[0])
 
@@ -262,16 +268,24 @@ def retention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gamma,
     chunk_size, dtype, work = check_int("chunk_size", chunk_size, 1), q.dtype, compute_dtype(q.dtype)
     g = _check_gamma(gamma, q.shape[1], q.device).to(work)[None, :, None, None]  # (1, H, 1, 1)
     q, k, v = q.to(work), k.to(work), v.to(work)
-    if mode == "parallel":
+    if mode == "parallel" or q.shape[2] == 0:  # (no positions: an empty result in every mode)
         return _retention_parallel(q, k, v, g).to(dtype)
-    state, outs = q.new_zeros(*q.shape[:2], q.shape[3], v.shape[3]), []  # (B, H, D, Dv)
-    step = 1 if mode == "recurrent" else chunk_size
-    for c0 in range(0, q.shape[2], step):
-        qc, kc, vc = (x[:, :, c0:c0 + step] for x in (q, k, v))  # (B, H, c, .)
-        c = qc.shape[2]
-        decay = g ** torch.arange(1, c + 1, device=q.device)[:, None]  # (1, H, c, 1): g^(n+1)
-        outs.append(_retention_parallel(qc, kc, vc, g) + (qc @ state) * decay)  # (B, H, c, Dv)
-        state = g**c * state + (kc * decay.flip(-2) / g).transpose(-2, -1) @ vc  # (B, H, D, Dv)
+    state = q.new_zeros(*q.shape[:2], q.shape[3], v.shape[3])  # (B, H, D, Dv): nothing seen yet
+    if mode == "recurrent":  # S_n = g S_(n-1) + k_n^T v_n, o_n = q_n S_n, one position at a time
+        outs = []
+        for n in range(q.shape[2]):
+            out, state = _retention_step(q[:, :, n], k[:, :, n], v[:, :, n], g, state)
+            outs.append(out)  # (B, H, Dv)
+        return torch.stack(outs, dim=2).to(dtype)
+    outs = []
+    for c0 in range(0, q.shape[2], chunk_size):
+        qc, kc, vc = (x[:, :, c0:c0 + chunk_size] for x in (q, k, v))  # (B, H, c, .)
+        n = torch.arange(qc.shape[2], device=q.device)[:, None]  # (c, 1): offsets in the chunk
+        inside = _retention_parallel(qc, kc, vc, g)  # the chunk's own positions
+        before = (qc @ state) * g ** (n + 1)  # the earlier chunks, through the state
+        outs.append(inside + before)  # (B, H, c, Dv)
+        age = g ** (qc.shape[2] - 1 - n)  # (1, H, c, 1): how far each key is from the end
+        state = g ** qc.shape[2] * state + (kc * age).transpose(-2, -1) @ vc  # (B, H, D, Dv)
     return torch.cat(outs, dim=2).to(dtype)
 
 
