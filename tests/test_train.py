@@ -1,17 +1,29 @@
 """attnbook.train (appendix "Training at scale"): one process and two, DDP and FSDP, give the same
-weights; a resumed or restarted run ends where an uninterrupted one ends; bad options are refused.
+weights; a resumed or restarted run ends where an uninterrupted one ends; bad options are refused;
+a run's folder is never silently overwritten, resumed with other options or past --steps, and
+its log survives a kill; no checkpoint or model.pt can run code, and a damaged one is refused by
+name; progress is printed, Ctrl-C stops cleanly, and a trained model samples.
 
-The runs are real: `python -m attnbook.train` and torchrun with the gloo backend, on the CPU. They
-start together (one fixture) so that the file takes well under a minute.
+The runs are real: `python -m attnbook.train` and torchrun with the gloo backend, on the CPU. The
+subprocess runs start together (one fixture); the rest train a tiny model for 1 to 4 steps in
+this process, so that the file takes well under a minute.
 """
 
 import contextlib
+import hashlib
 import io
 import json
 import os
+import pickle
+import shlex
+import shutil
+import signal
 import subprocess
 import sys
 import textwrap
+import time
+import tomllib
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,6 +35,7 @@ TINY = ["--d-model", "32", "--layers", "2", "--heads", "2", "--context", "16",
         "--global-batch", "4", "--dropout", "0", "--dtype", "float64", "--seed", "3"]
 STEPS = 4
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
+ROOT = Path(__file__).resolve().parents[1]
 
 CRASH = textwrap.dedent("""
     import os, sys
@@ -41,6 +54,18 @@ CRASH = textwrap.dedent("""
     train.train(options, on_step=on_step)
 """)
 
+# killed during the first step of a resumed run, before it has written a line of its own
+KILLED_IN_FIRST_STEP = textwrap.dedent("""
+    import os, sys
+    from attnbook import train
+
+    def dying(*args, **kwargs):
+        os._exit(3)
+
+    train.batch_share = dying
+    train.train(train.parse_options(sys.argv[1:]))
+""")
+
 
 def command(out, *extra, processes=1, script=None, torchrun=()):
     args = ["gpt", *TINY, "--out", str(out), *extra]
@@ -53,9 +78,11 @@ def command(out, *extra, processes=1, script=None, torchrun=()):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Every run the tests compare, started at once; their output directories by name."""
+    """Every subprocess run the tests compare, started at once; their folders by name, and
+    the stderr of each one's last command."""
     root = tmp_path_factory.mktemp("train")
     (root / "crash.py").write_text(CRASH)
+    (root / "killed.py").write_text(KILLED_IN_FIRST_STEP)
     plans = {
         "one": [command(root / "one", "--steps", str(STEPS))],
         "fsdp": [command(root / "fsdp", "--steps", str(STEPS), "--strategy", "fsdp",
@@ -66,26 +93,38 @@ def runs(tmp_path_factory):
         "restarted": [command(root / "restarted", "--steps", str(STEPS), "--checkpoint-every",
                               "2", "--resume", processes=2, script=root / "crash.py",
                               torchrun=("--max-restarts=1",))],
+        "killed": [command(root / "killed", "--steps", "2", "--checkpoint-every", "1"),
+                   command(root / "killed", "--steps", str(STEPS), "--resume",
+                           script=root / "killed.py")],
     }
-    started = {name: iter(steps) for name, steps in plans.items()}
-    running = {name: subprocess.Popen(next(steps), stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True, env=ENV)
-               for name, steps in started.items()}
+    returns = {"killed": [0, 3]}  # the second command of "killed" dies, with status 3
+    started = {name: iter(enumerate(steps)) for name, steps in plans.items()}
+    said = {}
+
+    def start(name):
+        index, step = next(started[name], (None, None))
+        if step is None:
+            return None
+        return index, subprocess.Popen(step, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                       text=True, env=ENV)
+
+    running = {name: start(name) for name in plans}
     while running:
-        for name, process in list(running.items()):
+        for name, (index, process) in list(running.items()):
             _, err = process.communicate(timeout=240)
-            assert process.returncode == 0, (name, err[-3000:])
-            step = next(started[name], None)
-            if step is None:
+            expected = returns.get(name, [0] * len(plans[name]))[index]
+            assert process.returncode == expected, (name, err[-3000:])
+            said[name] = err
+            following = start(name)
+            if following is None:
                 del running[name]
             else:
-                running[name] = subprocess.Popen(step, stdout=subprocess.PIPE,
-                                                 stderr=subprocess.PIPE, text=True, env=ENV)
-    return {name: root / name for name in plans}
+                running[name] = following
+    return {name: root / name for name in plans}, said
 
 
 def weights(folder):
-    return torch.load(folder / "model.pt")
+    return torch.load(folder / "model.pt", weights_only=True)["model"]
 
 
 def largest_gap(a, b):
@@ -99,7 +138,8 @@ def log(folder):
 
 @pytest.mark.parametrize("name", ["restarted", "fsdp"])  # DDP, and FSDP
 def test_two_processes_end_with_the_weights_of_one(runs, name):
-    one, two = weights(runs["one"]), weights(runs[name])
+    folders, _ = runs
+    one, two = weights(folders["one"]), weights(folders[name])
     assert largest_gap(one, two) < 1e-9
     start = GPT(GPTConfig(vocab_size=one["tok_emb.weight"].shape[0], context_length=16,
                           d_model=32, num_layers=2, num_heads=2)).state_dict()
@@ -109,7 +149,8 @@ def test_two_processes_end_with_the_weights_of_one(runs, name):
 
 
 def test_log_has_one_line_per_step_and_the_same_losses(runs):
-    one, ddp = log(runs["one"]), log(runs["restarted"])
+    folders, _ = runs
+    one, ddp = log(folders["one"]), log(folders["restarted"])
     assert [e["step"] for e in one] == [e["step"] for e in ddp] == list(range(1, STEPS + 1))
     assert all(e.keys() == {"step", "loss", "tokens_per_second"} for e in one + ddp)
     assert all(e["tokens_per_second"] > 0 for e in one + ddp)
@@ -118,22 +159,305 @@ def test_log_has_one_line_per_step_and_the_same_losses(runs):
 
 
 def test_checkpoints_are_complete_directories_of_the_right_steps(runs):
-    found = sorted(p.name for p in (runs["fsdp"] / "checkpoints").iterdir())
+    folders, _ = runs
+    found = sorted(p.name for p in (folders["fsdp"] / "checkpoints").iterdir())
     assert found == ["step-00000002", "step-00000004"]
-    assert train.latest_checkpoint(runs["fsdp"]).name == "step-00000004"
-    assert train.latest_checkpoint(runs["one"]) is None  # no checkpoint was asked for
+    last = train.latest_checkpoint(folders["fsdp"])
+    assert last.name == "step-00000004"
+    assert sorted(p.name for p in last.iterdir()) == [".metadata", "__0_0.distcp",
+                                                       "__1_0.distcp", "manifest.json"]
+    manifest = train.read_manifest(last)
+    assert manifest["step"] == 4 and manifest["processes"] == 2
+    assert manifest["options"]["seed"] == 3 and manifest["options"]["d_model"] == 32
+    for name, digest in manifest["files"].items():  # the hashes are the files' own
+        assert hashlib.sha256((last / name).read_bytes()).hexdigest() == digest
+    assert train.latest_checkpoint(folders["one"]) is None  # no checkpoint was asked for
 
 
 def test_a_resumed_run_ends_where_an_uninterrupted_one_ends(runs):
-    assert largest_gap(weights(runs["resumed"]), weights(runs["one"])) < 1e-9
-    assert [e["step"] for e in log(runs["resumed"])] == list(range(1, STEPS + 1))
+    folders, _ = runs
+    assert largest_gap(weights(folders["resumed"]), weights(folders["one"])) < 1e-9
+    assert [e["step"] for e in log(folders["resumed"])] == list(range(1, STEPS + 1))
 
 
 def test_a_killed_worker_is_restarted_and_loses_nothing(runs):
-    attempts = sorted((runs["restarted"] / "attempts.txt").read_text().split("\n")[:-1])
+    folders, _ = runs
+    attempts = sorted((folders["restarted"] / "attempts.txt").read_text().split("\n")[:-1])
     assert attempts == ["0 0", "0 1", "1 0", "1 1"]  # both workers, then both again
-    assert largest_gap(weights(runs["restarted"]), weights(runs["one"])) < 1e-9
-    assert [e["step"] for e in log(runs["restarted"])] == list(range(1, STEPS + 1))
+    assert largest_gap(weights(folders["restarted"]), weights(folders["one"])) < 1e-9
+    assert [e["step"] for e in log(folders["restarted"])] == list(range(1, STEPS + 1))
+
+
+def test_a_resumed_run_killed_in_its_first_step_keeps_the_log(runs):
+    """The kept lines are on disk before the first step (they were only in a buffer)."""
+    folders, _ = runs
+    assert [e["step"] for e in log(folders["killed"])] == [1, 2]
+
+
+def test_progress_is_printed_without_tqdm(runs):
+    _, said = runs
+    lines = said["one"].strip().splitlines()
+    losses = [e["loss"] for e in log(runs[0]["one"])]
+    assert lines[0].startswith(f"step 1/{STEPS}: loss {losses[0]:.4f}, ")
+    assert lines[-2].startswith(f"step {STEPS}/{STEPS}: loss {losses[-1]:.4f}, ")
+    assert lines[0].endswith(" tokens/s") and len(lines) in (3, 4, 5)  # first, last, summary
+    assert lines[-1].startswith(f"trained steps 1 to {STEPS} in ")
+    assert f"final loss {losses[-1]:.4f}" in lines[-1] and "model.pt" in lines[-1]
+    assert "step 3/4" in said["resumed"] and "trained steps 3 to 4" in said["resumed"]
+    assert said["fsdp"].count("step 1/") == 1  # rank 0 alone speaks
+
+
+def test_model_pt_rebuilds_the_model_and_sample_continues_a_prompt(runs):
+    folders, _ = runs
+    saved = torch.load(folders["one"] / "model.pt", weights_only=True)  # data, no code
+    assert saved["config"]["d_model"] == 32 and saved["step"] == STEPS
+    vocabulary = saved["vocabulary"]
+    assert len(vocabulary) == saved["config"]["vocab_size"] == train.corpus()[1]
+    model = GPT(GPTConfig(**saved["config"])).double().eval()
+    model.load_state_dict(saved["model"])
+    ids = [vocabulary.index(ch) for ch in "for "]
+    with torch.no_grad():  # greedy decoding by hand: the whole sequence each time, no cache
+        for _ in range(12):
+            ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+    expected = "".join(vocabulary[i] for i in ids)
+    printed = subprocess.run([sys.executable, "-m", "attnbook.train", "sample", "--run",
+                              str(folders["one"]), "--prompt", "for ", "--tokens", "12"],
+                             capture_output=True, text=True, env=ENV, timeout=120)
+    assert printed.returncode == 0, printed.stderr
+    assert printed.stdout == expected + "\n"
+    assert train.sample(folders["one"], "for ", 12) == expected
+    drawn = [train.sample(folders["one"], "for ", 30, temperature=1.0, seed=s) for s in (5, 5, 6)]
+    assert drawn[0] == drawn[1] != drawn[2] and drawn[0].startswith("for ")
+
+
+def test_sample_refuses_what_is_not_a_model(runs, tmp_path):
+    folders, _ = runs
+    with pytest.raises(ValueError, match="holds no model.pt"):
+        train.sample(tmp_path, "a", 3)
+    old = tmp_path / "old"
+    old.mkdir()
+    torch.save(weights(folders["one"]), old / "model.pt")  # weights only, as before
+    with pytest.raises(ValueError, match="cannot be read as a model"):
+        train.load_model(old)
+    marker = tmp_path / "pwned"
+    (tmp_path / "evil.pt").write_bytes(pickle.dumps(Payload(marker)))
+    with pytest.raises(ValueError, match="cannot be read as a model"):
+        train.load_model(tmp_path / "evil.pt")
+    assert not marker.exists()
+    with pytest.raises(ValueError, match="prompt holds characters"):
+        train.sample(folders["one"], "\u2603", 3)
+    with pytest.raises(ValueError, match="len.prompt."):
+        train.sample(folders["one"], "", 3)
+    with pytest.raises(ValueError, match="tokens"):
+        train.sample(folders["one"], "a", -1)
+
+
+def test_the_console_script_is_declared():
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    module, function = scripts["attnbook-train"].split(":")
+    assert module == "attnbook.train" and getattr(train, function) is train.main
+
+
+# In-process runs: a tiny model, 1 to 4 steps.
+
+class Payload:
+    """Unpickling it calls os.system, which creates `marker`."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {shlex.quote(str(self.marker))}",)
+
+
+def run(out, *extra, steps=STEPS):
+    train.train(train.parse_options(["gpt", *TINY, "--steps", str(steps), "--out", str(out),
+                                     *extra]))
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """A one-process run of 4 steps with checkpoints at steps 2 and 4."""
+    os.environ.pop("WORLD_SIZE", None)
+    out = tmp_path_factory.mktemp("base") / "run"  # an empty folder is no run
+    with contextlib.redirect_stderr(io.StringIO()):
+        run(out, "--checkpoint-every", "2")
+    return out
+
+
+@pytest.fixture
+def copy(base, tmp_path, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setattr(sys, "stderr", io.StringIO())  # the runs' progress
+    shutil.copytree(base, tmp_path / "run")
+    return tmp_path / "run"
+
+
+def files(folder):
+    return {p.relative_to(folder): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
+def test_a_fresh_run_into_a_folder_holding_a_run_is_refused(copy):
+    before = files(copy)
+    with pytest.raises(ValueError, match=r"already holds a run \(model.pt, log.jsonl, "
+                                         r"checkpoints\): give --resume .* --overwrite"):
+        run(copy)
+    assert files(copy) == before  # nothing written, nothing deleted
+
+
+def test_overwrite_deletes_the_old_run_and_its_checkpoints(copy):
+    run(copy, "--overwrite", "--checkpoint-every", "1", steps=1)
+    assert [p.name for p in (copy / "checkpoints").iterdir()] == ["step-00000001"]
+    assert [e["step"] for e in log(copy)] == [1]
+    run(copy, "--resume", "--checkpoint-every", "1", steps=2)  # from the new run's step 1
+    assert sorted(p.name for p in (copy / "checkpoints").iterdir()) == ["step-00000001",
+                                                                         "step-00000002"]
+    assert [e["step"] for e in log(copy)] == [1, 2]
+
+
+def test_resume_of_a_finished_run_without_checkpoints_is_refused(copy):
+    shutil.rmtree(copy / "checkpoints")
+    with pytest.raises(ValueError, match="finished run .* no checkpoint"):
+        run(copy, "--resume", steps=6)
+
+
+def test_a_torn_last_log_line_is_dropped_on_resume(copy):
+    shutil.rmtree(copy / "checkpoints" / "step-00000004")
+    with open(copy / "log.jsonl", "a") as file:
+        file.write('{"step": 5, "lo')  # a process killed while writing it
+    run(copy, "--resume")
+    assert [e["step"] for e in log(copy)] == [1, 2, 3, 4]
+
+
+def test_a_garbled_log_line_is_named(copy):
+    lines = (copy / "log.jsonl").read_text().splitlines(keepends=True)
+    (copy / "log.jsonl").write_text("".join([lines[0], "garbage\n", *lines[1:]]))
+    with pytest.raises(ValueError, match=r"log.jsonl, line 2, is not a line"):
+        run(copy, "--resume", steps=6)
+
+
+def test_a_resume_with_a_checkpoint_beyond_steps_is_refused(copy):
+    before = files(copy)
+    with pytest.raises(ValueError, match=r"step-00000004, is at step 4, beyond --steps 2"):
+        run(copy, "--resume", steps=2)
+    assert files(copy) == before  # no 4-step model written for a 2-step run
+
+
+@pytest.mark.parametrize("option, value, recorded", [
+    ("--seed", "4", "3"), ("--global-batch", "8", "4"), ("--dtype", "float32", "float64"),
+    ("--dropout", "0.1", "0.0"), ("--d-model", "64", "32"), ("--lr", "0.001", "0.003"),
+    ("--context", "8", "16"),
+])
+def test_a_resume_with_other_options_is_refused_by_name(copy, option, value, recorded):
+    with pytest.raises(ValueError, match=rf"written with {option} {recorded}, and this run has "
+                                         rf"{option} {value}"):
+        run(copy, "--resume", option, value, steps=6)
+
+
+def test_a_resume_with_the_same_options_continues(copy):
+    run(copy, "--resume", steps=5)
+    assert [e["step"] for e in log(copy)] == [1, 2, 3, 4, 5]
+
+
+def forge_manifest(checkpoint):
+    """Rewrite the manifest's hashes to match the folder, as a forger would."""
+    manifest = json.loads((checkpoint / "manifest.json").read_text())
+    manifest["files"] = {p.name: hashlib.sha256(p.read_bytes()).hexdigest()
+                         for p in checkpoint.iterdir() if p.name != "manifest.json"}
+    (checkpoint / "manifest.json").write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("forged", [False, True])
+def test_a_crafted_metadata_pickle_runs_no_code(copy, tmp_path, forged):
+    checkpoint = train.latest_checkpoint(copy)
+    marker = tmp_path / "pwned"
+    (checkpoint / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
+    if forged:
+        forge_manifest(checkpoint)
+    match = "names posix.system|names nt.system" if forged else "does not match the SHA-256"
+    with pytest.raises(ValueError, match=match) as refused:
+        run(copy, "--resume")
+    assert str(checkpoint) in str(refused.value)
+    assert not marker.exists()
+
+
+def test_a_crafted_value_pickle_runs_no_code(copy, tmp_path):
+    """A checkpoint that DCP itself wrote, with the step stored as a pickle that calls
+    os.system: its .metadata is made of admitted types, but the value is refused."""
+    checkpoint = train.latest_checkpoint(copy)
+    model = GPT(GPTConfig(vocab_size=train.corpus()[1], context_length=16,
+                          d_model=32, num_layers=2, num_heads=2, dropout=0.0)).double()
+    optimizer = torch.optim.AdamW(model.parameters())
+    state = train._checkpoint_state(model, optimizer, 4)
+    marker = tmp_path / "pwned"
+    state["step"] = Payload(marker)
+    manifest = (checkpoint / "manifest.json").read_text()
+    shutil.rmtree(checkpoint)
+    with train._single_process_quiet():
+        torch.distributed.checkpoint.save(state, checkpoint_id=checkpoint, no_dist=True)
+    (checkpoint / "manifest.json").write_text(manifest)
+    forge_manifest(checkpoint)
+    with pytest.raises(ValueError, match="stores step as a pickle"):
+        run(copy, "--resume")
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("damage", ["truncated", "truncated, manifest forged", "garbled metadata",
+                                    "no manifest", "manifest garbled", "file added"])
+def test_a_damaged_checkpoint_is_refused_by_name(copy, damage):
+    checkpoint = train.latest_checkpoint(copy)
+    data = checkpoint / "__0_0.distcp"
+    if damage.startswith("truncated"):
+        data.write_bytes(data.read_bytes()[: len(data.read_bytes()) // 2])
+    elif damage == "garbled metadata":
+        (checkpoint / ".metadata").write_bytes(b"\x80\x04garbage")
+    elif damage == "no manifest":
+        (checkpoint / "manifest.json").unlink()
+    elif damage == "manifest garbled":
+        (checkpoint / "manifest.json").write_text('{"files": ')
+    else:
+        (checkpoint / "__1_0.distcp").write_bytes(b"")
+    if "forged" in damage or damage == "garbled metadata":
+        forge_manifest(checkpoint)
+    with pytest.raises(ValueError) as refused:  # not a CheckpointException, a BaseException
+        run(copy, "--resume")
+    assert f"checkpoint {checkpoint}" in str(refused.value)
+
+
+def test_the_command_turns_a_refusal_into_one_line_and_status_1(base, monkeypatch, capsys):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(SystemExit) as exit:
+        train.main(["gpt", *TINY, "--steps", "4", "--out", str(base)])
+    assert exit.value.code == 1
+    said = capsys.readouterr().err
+    assert said.startswith("python -m attnbook.train: error: --out ") and said.count("\n") == 1
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="SIGINT to a process is POSIX")
+def test_ctrl_c_stops_cleanly_and_says_how_to_resume(tmp_path):
+    out = tmp_path / "run"
+    args = ["gpt", *TINY, "--steps", "100000", "--checkpoint-every", "1", "--print-every", "0",
+            "--out", str(out)]
+    process = subprocess.Popen([sys.executable, "-m", "attnbook.train", *args],
+                               stderr=subprocess.PIPE, text=True, env=ENV)
+    try:
+        for line in process.stderr:  # every step is printed: wait for the third
+            if line.startswith("step 3/"):
+                break
+        deadline = time.monotonic() + 60
+        while train.latest_checkpoint(out) is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        process.send_signal(signal.SIGINT)
+        said = process.stderr.read()
+        process.wait(timeout=60)
+    finally:
+        process.kill()
+    assert process.returncode == 130, said
+    assert "Traceback" not in said and "stopped by Ctrl-C: the last checkpoint is " in said
+    last = train.latest_checkpoint(out)
+    assert f"the last checkpoint is {last} (step {int(last.name[5:])})" in said
+    resume = said.split("To resume:\n")[1].strip()
+    assert shlex.split(resume) == ["python", "-m", "attnbook.train", *args, "--resume"]
 
 
 def refusal(argv, monkeypatch, processes=1):
@@ -156,9 +480,25 @@ def refusal(argv, monkeypatch, processes=1):
     ("--dtype", "float16", "argument --dtype"),
     ("--strategy", "zero", "argument --strategy"),
     ("--checkpoint-every", "0", "argument --checkpoint-every: must be at least 1"),
+    ("--print-every", "-1", "argument --print-every: must be at least 0"),
 ])
 def test_bad_options_are_refused_by_name(monkeypatch, option, value, message):
     assert message in refusal(["gpt", option, value, "--out", "x"], monkeypatch)
+
+
+def test_bad_sample_options_are_refused_by_name(monkeypatch):
+    sample = ["sample", "--run", "x", "--prompt"]
+    assert "argument --prompt: must not be empty" in refusal([*sample, ""], monkeypatch)
+    assert "argument --tokens: must be at least 0" in refusal([*sample, "a", "--tokens", "-1"],
+                                                              monkeypatch)
+    assert "argument --temperature" in refusal([*sample, "a", "--temperature", "nan"],
+                                               monkeypatch)
+    assert "--run" in refusal(["sample", "--prompt", "a"], monkeypatch)
+
+
+def test_resume_and_overwrite_exclude_each_other(monkeypatch):
+    said = refusal(["gpt", "--resume", "--overwrite", "--out", "x"], monkeypatch)
+    assert "argument --overwrite: not allowed with argument --resume" in said
 
 
 def test_a_global_batch_the_processes_cannot_share_is_refused(monkeypatch):
@@ -168,9 +508,18 @@ def test_a_global_batch_the_processes_cannot_share_is_refused(monkeypatch):
     assert train.parse_options(["gpt", "--global-batch", "6", "--out", "x"]).global_batch == 6
 
 
-def test_other_models_and_a_missing_out_are_refused(monkeypatch):
-    assert "model" in refusal(["bert", "--out", "x"], monkeypatch)
+def test_other_commands_and_a_missing_out_are_refused(monkeypatch):
+    said = refusal(["bert", "--out", "x"], monkeypatch)
+    assert "invalid choice: 'bert'" in said and "gpt" in said and "sample" in said
     assert "--out" in refusal(["gpt"], monkeypatch)
+
+
+def test_the_help_says_what_is_trusted(monkeypatch):
+    for argv in (["--help"], ["gpt", "--help"], ["sample", "--help"]):
+        with contextlib.redirect_stdout(io.StringIO()) as said, pytest.raises(SystemExit):
+            train.parse_options(argv)
+        text = " ".join(said.getvalue().split())
+        assert "What is trusted" in text and "weights_only=True" in text and "SHA-256" in text
 
 
 def test_batch_shares_are_disjoint_slices_of_one_global_batch(monkeypatch):
