@@ -167,6 +167,9 @@ TRITON = kernels.triton.__version__
 REPORT_FILE = ROOT / "_build" / f"compile-report-triton-{TRITON}.txt"
 
 
+_REPORTED: set[Path] = set()  # the report files this run has begun
+
+
 class CompileReportWarning(UserWarning):
     """What another Triton than the lock's compiles differently from the rule the tests hold."""
 
@@ -191,8 +194,9 @@ def _hold(rule: str, broken: list[str], triton: str = TRITON, locked: str | None
     report = (f"Triton {triton} (the lock pins {locked}): {len(broken)} compiled kernels break "
               f"the rule '{rule}':\n" + "\n".join(broken))
     report_file.parent.mkdir(parents=True, exist_ok=True)
-    with report_file.open("a") as f:
+    with report_file.open("a" if report_file in _REPORTED else "w") as f:  # this run's report
         f.write(report + "\n\n")
+    _REPORTED.add(report_file)
     warnings.warn(report, CompileReportWarning, stacklevel=2)
     where = report_file.relative_to(ROOT) if report_file.is_relative_to(ROOT) else report_file
     pytest.xfail(f"Triton {triton} is not the lock's {locked}: {len(broken)} break '{rule}' "
@@ -384,6 +388,15 @@ def test_hold_reports_another_triton_without_failing(tmp_path):
             _hold("spills nothing", [line], triton="3.6.0", locked="3.7.1",
                   report_file=report_file)
     assert line in str(caught[0].message) and line in report_file.read_text()
+    with pytest.raises(pytest.xfail.Exception), pytest.warns(CompileReportWarning):
+        _hold("fits", [line], triton="3.6.0", locked="3.7.1", report_file=report_file)
+    # one run's report holds both rules once; a report left by an earlier run is replaced
+    assert report_file.read_text().count(line) == 2 and "rule 'fits'" in report_file.read_text()
+    stale = tmp_path / "stale.txt"
+    stale.write_text("an earlier run's report\n")
+    with pytest.raises(pytest.xfail.Exception), pytest.warns(CompileReportWarning):
+        _hold("fits", [line], triton="3.6.0", locked="3.7.1", report_file=stale)
+    assert "earlier" not in stale.read_text() and line in stale.read_text()
     _hold("spills nothing", [], triton="3.6.0", locked="3.7.1", report_file=tmp_path / "none")
     assert not (tmp_path / "none").exists()  # nothing broken: nothing reported
 
