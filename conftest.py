@@ -2,7 +2,6 @@
 the book built by `make test` can show them (tools/verified_cache.py)."""
 
 import json
-import os
 from collections import defaultdict
 from pathlib import Path
 
@@ -29,8 +28,8 @@ def pytest_terminal_summary(terminalreporter):
 def pytest_configure(config):
     # Without a GPU, Triton must interpret kernels on the CPU, and that is fixed when triton is
     # first imported, which some torch modules do (torch.utils.flop_counter) before any test
-    # reaches attnbook.kernels. The notebooks' kernels inherit this environment too.
-    import torch
+    # reaches attnbook.kernels: chosen here, first, by the package's one function for it
+    # (chapter 12). The notebooks' kernels inherit this environment too.
+    from attnbook.triton_mode import use_triton_interpreter
 
-    if not torch.cuda.is_available():
-        os.environ.setdefault("TRITON_INTERPRET", "1")
+    use_triton_interpreter()

@@ -279,3 +279,24 @@ def test_check_qkv_is_public_and_returns_real_arrays():
     assert Q.dtype == np.float64 and V.dtype == np.float32
     with pytest.raises(ValueError, match=r"leading \(batch\) dimensions.*Q has shape \(2, 3, 4\)"):
         check_qkv(np.ones((2, 3, 4)), np.ones((3, 5, 4)), np.ones((3, 5, 2)))
+
+
+def test_the_numpy_chapters_modules_import_without_torch():
+    # Issue 26: attention, scaling and tiling (chapters 1, 2 and 11) need only NumPy; torch is
+    # made unimportable, so that any import of it, however indirect, fails.
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import sys; sys.modules['torch'] = None; "
+            "import attnbook.attention as a, attnbook.scaling, attnbook.tiling as t, numpy as np; "
+            "q = np.eye(4); out, w = a.scaled_dot_product_attention(q, q, q); "
+            "assert np.allclose(t.flash_attention_numpy(q, q, q, block_size=2), out); "
+            "assert a.check_array is __import__('attnbook.basic_checks').basic_checks.check_array; "
+            "print(sorted(m for m in sys.modules if m.startswith(('torch', 'attnbook'))))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            cwd=Path(__file__).resolve().parents[1], timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["['attnbook',", "'attnbook.attention',",
+                                     "'attnbook.basic_checks',", "'attnbook.scaling',",
+                                     "'attnbook.tiling',", "'torch']"]

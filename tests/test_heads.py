@@ -219,7 +219,9 @@ def test_dropout_only_in_training():
     x = torch.randn(2, 8, 16, dtype=DOUBLE)
     layer.eval()
     out_eval, w_eval = layer(x, return_weights=True)
-    torch.testing.assert_close(layer(x), out_eval, rtol=0, atol=0)
+    torch.testing.assert_close(layer(x), out_eval)  # SDPA, without the weights
+    layer.backend = "explicit"
+    torch.testing.assert_close(layer(x), out_eval, rtol=0, atol=0)  # attend, as with them
     layer.train()
     out_train, w_train = layer(x, return_weights=True)
     dropped = w_train == 0

@@ -304,35 +304,67 @@ def test_importing_the_package_does_not_import_triton():
     assert "kernels" in result.stdout
 
 
-def test_without_a_gpu_the_interpreter_is_chosen_automatically():
-    code = ("import os, torch; import attnbook.kernels as K; "
+CHOOSE = "from attnbook.triton_mode import use_triton_interpreter as choose; "
+
+
+def test_importing_the_kernels_changes_no_environment_variable():
+    code = ("import os; before = dict(os.environ); import attnbook.kernels as K; "
+            "assert dict(os.environ) == before, 'changed'; print(K.INTERPRETED)")
+    result = run_python(code, CUDA_VISIBLE_DEVICES="")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["False"]  # nobody asked for the interpreter
+
+
+def test_without_a_gpu_use_triton_interpreter_chooses_the_interpreter():
+    code = (CHOOSE + "import os, torch; print(choose()); import attnbook.kernels as K; "
             "print(os.environ['TRITON_INTERPRET'], K.INTERPRETED); "
             "x = torch.randn(1, 1, 20, 16); "
             "torch.testing.assert_close(K.flash_attention(x, x, x), "
             "torch.nn.functional.scaled_dot_product_attention(x, x, x))")
     result = run_python(code, CUDA_VISIBLE_DEVICES="")
     assert result.returncode == 0, result.stderr
-    assert result.stdout.split() == ["1", "True"]
+    assert result.stdout.split() == ["True", "1", "True"]
 
 
 def test_an_explicit_choice_is_kept_and_cpu_tensors_get_a_clear_error():
-    code = ("import os, torch; import attnbook.kernels as K; "
+    code = (CHOOSE + "import os, torch; print(choose()); import attnbook.kernels as K; "
             "print(os.environ['TRITON_INTERPRET'], K.INTERPRETED); "
             "x = torch.randn(1, 1, 20, 16); K.flash_attention(x, x, x)")
     result = run_python(code, CUDA_VISIBLE_DEVICES="", TRITON_INTERPRET="0")
-    assert result.stdout.split() == ["0", "False"]
+    assert result.stdout.split() == ["False", "0", "False"]
     assert result.returncode != 0
     assert "ValueError: q is on device cpu" in result.stderr
-    assert "TRITON_INTERPRET=1" in result.stderr
+    assert "use_triton_interpreter()" in result.stderr and "TRITON_INTERPRET=1" in result.stderr
 
 
-def test_triton_imported_first_in_compiled_mode_gives_a_clear_error():
+def test_choosing_after_triton_was_imported_compiled_gives_a_clear_error():
     # torch.utils.flop_counter imports triton; without TRITON_INTERPRET its library is compiled.
-    code = "import torch.utils.flop_counter; import attnbook.kernels"
+    code = "import torch.utils.flop_counter; " + CHOOSE + "choose()"
     result = run_python(code, CUDA_VISIBLE_DEVICES="")
     assert result.returncode != 0
-    assert "ImportError: triton was imported in compiled mode before attnbook.kernels" in result.stderr
-    assert "TRITON_INTERPRET=1" in result.stderr
+    assert "RuntimeError: triton was imported in compiled mode" in result.stderr
+    assert "before anything imports triton" in result.stderr
+
+
+def test_the_import_order_of_the_kernels_does_not_matter():
+    # chosen first, the interpreter works whatever imports triton before the kernels
+    code = (CHOOSE + "choose(); import torch, torch.utils.flop_counter; "
+            "import attnbook.gpt; import attnbook.kernels as K; x = torch.randn(1, 1, 4, 16); "
+            "torch.testing.assert_close(K.flash_attention(x, x, x), "
+            "torch.nn.functional.scaled_dot_product_attention(x, x, x)); print(K.INTERPRETED)")
+    result = run_python(code, CUDA_VISIBLE_DEVICES="")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["True"]
+
+
+def test_interpreted_kernels_with_a_compiled_library_give_a_clear_error():
+    # the variable set by hand after triton's first import: kernels interpreted, tl.sum compiled
+    code = ("import os, torch, torch.utils.flop_counter; os.environ['TRITON_INTERPRET'] = '1'; "
+            "import attnbook.kernels as K; x = torch.randn(1, 1, 4, 16); K.flash_attention(x, x, x)")
+    result = run_python(code, CUDA_VISIBLE_DEVICES="")
+    assert result.returncode != 0
+    assert "RuntimeError: triton was imported in compiled mode before TRITON_INTERPRET" in \
+        result.stderr
 
 
 def test_benchmark_small_mode_writes_csv_and_plot(tmp_path):

@@ -20,7 +20,6 @@ kernels (attnbook.kernels) need its interpreter, which must be chosen before tri
 from __future__ import annotations
 
 import inspect
-import os
 
 from docutils import nodes
 from sphinx.addnodes import pending_xref
@@ -28,12 +27,12 @@ from sphinx.util.docutils import SphinxDirective
 
 
 def use_triton_interpreter() -> None:
-    """TRITON_INTERPRET=1 where there is no GPU, as tools/api_reference.py sets it."""
-    if "TRITON_INTERPRET" not in os.environ:
-        import torch
+    """The package's own choice of Triton's mode (attnbook.triton_mode, chapter 12): the
+    interpreter where there is no GPU, before autodoc imports attnbook.kernels; tools/
+    api_reference.py calls it too."""
+    from attnbook.triton_mode import use_triton_interpreter as choose
 
-        if not torch.cuda.is_available():
-            os.environ["TRITON_INTERPRET"] = "1"
+    choose()
 
 
 class BuiltIn(SphinxDirective):

@@ -32,6 +32,9 @@ Modules, in the order the book builds them:
   scores, of saved tensors and of the KV cache.
 - attnbook.tiling (chapters/11-tiling.md): FlashAttention's algorithm in NumPy: the online
   softmax and attention computed tile by tile.
+- attnbook.triton_mode (chapters/12-flash-attention-triton.md): How Triton runs the book's
+  kernels: compiled for a GPU, or in its interpreter on the CPU, chosen once, explicitly, before
+  anything imports triton.
 - attnbook.kernels (chapters/12-flash-attention-triton.md): FlashAttention in Triton: the
   forward and backward kernels, and flash_attention for PyTorch tensors.
 - attnbook.compile_check (chapters/12-flash-attention-triton.md): Compile the kernels of chapter
@@ -41,6 +44,9 @@ Modules, in the order the book builds them:
   random features and retention.
 - attnbook.vit (chapters/14-vision-transformer.md): The Vision Transformer: images cut into
   patches, a class token and learned positions, on the book's Transformer blocks.
+- attnbook.basic_checks (chapters/a1-conventions.md): The argument checks that need only Python
+  and NumPy, which the NumPy chapters import without loading PyTorch; attnbook.conventions
+  gathers them with the tensor checks.
 - attnbook.conventions (chapters/a1-conventions.md): The package's argument checks: one error
   policy, one check per concept.
 - attnbook.notebook (chapters/a1-conventions.md): What a chapter uses to run as a notebook:
@@ -68,10 +74,12 @@ __all__ = [
     "models",
     "cost",
     "tiling",
+    "triton_mode",
     "kernels",
     "compile_check",
     "efficient",
     "vit",
+    "basic_checks",
     "conventions",
     "notebook",
     "train",

@@ -15,7 +15,7 @@ __all__ = [
 # chapters/01-queries-keys-values.md, "Scores, softmax and the weighted sum"
 import numpy as np
 
-from attnbook.conventions import check_array, check_scale, compute_dtype
+from attnbook.basic_checks import check_array, check_scale, compute_dtype
 
 
 def softmax(x, axis: int = -1) -> np.ndarray:

@@ -28,6 +28,8 @@ from torch import nn
 
 from attnbook.blocks import TransformerBlock
 from attnbook.conventions import (
+    check_alias,
+    check_choice,
     check_instance,
     check_int,
     check_positive,
@@ -36,6 +38,7 @@ from attnbook.conventions import (
     check_token_ids,
     compute_dtype,
 )
+from attnbook.heads import ATTENTION_BACKENDS
 
 
 @dataclass
@@ -47,16 +50,20 @@ class BERTConfig:
     num_layers: int = 12
     num_heads: int = 12
     d_ff: int = 3072
-    max_position: int = 512
+    context_length: int | None = None  # 512, BERT-base's, when neither name is given
     type_vocab_size: int = 2
     dropout: float = 0.1
     eps: float = 1e-12
     pad_id: int | None = 0
+    backend: str = "sdpa"
+    max_position: int | None = None  # deprecated alias of context_length
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "d_model", "num_layers", "num_heads", "d_ff", "max_position",
-                     "type_vocab_size"):
+        for name in ("vocab_size", "d_model", "num_layers", "num_heads", "d_ff", "type_vocab_size"):
             setattr(self, name, check_int(name, getattr(self, name), minimum=1))
+        self.context_length = self.max_position = check_int(*check_alias(
+            "context_length", self.context_length, "max_position", self.max_position, 512), 1)
+        self.backend = check_choice("backend", self.backend, ATTENTION_BACKENDS)
         self.dropout = check_probability("dropout", self.dropout)
         self.eps = check_positive("eps", self.eps)
         if self.d_model % self.num_heads:
@@ -73,7 +80,7 @@ class BERTEmbeddings(nn.Module):
     def __init__(self, config: BERTConfig) -> None:
         super().__init__()
         self.word = nn.Embedding(config.vocab_size, config.d_model, padding_idx=config.pad_id)
-        self.position = nn.Embedding(config.max_position, config.d_model)
+        self.position = nn.Embedding(config.context_length, config.d_model)
         self.token_type = nn.Embedding(config.type_vocab_size, config.d_model)
         self.norm = nn.LayerNorm(config.d_model, eps=config.eps)
         self.dropout = nn.Dropout(config.dropout)
@@ -109,7 +116,8 @@ class BERT(nn.Module):
         self.embeddings = BERTEmbeddings(config)
         self.layers = nn.ModuleList(
             TransformerBlock(config.d_model, config.num_heads, config.d_ff, config.dropout,
-                             norm_first=False, activation="gelu", eps=config.eps)
+                             norm_first=False, activation="gelu", eps=config.eps,
+                             backend=config.backend, check_inputs=False)  # encode checks
             for _ in range(config.num_layers))
         self.mlm_head = MaskedLMHead(config)
         for module in (*self.embeddings.modules(), *self.mlm_head.modules()):  # BERT's init
@@ -125,9 +133,9 @@ class BERT(nn.Module):
         """The encoder's output (B, L, d_model), before the head."""
         c = self.config
         input_ids = check_token_ids("input_ids", input_ids, c.vocab_size)
-        if input_ids.ndim != 2 or 0 in input_ids.shape or input_ids.shape[1] > c.max_position:
-            raise ValueError(f"input_ids must have shape (B, L) with 1 <= L <= max_position="
-                             f"{c.max_position}, got {tuple(input_ids.shape)}")
+        if input_ids.ndim != 2 or 0 in input_ids.shape or input_ids.shape[1] > c.context_length:
+            raise ValueError(f"input_ids must have shape (B, L) with 1 <= L <= context_length, "
+                             f"alias max_position={c.context_length}, got {tuple(input_ids.shape)}")
         token_type_ids = torch.zeros_like(input_ids) if token_type_ids is None else token_type_ids
         _check_like_ids("token_type_ids", token_type_ids, input_ids)
         token_type_ids = check_token_ids("token_type_ids", token_type_ids, c.type_vocab_size)
@@ -216,7 +224,7 @@ def _from_hf_bert(cls: type, model) -> BERT:
     config = BERTConfig(
         *word.shape, len(layers), attention.num_attention_heads,
         d_ff=len(theirs["bert.encoder.layer.0.intermediate.dense.weight"]),
-        max_position=len(theirs["bert.embeddings.position_embeddings.weight"]),
+        context_length=len(theirs["bert.embeddings.position_embeddings.weight"]),
         type_vocab_size=len(theirs["bert.embeddings.token_type_embeddings.weight"]),
         dropout=embeddings.dropout.p, eps=embeddings.LayerNorm.eps,
         pad_id=embeddings.word_embeddings.padding_idx)

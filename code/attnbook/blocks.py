@@ -34,11 +34,13 @@ _ACTIVATIONS = {"gelu": nn.GELU, "gelu_tanh": lambda: nn.GELU(approximate="tanh"
 
 # chapters/06-blocks.md, "The feed-forward network"
 class FeedForward(nn.Module):
-    """fc2(dropout(act(fc1(x)))) at each position on its own; d_ff defaults to 4 * d_model."""
+    """fc2(dropout(act(fc1(x)))) at each position on its own; d_ff defaults to 4 * d_model.
+    `check_inputs=False` (inside a block, which checks its own inputs) skips the check of x."""
 
     def __init__(self, d_model: int, d_ff: int | None = None, activation: str = "gelu",
-                 dropout: float = 0.0, bias: bool = True) -> None:
+                 dropout: float = 0.0, bias: bool = True, check_inputs: bool = True) -> None:
         super().__init__()
+        self.check_inputs = check_bool("check_inputs", check_inputs)
         d_model, bias = check_int("d_model", d_model, 1), check_bool("bias", bias)
         d_ff = 4 * d_model if d_ff is None else check_int("d_ff", d_ff, 1)
         self.d_model, self.d_ff, self.activation = d_model, d_ff, activation
@@ -48,35 +50,28 @@ class FeedForward(nn.Module):
         self.dropout = nn.Dropout(check_probability("dropout", dropout))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = check_tensor("x", x, size=self.d_model)  # (..., d_model)
+        if self.check_inputs:
+            check_tensor("x", x, size=self.d_model)  # (..., d_model)
         return self.fc2(self.dropout(self.act(self.fc1(x))))  # (..., d_ff) inside
 
 
 # chapters/06-blocks.md, "Normalisation"
 class RMSNorm(nn.Module):
-    """x / sqrt(mean(x**2) + eps) * weight over the last axis, in float32 for float16/bfloat16."""
+    """x / sqrt(mean(x**2) + eps) * weight over the last axis, in float32 for float16/bfloat16;
+    `check_inputs=False` (inside a block) skips the check of x."""
 
-    def __init__(self, d_model: int, eps: float = 1e-6) -> None:
+    def __init__(self, d_model: int, eps: float = 1e-6, check_inputs: bool = True) -> None:
         super().__init__()
         self.d_model, self.eps = check_int("d_model", d_model, 1), check_positive("eps", eps)
+        self.check_inputs = check_bool("check_inputs", check_inputs)
         self.weight = nn.Parameter(torch.ones(self.d_model))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = check_tensor("x", x, size=self.d_model)
+        if self.check_inputs:
+            check_tensor("x", x, size=self.d_model)
         work = x.to(compute_dtype(x.dtype))
         normed = work * torch.rsqrt(work.pow(2).mean(dim=-1, keepdim=True) + self.eps)
         return (normed * self.weight).to(x.dtype)
-
-
-# chapters/06-blocks.md, "Pre-norm and post-norm"
-def _residual(x: torch.Tensor, norm: nn.Module, sublayer, norm_first: bool,
-              dropout: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Pre-norm x + drop(f(norm(x))) or post-norm norm(x + drop(f(x))); f gives (out, weights)."""
-    if norm_first:
-        out, weights = sublayer(norm(x))
-        return x + dropout(out), weights
-    out, weights = sublayer(x)
-    return norm(x + dropout(out)), weights
 
 
 # chapters/06-blocks.md, "The block"
@@ -87,20 +82,28 @@ class TransformerBlock(nn.Module):
     def __init__(self, d_model: int, num_heads: int, d_ff: int | None = None,
                  dropout: float = 0.0, norm_first: bool = True, cross_attention: bool = False,
                  activation: str = "gelu", norm: str = "layernorm", eps: float = 1e-5,
-                 num_kv_heads: int | None = None, bias: bool = True) -> None:
+                 num_kv_heads: int | None = None, bias: bool = True,
+                 attn_dropout: float | None = None, ff_dropout: float | None = None,
+                 backend: str = "sdpa", check_inputs: bool = True) -> None:
         super().__init__()
         self.norm_first = check_bool("norm_first", norm_first)
+        self.check_inputs = check_bool("check_inputs", check_inputs)
         cross_attention = check_bool("cross_attention", cross_attention)
-        self.self_attn = MultiHeadAttention(d_model, num_heads, num_kv_heads, bias, dropout)
+        attn_dropout = dropout if attn_dropout is None else attn_dropout
+        attention = dict(d_model=d_model, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                         bias=bias, dropout=attn_dropout, backend=backend,
+                         check_inputs=self.check_inputs)  # the block checks x; the layers the rest
+        self.self_attn = MultiHeadAttention(**attention)
         self.d_model, self.num_heads = self.self_attn.d_model, self.self_attn.num_heads
         self.attn_norm = _make_norm(norm, d_model, eps, bias)
         self.cross_attn = self.cross_norm = None
         if cross_attention:
-            self.cross_attn = MultiHeadAttention(d_model, num_heads, num_kv_heads, bias, dropout)
+            self.cross_attn = MultiHeadAttention(**attention)
             self.cross_norm = _make_norm(norm, d_model, eps, bias)
-        self.ff = FeedForward(d_model, d_ff, activation, dropout, bias)
+        ff_dropout = dropout if ff_dropout is None else ff_dropout
+        self.ff = FeedForward(d_model, d_ff, activation, ff_dropout, bias, check_inputs=False)
         self.ff_norm = _make_norm(norm, d_model, eps, bias)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = nn.Dropout(check_probability("dropout", dropout))
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None,
                 is_causal: bool = False, context: torch.Tensor | None = None,
@@ -109,27 +112,46 @@ class TransformerBlock(nn.Module):
         """(B, L, d_model) -> (B, L, d_model), and with `return_weights` the self- and cross-
         attention weights (or None). `mask`, `is_causal` and `cache` go to the self-attention,
         `context` (B, Lc, d_model) and `context_mask` to the cross-attention, if the block has it."""
-        x = check_tensor("x", x, 3, size=self.d_model)
-        return_weights = check_bool("return_weights", return_weights)
-        if self.cross_attn is None and (context is not None or context_mask is not None):
-            raise ValueError("block has no cross-attention: context and context_mask must be None")
-        if self.cross_attn is not None and context is None:
-            raise ValueError("this block has cross-attention: it needs a context, got context=None")
-        x, self_w = _residual(x, self.attn_norm, lambda h: self.self_attn(
-            h, mask=mask, is_causal=is_causal, return_weights=True, cache=cache), self.norm_first,
-            self.dropout)  # (B, L, d_model)
-        cross_w = None
-        if self.cross_attn is not None:
-            x, cross_w = _residual(x, self.cross_norm, lambda h: self.cross_attn(
-                h, context, mask=context_mask, return_weights=True), self.norm_first, self.dropout)
-        x, _ = _residual(x, self.ff_norm, lambda h: (self.ff(h), None), self.norm_first,
-                         self.dropout)
-        return (x, self_w, cross_w) if return_weights else x
+        if self.check_inputs:
+            _check_block_call(self, x, context, context_mask, return_weights)
+        weights = {"self": None, "cross": None}  # filled with return_weights
+
+        def attention(kind: str, h: torch.Tensor) -> torch.Tensor:
+            if kind == "self":
+                out = self.self_attn(h, mask=mask, is_causal=is_causal,
+                                     return_weights=return_weights, cache=cache)
+            else:
+                out = self.cross_attn(h, context, mask=context_mask, return_weights=return_weights)
+            if return_weights:
+                out, weights[kind] = out
+            return out
+
+        drop, cross = self.dropout, self.cross_attn is not None
+        if self.norm_first:  # pre-norm: x + f(norm(x))
+            x = x + drop(attention("self", self.attn_norm(x)))
+            if cross:
+                x = x + drop(attention("cross", self.cross_norm(x)))
+            x = x + drop(self.ff(self.ff_norm(x)))
+        else:  # post-norm: norm(x + f(x))
+            x = self.attn_norm(x + drop(attention("self", x)))
+            if cross:
+                x = self.cross_norm(x + drop(attention("cross", x)))
+            x = self.ff_norm(x + drop(self.ff(x)))
+        return (x, weights["self"], weights["cross"]) if return_weights else x
+
+
+def _check_block_call(block: TransformerBlock, x, context, context_mask, return_weights) -> None:
+    check_tensor("x", x, 3, size=block.d_model)
+    check_bool("return_weights", return_weights)
+    if block.cross_attn is None and (context is not None or context_mask is not None):
+        raise ValueError("block has no cross-attention: context and context_mask must be None")
+    if block.cross_attn is not None and context is None:
+        raise ValueError("this block has cross-attention: it needs a context, got context=None")
 
 
 def _make_norm(norm: str, d_model: int, eps: float, bias: bool) -> nn.Module:
     if check_choice("norm", norm, ("layernorm", "rmsnorm")) == "rmsnorm":
-        return RMSNorm(d_model, eps)  # it has no bias
+        return RMSNorm(d_model, eps, check_inputs=False)  # it has no bias
     return nn.LayerNorm(d_model, eps=check_positive("eps", eps), bias=bias)
 
 

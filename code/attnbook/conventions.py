@@ -5,113 +5,32 @@ Built and explained in the book's chapter chapters/a1-conventions.md.
 """
 
 __all__ = [
-    "check_int",
-    "check_bool",
-    "check_real",
-    "check_probability",
-    "check_positive",
-    "check_scale",
-    "check_choice",
-    "check_instance",
-    "check_callable",
     "check_device",
     "check_token_ids",
-    "check_array",
     "check_tensor",
     "check_mask",
-    "compute_dtype",
 ]
 
 # chapters/a1-conventions.md, "One way to check an argument"
-import math
-import numbers
-import operator
-from collections.abc import Collection
-
-import numpy as np
 import torch
 
-
-def _type_error(name: str, value, wanted: str) -> TypeError:
-    return TypeError(f"{name} must be {wanted}, got {name}={value!r} of type {type(value).__name__}")
-
-
-def check_int(name: str, value, minimum: int | None = None, maximum: int | None = None) -> int:
-    """`value` as a Python int from `minimum` to `maximum`: not a bool, a float or a string.
-    Whatever Python can use as an index counts, such as np.int64(3) or a 0-d integer tensor."""
-    try:
-        if isinstance(value, (bool, np.bool_)) or getattr(value, "dtype", None) == torch.bool:
-            raise TypeError
-        number = operator.index(value)
-    except TypeError:
-        raise _type_error(name, value, "an int") from None
-    if minimum is not None and number < minimum:
-        raise ValueError(f"{name} must be at least {minimum}, got {name}={value!r}")
-    if maximum is not None and number > maximum:
-        raise ValueError(f"{name} must be at most {maximum}, got {name}={value!r}")
-    return number
+from attnbook.basic_checks import (  # noqa: F401 (gathered here: every check from one module)
+    check_alias,
+    check_array,
+    check_bool,
+    check_callable,
+    check_choice,
+    check_instance,
+    check_int,
+    check_positive,
+    check_probability,
+    check_real,
+    check_scale,
+    compute_dtype,
+    type_error,
+)
 
 
-def check_bool(name: str, value) -> bool:
-    """`value` as a bool: True or False, not 1, "yes" or None."""
-    if not isinstance(value, (bool, np.bool_)):
-        raise _type_error(name, value, "True or False")
-    return bool(value)
-
-
-def check_real(name: str, value, low: float = -math.inf, high: float = math.inf, *,
-               open_low: bool = False, open_high: bool = False) -> float:
-    """`value` as a finite float in the interval from `low` to `high` (closed unless open_*)."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
-        raise _type_error(name, value, "a real number")
-    value = float(value)
-    above = value > low if open_low else value >= low
-    below = value < high if open_high else value <= high
-    if not (math.isfinite(value) and above and below):
-        interval = f" in {'(' if open_low else '['}{low}, {high}{')' if open_high else ']'}"
-        interval = "" if (low, high) == (-math.inf, math.inf) else interval
-        raise ValueError(f"{name} must be a finite number{interval}, got {name}={value!r}")
-    return value
-
-
-def check_probability(name: str, value) -> float:
-    """A probability, such as a dropout rate: a number in [0, 1]."""
-    return check_real(name, value, 0.0, 1.0)
-
-
-def check_positive(name: str, value) -> float:
-    """A finite number above 0, such as an epsilon, a base or a temperature."""
-    return check_real(name, value, 0.0, open_low=True)
-
-
-def check_scale(scale, head_dim: int) -> float:
-    """The factor applied to q·k: 1/sqrt(head_dim) for None, else any finite number."""
-    return head_dim ** -0.5 if scale is None else check_real("scale", scale)
-
-
-def check_choice(name: str, value, choices: Collection[str]) -> str:
-    """One of `choices`, given as a string."""
-    if not isinstance(value, str) or value not in choices:
-        raise ValueError(f"{name} must be one of {sorted(choices)}, got {name}={value!r}")
-    return value
-
-
-def check_instance(name: str, value, kind: type):
-    """`value`, an instance of `kind` (a class, or a tuple of classes)."""
-    if not isinstance(value, kind):
-        names = " or ".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))
-        raise _type_error(name, value, f"an instance of {names}")
-    return value
-
-
-def check_callable(name: str, value):
-    """`value`, something that can be called: a function, a lambda, a module."""
-    if not callable(value):
-        raise _type_error(name, value, "callable")
-    return value
-
-
-# chapters/a1-conventions.md, "One way to check an argument"
 def check_device(name: str, device) -> torch.device:
     """`device` (a string or torch.device) as a torch.device that this machine has."""
     try:
@@ -133,7 +52,7 @@ def check_token_ids(name: str, ids, vocab_size: int, shape: tuple[int | None, ..
     """
     vocab_size = check_int("vocab_size", vocab_size, 1)
     if not isinstance(ids, torch.Tensor):
-        raise _type_error(name, ids, "a torch.Tensor of integer ids")
+        raise type_error(name, ids, "a torch.Tensor of integer ids")
     if ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex():
         raise TypeError(f"{name} must hold integer ids, got dtype {ids.dtype}")
     _check_shape_and_device(name, ids, shape, device)
@@ -159,19 +78,6 @@ def _check_shape_and_device(name: str, x: torch.Tensor, shape, device) -> None:
         raise ValueError(f"{name} must be on device {device}, got {name} on {x.device}")
 
 
-def check_array(name: str, x, min_ndim: int = 0) -> np.ndarray:
-    """`x` as a NumPy array of real numbers with at least `min_ndim` axes; integers become float64."""
-    x = np.asarray(x)
-    if np.issubdtype(x.dtype, np.integer):
-        x = x.astype(np.float64)
-    elif not np.issubdtype(x.dtype, np.floating):
-        raise TypeError(f"{name} must hold real numbers, got {name} of dtype {x.dtype}")
-    if x.ndim < min_ndim:
-        axes = "dimension" if min_ndim == 1 else "dimensions"
-        raise ValueError(f"{name} must have at least {min_ndim} {axes}, got shape {x.shape}")
-    return x
-
-
 def check_tensor(name: str, x, ndim: int | tuple[int, ...] | None = None,
                  size: int | None = None, dtype: torch.dtype | None = None,
                  device: torch.device | None = None,
@@ -180,7 +86,7 @@ def check_tensor(name: str, x, ndim: int | tuple[int, ...] | None = None,
     a last dimension of `size`, the given `dtype` and `device`, and `shape`, whose None entries
     allow any size; None means any."""
     if not isinstance(x, torch.Tensor):
-        raise _type_error(name, x, "a torch.Tensor")
+        raise type_error(name, x, "a torch.Tensor")
     if not x.is_floating_point() or dtype not in (None, x.dtype):
         raise TypeError(f"{name} must be a {dtype or 'floating-point'} tensor, got dtype {x.dtype}")
     ndims = (ndim,) if isinstance(ndim, int) else ndim
@@ -207,14 +113,3 @@ def check_mask(name: str, mask, shape: tuple[int, ...], device: torch.device | N
     if device is not None and mask.device != torch.device(device):
         raise ValueError(f"{name} must be on device {device}, got {name} on {mask.device}")
     return mask
-
-
-def compute_dtype(dtype):
-    """The dtype a sum over `dtype` data is accumulated in: float32 for float16 and bfloat16.
-
-    Works for torch and NumPy dtypes alike; other dtypes compute in themselves.
-    """
-    if isinstance(dtype, torch.dtype):
-        return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-    return np.promote_types(np.dtype(dtype), np.float32) if np.dtype(dtype) == np.float16 \
-        else np.dtype(dtype)

@@ -18,6 +18,7 @@ from torch import nn
 
 from attnbook.blocks import TransformerBlock
 from attnbook.conventions import (
+    check_alias,
     check_bool,
     check_choice,
     check_instance,
@@ -26,14 +27,16 @@ from attnbook.conventions import (
     check_tensor,
     check_token_ids,
 )
+from attnbook.heads import ATTENTION_BACKENDS
 from attnbook.masks import attention_mask, padding_mask
 from attnbook.positions import sinusoidal_encoding
 
 
 @dataclass
 class EncoderDecoderConfig:
-    """The sizes of an EncoderDecoder; `max_len` is the longest source or target. By default
-    num_decoder_layers = num_layers and d_ff = 4 * d_model; norm_first=False is post-norm."""
+    """The sizes of an EncoderDecoder; `context_length` (deprecated alias: `max_len`) is the
+    longest source or target, 64 by default. By default num_decoder_layers = num_layers and
+    d_ff = 4 * d_model; norm_first=False is post-norm; `backend` as in chapter 8's GPTConfig."""
 
     src_vocab: int
     tgt_vocab: int
@@ -42,7 +45,7 @@ class EncoderDecoderConfig:
     num_layers: int = 2
     num_decoder_layers: int | None = None
     d_ff: int | None = None
-    max_len: int = 64
+    context_length: int | None = None
     dropout: float = 0.1
     pad_id: int = 0
     bos_id: int = 1
@@ -50,13 +53,18 @@ class EncoderDecoderConfig:
     positions: str = "sinusoidal"
     norm_first: bool = True
     activation: str = "relu"
+    backend: str = "sdpa"
+    max_len: int | None = None  # deprecated alias of context_length
 
     def __post_init__(self) -> None:
         if self.num_decoder_layers is None:
             self.num_decoder_layers = self.num_layers
         for name in ("src_vocab", "tgt_vocab", "d_model", "num_heads", "num_layers",
-                     "num_decoder_layers", "max_len"):
+                     "num_decoder_layers"):
             setattr(self, name, check_int(name, getattr(self, name), minimum=1))
+        self.context_length = self.max_len = check_int(*check_alias(
+            "context_length", self.context_length, "max_len", self.max_len, 64), 1)
+        self.backend = check_choice("backend", self.backend, ATTENTION_BACKENDS)
         self.d_ff = None if self.d_ff is None else check_int("d_ff", self.d_ff, minimum=1)
         self.positions = check_choice("positions", self.positions, ("sinusoidal", "learned"))
         self.norm_first = check_bool("norm_first", self.norm_first)
@@ -81,9 +89,9 @@ class _Embedding(nn.Module):
         nn.init.normal_(self.tokens.weight, std=config.d_model ** -0.5)
         nn.init.zeros_(self.tokens.weight[config.pad_id])
         if config.positions == "learned":
-            self.positions = nn.Parameter(0.02 * torch.randn(config.max_len, config.d_model))
+            self.positions = nn.Parameter(0.02 * torch.randn(config.context_length, config.d_model))
         else:
-            table = torch.from_numpy(sinusoidal_encoding(config.max_len, config.d_model))
+            table = torch.from_numpy(sinusoidal_encoding(config.context_length, config.d_model))
             self.register_buffer("positions", table.float(), persistent=False)
         self.dropout = nn.Dropout(config.dropout)
 
@@ -93,18 +101,20 @@ class _Embedding(nn.Module):
 
 # chapters/09-encoder-decoder.md, "The model"
 class EncoderDecoder(nn.Module):
-    """The original Transformer, from a config or its fields: src (B, Ls), tgt_in (B, Lt) ->
-    next-token logits (B, Lt, tgt_vocab). `src_lengths` (B,) gives the source's padding, else
-    its pad_id positions do."""
+    """The original Transformer, built from an EncoderDecoderConfig: src (B, Ls), tgt_in (B, Lt)
+    -> next-token logits (B, Lt, tgt_vocab). `src_lengths` (B,) gives the source's padding, else
+    its pad_id positions do. (The config's fields as keyword arguments, instead of a config,
+    are a deprecated shorthand.)"""
 
     def __init__(self, config: EncoderDecoderConfig | None = None, **kwargs) -> None:
         super().__init__()
         if config is not None and kwargs:
             raise TypeError(f"give a config or keyword arguments, not both: got {sorted(kwargs)}")
-        self.config = c = (EncoderDecoderConfig(**kwargs) if config is None
-                           else check_instance("config", config, EncoderDecoderConfig))
+        config = EncoderDecoderConfig(**kwargs) if config is None else config  # the shorthand
+        self.config = c = check_instance("config", config, EncoderDecoderConfig)
         sizes = dict(d_model=c.d_model, num_heads=c.num_heads, d_ff=c.d_ff, dropout=c.dropout,
-                     norm_first=c.norm_first, activation=c.activation)
+                     norm_first=c.norm_first, activation=c.activation, backend=c.backend,
+                     check_inputs=False)  # the model checks its inputs, once
         self.src_embed, self.tgt_embed = _Embedding(c.src_vocab, c), _Embedding(c.tgt_vocab, c)
         self.encoder = nn.ModuleList(TransformerBlock(**sizes) for _ in range(c.num_layers))
         self.decoder = nn.ModuleList(TransformerBlock(**sizes, cross_attention=True)
@@ -115,7 +125,7 @@ class EncoderDecoder(nn.Module):
 
     def source_padding(self, src: torch.Tensor, src_lengths=None) -> torch.Tensor:
         """(B, Ls) bool, True at real source tokens (chapter 5's padding mask)."""
-        src = _check_ids("src", src, self.config.src_vocab, self.config.max_len)
+        src = _check_ids("src", src, self.config.src_vocab, self.config.context_length)
         if src_lengths is None:
             return src != self.config.pad_id
         b, ls = src.shape
@@ -143,7 +153,7 @@ class EncoderDecoder(nn.Module):
         c = self.config
         memory = check_tensor("memory", memory, ndim=3, size=c.d_model)
         shape = tuple(memory.shape[:2])  # (B, Ls): src_padding's
-        tgt_in = _check_ids("tgt_in", tgt_in, c.tgt_vocab, c.max_len, batch=shape[0])
+        tgt_in = _check_ids("tgt_in", tgt_in, c.tgt_vocab, c.context_length, batch=shape[0])
         return_weights = check_bool("return_weights", return_weights)
         if src_padding is not None:
             check_mask("src_padding", src_padding, shape)
@@ -153,9 +163,11 @@ class EncoderDecoder(nn.Module):
         cross_mask = None if src_padding is None else src_padding[:, None, None, :]  # (B,1,1,Ls)
         x, weights = self.tgt_embed(tgt_in), []  # (B, Lt, d_model)
         for block in self.decoder:
-            x, _, w = block(x, mask=self_mask, context=memory, context_mask=cross_mask,
-                            return_weights=True)
-            weights.append(w)
+            x = block(x, mask=self_mask, context=memory, context_mask=cross_mask,
+                      return_weights=return_weights)
+            if return_weights:  # only then do the blocks compute the weights
+                x, _, cross_weights = x
+                weights.append(cross_weights)
         logits = self.lm_head(self.decoder_norm(x))
         return (logits, weights) if return_weights else logits
 
@@ -164,8 +176,8 @@ class EncoderDecoder(nn.Module):
 
     def greedy_decode(self, src: torch.Tensor, max_len: int | None = None,
                       src_lengths=None) -> torch.Tensor:
-        """Target ids (B, T <= max_len, default config.max_len): each row the tokens after BOS
-        up to EOS, then pad_id. Runs in eval mode without gradients, then restores the mode."""
+        """Target ids (B, T <= max_len, default config.context_length): each row the tokens
+        after BOS up to EOS, then pad_id. Runs in eval mode without gradients, then restores the mode."""
         return _greedy_decode(self, src, max_len, src_lengths)
 
 
@@ -180,7 +192,8 @@ def _check_ids(name: str, ids, vocab: int, max_len: int, batch: int | None = Non
 def _greedy_decode(model: EncoderDecoder, src: torch.Tensor, max_len: int | None,
                    src_lengths) -> torch.Tensor:
     c, was_training = model.config, model.training
-    max_len = c.max_len if max_len is None else check_int("max_len", max_len, 1, c.max_len)
+    max_len = c.context_length if max_len is None else check_int("max_len", max_len, 1,
+                                                                 c.context_length)
     model.eval()  # no dropout: the same source always gives the same output
     try:
         memory, src_padding = model._encode(src, src_lengths)  # (B, Ls, d_model), (B, Ls)

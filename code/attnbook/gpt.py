@@ -22,16 +22,19 @@ from torch import nn
 
 from attnbook.blocks import TransformerBlock
 from attnbook.conventions import (
+    check_alias,
     check_bool,
+    check_choice,
     check_device,
     check_instance,
     check_int,
     check_positive,
     check_probability,
     check_real,
+    check_tensor,
     check_token_ids,
 )
-from attnbook.heads import LayerCache
+from attnbook.heads import ATTENTION_BACKENDS, LayerCache
 
 
 @dataclass
@@ -50,16 +53,14 @@ class GPTConfig:
     max_position: int | None = None
     attn_dropout: float | None = None
     embd_dropout: float | None = None
+    backend: str = "sdpa"
 
     def __post_init__(self) -> None:
-        length, alias = self.context_length, self.max_position
-        if length is None:
-            self.context_length = 1024 if alias is None else alias
-        elif alias not in (None, length):
-            raise ValueError(f"context_length={length} and its alias max_position={alias} differ")
-        for name in ("vocab_size", "context_length", "d_model", "num_layers", "num_heads"):
+        self.backend = check_choice("backend", self.backend, ATTENTION_BACKENDS)
+        for name in ("vocab_size", "d_model", "num_layers", "num_heads"):
             setattr(self, name, check_int(name, getattr(self, name), minimum=1))
-        self.max_position = self.context_length
+        self.context_length = self.max_position = check_int(*check_alias(
+            "context_length", self.context_length, "max_position", self.max_position, 1024), 1)
         self.d_ff = check_int("d_ff", 4 * self.d_model if self.d_ff is None else self.d_ff, 1)
         if self.d_model % self.num_heads:
             raise ValueError(f"num_heads={self.num_heads} does not divide d_model={self.d_model}")
@@ -85,7 +86,9 @@ class GPT(nn.Module):
         self.drop = nn.Dropout(c.embd_dropout)
         self.blocks = nn.ModuleList(
             TransformerBlock(c.d_model, c.num_heads, c.d_ff, c.dropout, norm_first=True,
-                             activation="gelu_tanh", eps=c.eps, bias=c.bias)
+                             activation="gelu_tanh", eps=c.eps, bias=c.bias,
+                             attn_dropout=c.attn_dropout, ff_dropout=0.0,  # GPT-2's places
+                             backend=c.backend, check_inputs=False)
             for _ in range(c.num_layers))
         self.norm_f = nn.LayerNorm(c.d_model, eps=c.eps, bias=c.bias)
         for module in self.modules():  # GPT-2's initialisation
@@ -94,13 +97,15 @@ class GPT(nn.Module):
             if isinstance(module, nn.Linear) and module.bias is not None:
                 nn.init.zeros_(module.bias)
         for block in self.blocks:
-            block.self_attn.dropout, block.ff.dropout.p = c.attn_dropout, 0.0  # GPT-2's places
             for proj in (block.self_attn.out_proj, block.ff.fc2):  # residual-stream writers
                 nn.init.normal_(proj.weight, mean=0.0, std=0.02 / math.sqrt(2 * c.num_layers))
 
     def forward(self, idx: torch.Tensor, kv_cache: "KVCache | None" = None) -> torch.Tensor:
         """Logits (B, T, vocab_size); with `kv_cache`, idx continues its positions, no grads."""
-        idx = _check_idx(self, idx, kv_cache)
+        return self._logits(_check_idx(self, idx, kv_cache), kv_cache)
+
+    def _logits(self, idx: torch.Tensor, kv_cache: "KVCache | None") -> torch.Tensor:
+        # forward's computation, on ids already checked (generate checks them once per call)
         start = 0 if kv_cache is None else kv_cache.length
         caches = [None] * len(self.blocks) if kv_cache is None else kv_cache.layers
         with torch.set_grad_enabled(torch.is_grad_enabled() and kv_cache is None):
@@ -129,6 +134,7 @@ class GPT(nn.Module):
         temperature = check_real("temperature", temperature, 0.0)
         top_k = None if top_k is None else check_int("top_k", top_k, 1)
         cache = self.make_kv_cache(len(seq)) if check_bool("use_cache", use_cache) else None
+        finite = torch.ones((), dtype=torch.bool, device=seq.device)  # stays on the device
         was_training = self.training
         self.eval()
         try:
@@ -136,11 +142,14 @@ class GPT(nn.Module):
                 if cache is not None and cache.length == limit:  # the window moved: reread it
                     cache.reset()
                 cached = cache is not None and cache.length > 0  # after the prefill
-                logits = self(seq[:, -1:] if cached else seq[:, -limit:], kv_cache=cache)
-                next_id = _next_token(logits[:, -1], temperature, top_k, generator)  # (B, 1)
+                logits = self._logits(seq[:, -1:] if cached else seq[:, -limit:], cache)[:, -1]
+                finite &= logits.isfinite().all()
+                next_id = _next_token(logits, temperature, top_k, generator)  # (B, 1)
                 seq = torch.cat([seq, next_id], dim=1)  # (B, T + 1)
         finally:
             self.train(was_training)
+        if not finite:  # read once per call: a test per token would wait for the GPU each time
+            raise ValueError("the model's logits are not all finite, so no token can be chosen")
         return seq
 
     @classmethod
@@ -194,6 +203,9 @@ def _check_idx(model: GPT, idx, kv_cache=None, crop: bool = False) -> torch.Tens
     if (layers, batch) != (c.num_layers, b):
         raise ValueError(f"kv_cache was made for {layers} layers and batch_size={batch}, but idx "
                          f"has batch size {b} and the model {c.num_layers} layers")
+    weight = model.tok_emb.weight  # the layers' keys and values come out in its dtype and device
+    check_tensor("kv_cache.keys", cache.keys, dtype=weight.dtype, device=weight.device,
+                 shape=(None, None, c.num_heads, None, c.head_dim))
     if cache.length + n > cache.capacity:
         raise ValueError(f"idx of length {n} does not fit: kv_cache holds {cache.length} "
                          f"positions of its capacity {cache.capacity}")
@@ -248,9 +260,10 @@ class KVCache:
 
 # chapters/08-gpt.md, "Generating text"
 def _next_token(logits: torch.Tensor, temperature: float, top_k, generator) -> torch.Tensor:
-    """One token id per row of logits (B, V) -> (B, 1) (chapter 8, "Generating text")."""
-    if not logits.isfinite().all():
-        raise ValueError("the model's logits are not all finite, so no token can be chosen")
+    """One token id per row of logits (B, V) -> (B, 1) (chapter 8, "Generating text").
+
+    A non-finite logit is read as 0: the caller refuses such logits (GPT.generate, once)."""
+    logits = logits.nan_to_num(0.0, posinf=0.0, neginf=0.0)
     if temperature == 0:
         return logits.argmax(dim=-1, keepdim=True)  # (B, 1)
     if top_k is not None and top_k < logits.shape[-1]:  # exactly k, even where values tie

@@ -7,6 +7,7 @@ Built and explained in the book's chapter chapters/03-heads.md.
 
 __all__ = [
     "attend",
+    "ATTENTION_BACKENDS",
     "MultiHeadAttention",
     "from_torch",
     "LayerCache",
@@ -15,12 +16,15 @@ __all__ = [
 ]
 
 # chapters/03-heads.md, "The attention core"
+import sys
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from attnbook.conventions import (
     check_bool,
+    check_choice,
     check_instance,
     check_int,
     check_mask,
@@ -42,16 +46,11 @@ def _masked_softmax(scores: torch.Tensor, mask: torch.Tensor | None) -> torch.Te
 
 
 # chapters/03-heads.md, "The attention core"
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
-           dropout_p: float = 0.0, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of q (B, H, Lq, d) over k (B, Hkv, Lk, d) and v (B, Hkv, Lk, dv): outputs
-    (B, H, Lq, dv) and weights (B, H, Lq, Lk); query head h reads key/value head h // (H // Hkv).
-    `mask`: bool, True = may attend (a query with none gets zeros); float16 computes in float32."""
-    q, k, v = _check_qkv(q, k, v)
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+            dropout_p: float, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """attend's computation, on arguments already checked: (outputs, weights)."""
     (b, h, lq, d), (kv_heads, lk) = q.shape, k.shape[1:3]
-    mask = None if mask is None else check_mask("mask", mask, (b, h, lq, lk), q.device)
-    scale, dropout_p = check_scale(scale, d), check_probability("dropout_p", dropout_p)
-    work = compute_dtype(q.dtype)
+    work = compute_dtype(q.dtype)  # float32 for float16 and bfloat16
     rows = (h // kv_heads) * lq  # a group's queries, stacked: (B, Hkv, rows, d)
     scores = q.reshape(b, kv_heads, rows, d).to(work) @ k.transpose(-2, -1).to(work) * scale
     weights = _masked_softmax(scores.view(b, h, lq, lk), mask)  # (B, H, Lq, Lk)
@@ -59,6 +58,17 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
         weights = F.dropout(weights, p=dropout_p)
     out = weights.view(b, kv_heads, rows, lk) @ v.to(work)  # (B, Hkv, rows, dv)
     return out.view(b, h, lq, v.shape[-1]).to(q.dtype), weights.to(q.dtype)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
+           dropout_p: float = 0.0, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of q (B, H, Lq, d) over k (B, Hkv, Lk, d) and v (B, Hkv, Lk, dv): outputs
+    (B, H, Lq, dv) and weights (B, H, Lq, Lk); query head h reads key/value head h // (H // Hkv).
+    `mask`: bool, True = may attend (a query with none gets zeros); float16 computes in float32."""
+    q, k, v = _check_qkv(q, k, v)
+    (b, h, lq, d), lk = q.shape, k.shape[2]
+    mask = None if mask is None else check_mask("mask", mask, (b, h, lq, lk), q.device)
+    return _attend(q, k, v, mask, check_probability("dropout_p", dropout_p), check_scale(scale, d))
 
 
 def _check_qkv(q, k, v) -> tuple[torch.Tensor, ...]:
@@ -77,14 +87,63 @@ def _check_divisible(name: str, value: int, by_name: str, by: int) -> None:
         raise ValueError(f"{name}={value} is not divisible by {by_name}={by}")
 
 
+# chapters/03-heads.md, "The fast path"
+_CPU_SDPA = {"_scaled_dot_product_flash_attention_for_cpu": "sdpa_flop",
+             "_scaled_dot_product_flash_attention_for_cpu_backward": "sdpa_backward_flop"}
+
+
+def _count_cpu_sdpa_flops() -> None:
+    """Give PyTorch's FLOP counter, if something has imported it, PyTorch's own formulas for
+    SDPA's CPU kernel. (Importing it here would import Triton, whose mode chapter 12 chooses.)"""
+    counter = sys.modules.get("torch.utils.flop_counter")
+    if counter is None:  # nobody counts
+        return
+    for name, formula in _CPU_SDPA.items():
+        op = getattr(torch.ops.aten, name)
+        if op not in counter.flop_registry:
+            counter.register_flop_formula(op, get_raw=True)(getattr(counter, formula))
+
+
+ATTENTION_BACKENDS = ("explicit", "sdpa", "triton")  # attend, PyTorch's SDPA, chapter 12's kernel
+
+
+def _fast_attention(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    mask: torch.Tensor | None, is_causal: bool, dropout_p: float) -> torch.Tensor:
+    """attend's outputs (B, H, Lq, dv) without the weights, by SDPA or chapter 12's kernel;
+    `is_causal` aligns bottom-right and a query with no allowed key gets zeros, as in attend."""
+    (lq, lk), shared = (q.shape[2], k.shape[2]), q.shape[1] != k.shape[1]
+    _count_cpu_sdpa_flops()
+    if is_causal and lq == 1:  # one query, the last position: it may see every key
+        is_causal = False
+    if backend == "triton" and mask is None and dropout_p == 0.0:
+        from attnbook.kernels import flash_attention  # imports Triton, only when asked for
+
+        group = q.shape[1] // k.shape[1]  # the kernel has no shared heads: repeat them
+        k, v = (t.repeat_interleave(group, dim=1) for t in (k, v))
+        return flash_attention(q, k, v, causal=is_causal)
+    if is_causal and (mask is not None or lq != lk):  # SDPA's is_causal is top-left
+        causal = causal_mask(lq, lk, device=q.device)
+        mask, is_causal = (causal if mask is None else mask & causal), False
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=is_causal,
+                                              enable_gqa=shared)
+    seen = mask.any(dim=-1, keepdim=True)  # does the query see any key? (..., Lq, 1)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask | ~seen, dropout_p=dropout_p,
+                                         enable_gqa=shared)
+    return out.masked_fill(~seen, 0.0)  # the rows that saw nothing: zeros, as in attend
+
+
 # chapters/03-heads.md, "The module"
 class MultiHeadAttention(nn.Module):
     """Multi-head attention, batch first, with `num_kv_heads` (default `num_heads`) key/value
     heads shared by the query heads. Weights start Xavier-uniform and biases at zero, as in
-    `torch.nn.MultiheadAttention`; `dropout` acts on the attention weights in training mode."""
+    `torch.nn.MultiheadAttention`; `dropout` acts on the attention weights in training mode.
+    `backend` is one of ATTENTION_BACKENDS, used when the weights are not asked for;
+    `check_inputs=False` (for layers inside a model, which checks its own inputs) skips checks."""
 
     def __init__(self, d_model: int, num_heads: int, num_kv_heads: int | None = None,
-                 bias: bool = True, dropout: float = 0.0) -> None:
+                 bias: bool = True, dropout: float = 0.0, backend: str = "sdpa",
+                 check_inputs: bool = True) -> None:
         super().__init__()
         d_model, num_heads = check_int("d_model", d_model, 1), check_int("num_heads", num_heads, 1)
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
@@ -92,6 +151,8 @@ class MultiHeadAttention(nn.Module):
         _check_divisible("d_model", d_model, "num_heads", num_heads)
         _check_divisible("num_heads", num_heads, "num_kv_heads", num_kv_heads)
         bias, self.dropout = check_bool("bias", bias), check_probability("dropout", dropout)
+        self.backend = check_choice("backend", backend, ATTENTION_BACKENDS)
+        self.check_inputs = check_bool("check_inputs", check_inputs)
         self.d_model, self.num_heads, self.num_kv_heads = d_model, num_heads, num_kv_heads
         self.head_dim = d_model // num_heads
         kv_width = num_kv_heads * self.head_dim
@@ -109,25 +170,22 @@ class MultiHeadAttention(nn.Module):
         """Attend from x (B, Lq, d_model) to context (B, Lk, d_model; default x): (B, Lq, d_model),
         and with `return_weights` the weights (B, nh, Lq, Lk). `is_causal` aligns bottom-right;
         `cache` (self-attention only) is a LayerCache that x's keys and values join first."""
-        x = _check_tokens("x", x, self.q_proj.weight)
-        if context is not None and cache is not None:
-            raise ValueError("a cache is for self-attention: give a context or a cache, not both")
-        context = x if context is None else _check_tokens("context", context, self.k_proj.weight,
-                                                           batch=x.shape[0])
-        is_causal = check_bool("is_causal", is_causal)
-        return_weights = check_bool("return_weights", return_weights)
-        (b, lq, _), lk = x.shape, context.shape[1] + (0 if cache is None else cache.length)
-        if mask is not None:
-            mask = check_mask("mask", mask, (b, self.num_heads, lq, lk), x.device)
-        if is_causal:
-            causal = causal_mask(lq, lk, device=x.device)
-            mask = causal if mask is None else mask & causal
+        if self.check_inputs:
+            _check_attention_call(self, x, context, mask, is_causal, return_weights, cache)
         q = _split_heads(self.q_proj(x), self.num_heads)  # (B, nh, Lq, hs)
-        k, v = (_split_heads(p(context), self.num_kv_heads) for p in (self.k_proj, self.v_proj))
+        source = x if context is None else context
+        k, v = (_split_heads(p(source), self.num_kv_heads) for p in (self.k_proj, self.v_proj))
         if cache is not None:
-            k, v = cache.append(k, v)  # this chunk's and every earlier position: (B, nkv, Lk, hs)
-        out, weights = attend(q, k, v, mask, dropout_p=self.dropout if self.training else 0.0)
-        out = self.out_proj(out.transpose(1, 2).reshape(b, lq, self.d_model))  # (B, Lq, d_model)
+            k, v = cache._append(k, v)  # this chunk's and every earlier position: (B, nkv, Lk, hs)
+        dropout_p = self.dropout if self.training else 0.0
+        if return_weights or self.backend == "explicit":
+            if is_causal:
+                causal = causal_mask(q.shape[2], k.shape[2], device=x.device)
+                mask = causal if mask is None else mask & causal
+            out, weights = _attend(q, k, v, mask, dropout_p, self.head_dim ** -0.5)
+        else:
+            out, weights = _fast_attention(self.backend, q, k, v, mask, is_causal, dropout_p), None
+        out = self.out_proj(out.transpose(1, 2).flatten(2))  # (B, Lq, d_model)
         return (out, weights) if return_weights else out
 
 
@@ -136,6 +194,23 @@ def _split_heads(t: torch.Tensor, heads: int) -> torch.Tensor:
     """(B, L, heads * hs) -> (B, heads, L, hs)."""
     b, length, width = t.shape
     return t.view(b, length, heads, width // heads).transpose(1, 2)
+
+
+def _check_attention_call(layer: MultiHeadAttention, x, context, mask, is_causal,
+                          return_weights, cache) -> None:
+    """Refuse, naming the argument, what MultiHeadAttention.forward cannot compute."""
+    x = _check_tokens("x", x, layer.q_proj.weight)
+    if context is not None:
+        _check_tokens("context", context, layer.k_proj.weight, batch=x.shape[0])
+    check_bool("is_causal", is_causal), check_bool("return_weights", return_weights)
+    (b, lq, _), lk = x.shape, x.shape[1] if context is None else context.shape[1]
+    if cache is not None:
+        if context is not None:
+            raise ValueError("a cache is for self-attention: give a context or a cache, not both")
+        _check_cache(check_instance("cache", cache, LayerCache), layer, x)
+        lk += cache.length
+    if mask is not None:
+        check_mask("mask", mask, (b, layer.num_heads, lq, lk), x.device)
 
 
 def _check_tokens(name: str, t, weight: torch.Tensor, batch: int | None = None) -> torch.Tensor:
@@ -202,14 +277,14 @@ class LayerCache:
         the keys and values so far, (B, num_kv_heads, length, head_dim)."""
         k = check_tensor("k", k, 4, dtype=self.keys.dtype, device=self.keys.device,
                          shape=(*self.keys.shape[:2], None, self.keys.shape[3]))
-        start, n = self.length, k.shape[2]
         v = check_tensor("v", v, 4, dtype=self.values.dtype, device=self.values.device,
-                         shape=(*self.values.shape[:2], n, self.values.shape[3]))
-        if start + n > self.capacity:
-            raise ValueError(f"k of {n} positions does not fit: the cache holds {self.length} "
-                             f"positions of its capacity {self.capacity}")
-        if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):
-            raise ValueError("k and v require grad: use a LayerCache under torch.no_grad()")
+                         shape=(*self.values.shape[:2], k.shape[2], self.values.shape[3]))
+        _check_fits(self, k.shape[2], k.requires_grad or v.requires_grad)
+        return self._append(k, v)
+
+    def _append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # append's computation, on a chunk already checked (by append, or by the layer's call)
+        start, n = self.length, k.shape[2]
         self.keys[:, :, start:start + n], self.values[:, :, start:start + n] = k, v
         self.length += n
         return self.keys[:, :, :self.length], self.values[:, :, :self.length]
@@ -217,6 +292,23 @@ class LayerCache:
     def reset(self) -> None:
         """Forget every position; the storage is kept, to be written over."""
         self.length = 0
+
+
+def _check_fits(cache: LayerCache, n: int, requires_grad: bool) -> None:
+    if cache.length + n > cache.capacity:
+        raise ValueError(f"k of {n} positions does not fit: the cache holds {cache.length} "
+                         f"positions of its capacity {cache.capacity}")
+    if torch.is_grad_enabled() and requires_grad:
+        raise ValueError("k and v require grad: use a LayerCache under torch.no_grad()")
+
+
+def _check_cache(cache: LayerCache, layer: MultiHeadAttention, x: torch.Tensor) -> None:
+    """A cache that the keys and values of `layer` for x (B, n, d_model) fit, as append checks."""
+    b, hkv, hs, w = x.shape[0], layer.num_kv_heads, layer.head_dim, layer.k_proj.weight
+    for name in ("keys", "values"):
+        check_tensor(f"cache.{name}", getattr(cache, name), 4, device=w.device,
+                     shape=(b, hkv, None, hs))
+    _check_fits(cache, x.shape[1], x.requires_grad or w.requires_grad)
 
 
 # chapters/03-heads.md, "Which heads can go"

@@ -17,18 +17,12 @@ __all__ = [
 
 # chapters/12-flash-attention-triton.md, "The Triton programming model"
 import functools
-import os
 
 import torch
+import triton  # compiled, or interpreted after use_triton_interpreter() without a GPU
+import triton.language as tl
 
 from attnbook.conventions import check_bool, check_real, check_scale, check_tensor
-
-# Without a GPU, ask for Triton's interpreter (before triton is imported), unless the user chose.
-if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
-
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
 
 
 # chapters/12-flash-attention-triton.md, "The Triton programming model"
@@ -51,12 +45,9 @@ def _store_rows(base, tile, rows, n_rows, stride_row, stride_d, HEAD_DIM: tl.con
 # True when the kernels of this module run in Triton's CPU interpreter, False when compiled.
 INTERPRETED = type(_load_rows).__name__ == "InterpretedFunction"
 
-# tl.sum and Triton's other helpers were decorated when triton was first imported: compiled, if
-# torch.compile or torch.utils.flop_counter imported it, they cannot be called when interpreted.
-if INTERPRETED and type(tl.standard.sum).__name__ != "InterpretedFunction":
-    raise ImportError("triton was imported in compiled mode before attnbook.kernels, but without "
-                      "a GPU its kernels need the interpreter: set TRITON_INTERPRET=1 before "
-                      "anything imports triton, or import attnbook.kernels first")
+# tl.sum and Triton's other helpers were decorated when triton was first imported: if that was
+# in compiled mode, they cannot be called by interpreted kernels (flash_attention says so).
+_MIXED = INTERPRETED and type(tl.standard.sum).__name__ != "InterpretedFunction"
 
 
 # chapters/12-flash-attention-triton.md, "The Triton programming model"
@@ -428,7 +419,13 @@ def _check_inputs(q, k, v) -> None:
             raise ValueError(f"{name} must not be empty, got shape {tuple(t.shape)}")
     if not INTERPRETED and q.device.type != "cuda":
         raise ValueError(f"q is on device {q.device}, but the kernels were compiled for the GPU: "
-                         "use 'cuda', or set TRITON_INTERPRET=1 before triton's first import")
+                         "use 'cuda', or call attnbook.triton_mode.use_triton_interpreter() "
+                         "(or set TRITON_INTERPRET=1) before anything imports triton")
+    if _MIXED:
+        raise RuntimeError("triton was imported in compiled mode before TRITON_INTERPRET=1 was "
+                           "set, so the interpreted kernels cannot call its library: call "
+                           "attnbook.triton_mode.use_triton_interpreter() before anything "
+                           "imports triton")
     dtypes = [torch.float16, torch.float32]
     if not INTERPRETED and torch.cuda.get_device_capability(q.device) >= (8, 0):
         dtypes.append(torch.bfloat16)  # the interpreter's tl.dot multiplies its bits as integers

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from attnbook.attention import check_qkv, divide_or_zero
-from attnbook.conventions import (
+from attnbook.basic_checks import (
     check_array,
     check_bool,
     check_choice,

@@ -20,12 +20,14 @@ from torch import nn
 from attnbook.blocks import TransformerBlock
 from attnbook.conventions import (
     check_bool,
+    check_choice,
     check_instance,
     check_int,
     check_positive,
     check_probability,
     check_tensor,
 )
+from attnbook.heads import ATTENTION_BACKENDS
 
 
 def patchify(images: torch.Tensor, patch_size: int) -> torch.Tensor:
@@ -58,8 +60,10 @@ class ViTConfig:
     d_ff: int = 3072
     dropout: float = 0.0
     eps: float = 1e-6
+    backend: str = "sdpa"  # the attention's fast path, as in chapter 8's GPTConfig
 
     def __post_init__(self) -> None:
+        self.backend = check_choice("backend", self.backend, ATTENTION_BACKENDS)
         for name in ("image_size", "patch_size", "in_channels", "num_classes", "d_model",
                      "num_layers", "num_heads", "d_ff"):
             setattr(self, name, check_int(name, getattr(self, name), minimum=1))
@@ -91,7 +95,9 @@ class ViT(nn.Module):
         self.dropout = nn.Dropout(c.dropout)
         self.blocks = nn.ModuleList(
             TransformerBlock(c.d_model, c.num_heads, c.d_ff, c.dropout, norm_first=True,
-                             activation="gelu", eps=c.eps) for _ in range(c.num_layers))
+                             activation="gelu", eps=c.eps, backend=c.backend,
+                             check_inputs=False)  # forward checks the images, once
+            for _ in range(c.num_layers))
         self.norm = nn.LayerNorm(c.d_model, eps=c.eps)
         self.head = nn.Linear(c.d_model, c.num_classes)
 
@@ -105,9 +111,11 @@ class ViT(nn.Module):
         x = self.patch_embed(patchify(images, c.patch_size))  # (B, N, d_model)
         cls = self.cls_token.expand(x.shape[0], -1, -1)  # (B, 1, d_model)
         x = self.dropout(torch.cat([cls, x], dim=1) + self.position)  # (B, 1 + N, d_model)
-        weights = []
+        weights = []  # only with return_weights: else the blocks take the fast path
         for block in self.blocks:
-            x, block_weights, _ = block(x, return_weights=True)
-            weights.append(block_weights)  # (B, nh, 1 + N, 1 + N)
+            x = block(x, return_weights=return_weights)
+            if return_weights:
+                x, block_weights, _ = x
+                weights.append(block_weights)  # (B, nh, 1 + N, 1 + N)
         logits = self.head(self.norm(x[:, 0]))  # the class token's output: (B, num_classes)
         return (logits, weights) if return_weights else logits

@@ -1,0 +1,306 @@
+"""Issue 26: the attention backends (chapter 3, "The fast path") agree on every model, forward and
+gradients, with padding and causal masks and fully masked rows; the models check their inputs
+once, at the entry point."""
+
+import sys
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from attnbook.bert import BERT, BERTConfig
+from attnbook.blocks import TransformerBlock
+from attnbook.encdec import EncoderDecoder, EncoderDecoderConfig
+from attnbook.gpt import GPT, GPTConfig
+from attnbook.heads import ATTENTION_BACKENDS, LayerCache, MultiHeadAttention, attend
+from attnbook.masks import causal_mask, padding_mask
+from attnbook.vit import ViT, ViTConfig
+
+DOUBLE = torch.float64
+
+
+def _pairs(dtype):
+    """(backend, reference) pairs to compare: SDPA in float64, the Triton kernel in float32
+    (it takes float16 and float32 only), each against the book's explicit attention."""
+    return [("sdpa", "explicit")] if dtype == DOUBLE else [("triton", "explicit")]
+
+
+def _grads(module, loss):
+    loss.backward()
+    return {name: p.grad.clone() for name, p in module.named_parameters() if p.grad is not None}
+
+
+def _compare(make, run, dtype, atol):
+    """Build the same module (same seed) with each backend of a pair; run(module) -> output;
+    the outputs and every parameter's gradient must agree, and be finite."""
+    for backend, reference in _pairs(dtype):
+        results = []
+        for name in (backend, reference):
+            torch.manual_seed(0)
+            module = make(name).to(dtype)
+            out = run(module)
+            assert torch.isfinite(out).all(), name
+            results.append((out.detach(), _grads(module, out.square().mean())))
+        (out, grads), (ref, ref_grads) = results
+        torch.testing.assert_close(out, ref, atol=atol, rtol=atol)
+        assert grads.keys() == ref_grads.keys()
+        for name in grads:
+            assert torch.isfinite(grads[name]).all(), name
+            torch.testing.assert_close(grads[name], ref_grads[name], atol=atol, rtol=atol,
+                                       msg=lambda m, n=name: f"{n}: {m}")
+
+
+DTYPES = [pytest.param(DOUBLE, 1e-10, id="sdpa-float64"),
+          pytest.param(torch.float32, 2e-4, id="triton-float32")]
+
+
+# The layer: every mask, fully masked rows, shared heads, the cache ----------------------------
+
+
+@pytest.mark.parametrize("dtype,atol", DTYPES)
+@pytest.mark.parametrize("kv_heads", [2, 1])
+@pytest.mark.parametrize("case", ["none", "causal", "padding", "random", "causal+padding"])
+def test_layer_backends_agree(case, kv_heads, dtype, atol):
+    b, lq, d = 2, 6, 32  # head_dim 16, which the kernel takes
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(b, lq, d, generator=gen)
+    mask, is_causal = None, case.startswith("causal")
+    if "padding" in case:
+        mask = padding_mask([6, 3])[:, None, None, :]  # (B, 1, 1, L)
+    if case == "random":
+        mask = torch.rand(b, 1, lq, lq, generator=gen) < 0.5
+        mask[0, 0, 2] = False  # a query that sees no key: zeros, not NaN
+        mask[1, 0, :, 0] = True
+
+    def make(backend):
+        return MultiHeadAttention(d, 2, num_kv_heads=kv_heads, backend=backend)
+
+    def run(layer):
+        return layer(x.to(dtype), mask=mask, is_causal=is_causal)
+
+    _compare(make, run, dtype, atol)
+
+
+def test_a_query_that_sees_nothing_gets_zeros_and_zero_gradients():
+    layer = MultiHeadAttention(16, 2).double()
+    x = torch.randn(1, 4, 16, dtype=DOUBLE, requires_grad=True)
+    mask = torch.ones(1, 1, 4, 4, dtype=torch.bool)
+    mask[0, 0, 1] = False  # query 1 sees nothing
+    for backend in ("sdpa", "explicit"):
+        layer.backend = backend
+        out = layer(x, mask=mask)
+        # older releases of PyTorch's SDPA give NaN there; the layer: out_proj's bias
+        expected = layer.out_proj.bias.expand(16)
+        torch.testing.assert_close(out[0, 1], expected)
+        (grad,) = torch.autograd.grad(out.sum(), x)
+        assert torch.isfinite(grad).all()
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "explicit"])
+def test_the_cache_gives_the_same_steps_on_every_backend(backend):
+    torch.manual_seed(2)
+    layer = MultiHeadAttention(32, 4, num_kv_heads=2, backend=backend).double().eval()
+    x = torch.randn(2, 7, 32, dtype=DOUBLE)
+    cache = LayerCache(torch.zeros(2, 2, 7, 8, dtype=DOUBLE), torch.zeros(2, 2, 7, 8, dtype=DOUBLE))
+    with torch.no_grad():
+        steps = [layer(x[:, :4], is_causal=True, cache=cache)]
+        steps += [layer(x[:, i:i + 1], is_causal=True, cache=cache) for i in range(4, 7)]
+        layer.backend = "explicit"
+        torch.testing.assert_close(torch.cat(steps, 1), layer(x, is_causal=True))
+
+
+def test_weights_come_from_attend_on_every_backend():
+    torch.manual_seed(3)
+    x = torch.randn(2, 5, 16, dtype=DOUBLE)
+    layer = MultiHeadAttention(16, 2).double()
+    out, weights = layer(x, is_causal=True, return_weights=True)
+    q, k, v = (p(x).view(2, 5, 2, 8).transpose(1, 2) for p in (layer.q_proj, layer.k_proj,
+                                                              layer.v_proj))
+    _, expected = attend(q, k, v, causal_mask(5))
+    torch.testing.assert_close(weights, expected)
+    torch.testing.assert_close(out, layer(x, is_causal=True))
+
+
+def test_the_backend_is_checked_everywhere():
+    for make in (lambda: MultiHeadAttention(8, 2, backend="flash"),
+                 lambda: TransformerBlock(8, 2, backend="flash"),
+                 lambda: GPTConfig(backend="flash"), lambda: BERTConfig(backend="flash"),
+                 lambda: EncoderDecoderConfig(5, 5, backend="flash"),
+                 lambda: ViTConfig(backend="flash")):
+        with pytest.raises(ValueError, match="backend must be one of .*'sdpa'.*backend='flash'"):
+            make()
+    assert set(ATTENTION_BACKENDS) == {"explicit", "sdpa", "triton"}
+
+
+def test_flops_are_counted_the_same_on_the_fast_path():
+    x = torch.randn(2, 16, 64)
+    counts = []
+    for backend in ("explicit", "sdpa"):
+        torch.manual_seed(0)
+        layer = MultiHeadAttention(64, 4, backend=backend)
+        with torch.no_grad(), FlopCounterMode(display=False) as counter:
+            layer(x, is_causal=True)
+        counts.append(counter.get_total_flops())
+    assert counts[0] == counts[1] == 4 * 2 * 2 * 16 * 64 * 64 + 2 * 2 * 2 * 16 * 16 * 64
+
+
+# Every model --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype,atol", DTYPES)
+@pytest.mark.parametrize("norm_first", [True, False])
+def test_blocks_agree(norm_first, dtype, atol):
+    gen = torch.Generator().manual_seed(4)
+    x, memory = torch.randn(2, 5, 32, generator=gen), torch.randn(2, 4, 32, generator=gen)
+    memory_mask = padding_mask([4, 2])[:, None, None, :]
+
+    def make(backend):
+        return TransformerBlock(32, 2, 48, norm_first=norm_first, cross_attention=True,
+                                backend=backend)
+
+    def run(block):
+        return block(x.to(dtype), is_causal=True, context=memory.to(dtype),
+                     context_mask=memory_mask)
+
+    _compare(make, run, dtype, atol)
+
+
+@pytest.mark.parametrize("dtype,atol", DTYPES)
+def test_gpt_agrees(dtype, atol):
+    ids = torch.randint(0, 20, (2, 7), generator=torch.Generator().manual_seed(5))
+
+    def make(backend):
+        return GPT(GPTConfig(vocab_size=20, context_length=8, d_model=32, num_layers=2,
+                             num_heads=2, dropout=0.0, backend=backend))
+
+    _compare(make, lambda model: model(ids), dtype, atol)
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "explicit"])
+def test_gpt_generates_the_same_tokens(backend):
+    torch.manual_seed(6)
+    config = GPTConfig(vocab_size=20, context_length=8, d_model=32, num_layers=2, num_heads=2,
+                       backend=backend)
+    model = GPT(config).double()
+    prompt = torch.randint(0, 20, (2, 3), generator=torch.Generator().manual_seed(6))
+    cached = model.generate(prompt, 9, temperature=0.0)  # past the context: the window moves
+    torch.manual_seed(6)
+    reference = GPT(GPTConfig(**{**vars(config), "backend": "explicit"})).double()
+    assert torch.equal(cached, reference.generate(prompt, 9, temperature=0.0, use_cache=False))
+
+
+@pytest.mark.parametrize("dtype,atol", DTYPES)
+def test_bert_agrees_with_padding_and_an_empty_sequence(dtype, atol):
+    ids = torch.randint(1, 20, (3, 6), generator=torch.Generator().manual_seed(7))
+    keep = padding_mask([6, 2, 0])  # the third sequence is all padding: rows that see nothing
+
+    def make(backend):
+        return BERT(BERTConfig(vocab_size=20, d_model=32, num_layers=2, num_heads=2, d_ff=48,
+                               context_length=8, dropout=0.0, backend=backend))
+
+    _compare(make, lambda model: model(ids, attention_mask=keep), dtype, atol)
+
+
+@pytest.mark.parametrize("dtype,atol", DTYPES)
+def test_encoder_decoder_agrees(dtype, atol):
+    gen = torch.Generator().manual_seed(8)
+    src, tgt = torch.randint(3, 20, (2, 6), generator=gen), torch.randint(3, 20, (2, 5), generator=gen)
+    tgt[1, 3:] = 0  # the target's padding, under the causal mask
+
+    def make(backend):
+        return EncoderDecoder(EncoderDecoderConfig(src_vocab=20, tgt_vocab=20, d_model=32,
+                                                   num_heads=2, num_layers=1, d_ff=48,
+                                                   context_length=8, dropout=0.0,
+                                                   backend=backend))
+
+    _compare(make, lambda model: model(src, tgt, src_lengths=[6, 3]), dtype, atol)
+
+
+@pytest.mark.parametrize("dtype,atol", DTYPES)
+def test_vit_agrees(dtype, atol):
+    images = torch.randn(2, 1, 8, 8, generator=torch.Generator().manual_seed(9))
+
+    def make(backend):
+        return ViT(ViTConfig(image_size=8, patch_size=4, in_channels=1, num_classes=3, d_model=32,
+                             num_layers=2, num_heads=2, d_ff=48, backend=backend))
+
+    _compare(make, lambda model: model(images.to(dtype)), dtype, atol)
+
+
+def test_models_ask_for_weights_only_when_asked():
+    torch.manual_seed(10)
+    vit = ViT(ViTConfig(image_size=8, patch_size=4, in_channels=1, num_classes=3, d_model=16,
+                        num_layers=2, num_heads=2, d_ff=16))
+    asked = []
+    for block in vit.blocks:
+        block.self_attn.register_forward_hook(
+            lambda m, args, kwargs, out: asked.append(kwargs["return_weights"]), with_kwargs=True)
+    images = torch.randn(1, 1, 8, 8)
+    logits = vit(images)
+    assert asked == [False, False]
+    logits_too, weights = vit(images, return_weights=True)
+    assert asked[2:] == [True, True] and len(weights) == 2
+    torch.testing.assert_close(logits, logits_too)
+
+
+# Checked once, at the boundary --------------------------------------------------------------
+
+
+def conventions_calls(fn) -> int:
+    """Calls of functions whose module is attnbook.conventions (generators' resumptions too)."""
+    count = 0
+
+    def profile(frame, event, arg):
+        nonlocal count
+        if event == "call" and frame.f_globals.get("__name__") == "attnbook.conventions":
+            count += 1
+
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return count
+
+
+def test_a_gpt_checks_its_input_once():
+    torch.manual_seed(11)
+    model = GPT(GPTConfig(vocab_size=64, context_length=32, d_model=32, num_layers=4,
+                          num_heads=4, dropout=0.0))
+    idx = torch.randint(64, (2, 16))
+    forward = conventions_calls(lambda: model(idx))
+    generation = conventions_calls(lambda: model.generate(idx[:, :4], 10, temperature=0.0))
+    assert forward <= 20 and generation <= 40, (forward, generation)  # issue 26: 180 and 2,394
+    # and a model's blocks check nothing: one more layer adds no call
+    deeper = GPT(GPTConfig(vocab_size=64, context_length=32, d_model=32, num_layers=8,
+                           num_heads=4, dropout=0.0))
+    assert conventions_calls(lambda: deeper(idx)) == forward
+
+
+def test_bare_layers_still_check_and_layers_in_a_model_do_not():
+    block = TransformerBlock(8, 2)
+    with pytest.raises(ValueError, match="x must end in"):
+        block(torch.randn(1, 3, 4))
+    with pytest.raises(TypeError, match="mask must be a torch.bool"):
+        block(torch.randn(1, 3, 8), mask=torch.ones(3, 3))
+    model = GPT(GPTConfig(vocab_size=8, context_length=4, d_model=8, num_layers=1, num_heads=2))
+    inner = model.blocks[0]
+    assert not (inner.check_inputs or inner.self_attn.check_inputs or inner.ff.check_inputs)
+    assert conventions_calls(lambda: inner(torch.randn(1, 3, 8), is_causal=True)) == 0
+
+
+def test_the_triton_backend_runs_the_kernel_where_it_can(monkeypatch):
+    from attnbook import kernels
+
+    calls = []
+    real = kernels.flash_attention
+    monkeypatch.setattr(kernels, "flash_attention",
+                        lambda *args, **kwargs: calls.append(kwargs) or real(*args, **kwargs))
+    layer = MultiHeadAttention(32, 2, num_kv_heads=1, backend="triton")
+    x = torch.randn(1, 5, 32)
+    layer(x, is_causal=True)
+    layer(x)
+    assert calls == [dict(causal=True), dict(causal=False)]
+    layer(x, mask=padding_mask([3], 5)[:, None, None, :])  # the kernel takes no mask: SDPA does
+    layer(x, return_weights=True)  # the weights: attend
+    assert len(calls) == 2
