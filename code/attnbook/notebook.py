@@ -8,7 +8,11 @@ Built and explained in the book's chapter chapters/a1-conventions.md.
 __all__ = [
     "significant",
     "glue",
+    "DIGITS_SUFFIX",
     "median_seconds",
+    "PROFILES",
+    "Runtime",
+    "runtime",
     "online",
 ]
 
@@ -21,9 +25,10 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from numbers import Real
+from dataclasses import dataclass
+from numbers import Integral, Real
 
-from attnbook.conventions import check_int, check_positive  # noqa: F811 (notebook)
+from attnbook.conventions import check_choice, check_int, check_positive  # noqa: F811 (notebook)
 
 
 def significant(value: float, digits: int) -> float:
@@ -39,13 +44,15 @@ def significant(value: float, digits: int) -> float:
     return round(value, digits - 1 - math.floor(math.log10(abs(value))))
 
 
-def glue(name: str, value, *, digits: int | None = None) -> None:
+def glue(name: str, value, *, digits: int | None = None):
     """Record `value` as `name` for the chapter's prose, `{glue:text}`name``, in a book build.
 
     Appendix, "Numbers in the prose". With `digits`, a real number is recorded rounded to that many
     significant digits: the precision its cell asserts, so that the record, which the tests
-    compare, is the same on every machine. Without myst-nb (Colab, a plain script) this does
-    nothing, since only the book build reads glued values.
+    compare, is the same on every machine. Returns the recorded value, for the cell to print (a
+    number comes back as a float or int that a notebook does not display when a cell ends in
+    glue(...)). Without myst-nb (Colab, a plain script) nothing is recorded, since only the book
+    build reads glued values.
     """
     if digits is not None:
         if not isinstance(value, Real) or isinstance(value, bool):
@@ -54,8 +61,33 @@ def glue(name: str, value, *, digits: int | None = None) -> None:
     try:
         from myst_nb import glue as record
     except ImportError:  # not a book build: nobody reads the record
-        return
+        return _quiet(value)
     record(name, value, display=False)
+    if digits is not None:  # the precision kept, for tools/glue_check.py to hold the prose to
+        record(name + DIGITS_SUFFIX, digits, display=False)
+    return _quiet(value)
+
+
+class _QuietFloat(float):
+    def _ipython_display_(self) -> None:  # a cell ending in glue(...) shows no Out[]
+        pass
+
+
+class _QuietInt(int):
+    def _ipython_display_(self) -> None:
+        pass
+
+
+def _quiet(value):
+    """`value` as a number that IPython does not display; other values as they are."""
+    if isinstance(value, Integral) and not isinstance(value, bool):
+        return _QuietInt(value)
+    if isinstance(value, Real) and not isinstance(value, bool):
+        return _QuietFloat(value)
+    return value
+
+
+DIGITS_SUFFIX = "__digits"  # glue("x", v, digits=2) also records x__digits = 2
 
 
 # chapters/a1-conventions.md, "Timing a call on a busy machine"
@@ -95,6 +127,48 @@ def median_seconds(*calls: Callable[[], object], repeats: int = 5, batch_seconds
              for fn in calls]
     rounds = [[seconds(fn, n) / n for fn, n in zip(calls, batch)] for _ in range(repeats)]
     return [statistics.median(column) for column in zip(*rounds)]
+
+
+# chapters/a1-conventions.md, "Choosing the device and the sizes"
+PROFILES = ("cpu", "gpu")
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """Where a chapter runs (`device`) and which of its sizes it uses (`profile`)."""
+
+    device: str  # "cpu" or "cuda"
+    profile: str  # "cpu" or "gpu"
+
+    @property
+    def cuda(self) -> bool:
+        """True when the tensors live on a CUDA GPU: the cells that need one may run."""
+        return self.device == "cuda"
+
+    def pick(self, cpu, gpu):
+        """`gpu` under the GPU profile, else `cpu`: a chapter's size, step count or length."""
+        return gpu if self.profile == "gpu" else cpu
+
+    def describe(self) -> str:
+        forced = " (forced by ATTNBOOK_PROFILE)" if (self.profile == "gpu") != self.cuda else ""
+        return f"device {self.device}, {self.profile.upper()} profile{forced}"
+
+
+def runtime() -> Runtime:
+    """The device and profile for this run (appendix, "Choosing the device and the sizes").
+
+    ATTNBOOK_DEVICE ("cpu" or "cuda") defaults to "cuda" when PyTorch sees a GPU;
+    ATTNBOOK_PROFILE ("cpu" or "gpu") defaults to "gpu" on a CUDA device, else "cpu".
+    """
+    import torch
+
+    default = "cuda" if torch.cuda.is_available() else "cpu"
+    device = check_choice("ATTNBOOK_DEVICE", os.environ.get("ATTNBOOK_DEVICE", default),
+                          ("cpu", "cuda"))
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("ATTNBOOK_DEVICE='cuda', but PyTorch sees no CUDA GPU")
+    profile = os.environ.get("ATTNBOOK_PROFILE", "gpu" if device == "cuda" else "cpu")
+    return Runtime(device, check_choice("ATTNBOOK_PROFILE", profile, PROFILES))
 
 
 # chapters/a1-conventions.md, "Downloading only when online"
