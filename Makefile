@@ -128,7 +128,7 @@ pytest: $(STAMP)
 ## that has the package, pytest and hypothesis (see .github/workflows/test.yml)
 PACKAGE_TESTS := tests --ignore=tests/test_pipeline.py --ignore=tests/test_site_tools.py
 test-package:
-	$(or $(PYTHON),python3) -m pytest $(PACKAGE_TESTS) -p no:cacheprovider -q -rx
+	$(or $(PYTHON),python3) -m pytest $(PACKAGE_TESTS) -p no:cacheprovider -q -rfEx
 
 ## test-lowest: the package's tests at the lowest versions pyproject.toml allows: uv's
 ## --resolution lowest-direct installs each dependency that the package and its test and notebook
