@@ -34,7 +34,7 @@ REQUIREMENT = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)\s*(\[[^\]]*\])?\s*([
 PINNED = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([^\s;+]+)")
 # A record's label: what its environment is, and its Python. The lowest first, then the lock.
 LABEL = re.compile(r"^(lowest|locked)-(3\.\d+)$")
-HEADINGS = {"lowest": "lowest (make test-lowest), Python {}", "locked": "the lock, Python {}"}
+HEADINGS = {"lowest": "lowest, Python {}", "locked": "the lock, Python {}"}
 
 
 def normalise(name: str) -> str:
