@@ -463,3 +463,50 @@ def test_char_tokenizer_follows_the_error_policy():
     with pytest.raises(TypeError, match="integer ids"):
         tok.decode(torch.tensor([True, False]))
     assert tok.decode([]) == "" and tok.decode(torch.tensor([[2, 0]])) == "ca"
+
+
+def host_reads_during(fn, monkeypatch) -> int:
+    """How many times fn() reads a tensor's value on the host (item, int, bool, tolist, ...): on
+    a GPU each such read waits for the device to finish everything queued before it."""
+    count = [0]
+    for name in ("item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__"):
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _original=original, **kwargs):
+            count[0] += 1
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    fn()
+    monkeypatch.undo()
+    return count[0]
+
+
+@pytest.mark.parametrize("temperature, use_cache", [(0, True), (0.8, True), (0.8, False)])
+def test_generation_reads_nothing_on_the_host_per_token(monkeypatch, temperature, use_cache):
+    model, prompt = tiny_gpt(), torch.randint(50, (2, 3), generator=torch.Generator().manual_seed(0))
+
+    def reads(tokens):
+        g = torch.Generator().manual_seed(0)
+        return host_reads_during(lambda: model.generate(prompt, tokens, temperature=temperature,
+                                                        top_k=5, use_cache=use_cache, generator=g),
+                                 monkeypatch)
+
+    few, many = reads(2), reads(20)
+    assert few == many and few <= 4, (few, many)  # the checks of the call, not one per token
+
+
+def test_generation_refuses_logits_that_turn_non_finite_late():
+    model = tiny_gpt()
+    prompt = torch.zeros(1, 2, dtype=torch.long)
+    calls = [0]
+    original = model._logits
+
+    def late_nan(idx, cache):  # finite for the first two tokens, then NaN
+        calls[0] += 1
+        out = original(idx, cache)
+        return out if calls[0] <= 2 else out * float("nan")
+
+    model._logits = late_nan
+    with pytest.raises(ValueError, match="logits are not all finite"):
+        model.generate(prompt, 5, temperature=0.8)

@@ -42,12 +42,17 @@ def test_glue_records_through_myst_nb_rounded_when_asked(monkeypatch):
     calls = recorded(monkeypatch)
     glue("ratio", 0.017515176143916008, digits=3)
     glue("count", 79)
-    assert calls == [("ratio", 0.0175, False), ("count", 79, False)]
+    assert calls == [("ratio", 0.0175, False), ("ratio__digits", 3, False), ("count", 79, False)]
 
 
-def test_glue_does_nothing_without_myst_nb(monkeypatch):
+def test_glue_records_nothing_without_myst_nb_and_returns_the_value(monkeypatch):
     monkeypatch.setitem(sys.modules, "myst_nb", None)  # import myst_nb now raises ImportError
-    assert glue("ratio", 0.5, digits=2) is None
+    assert glue("ratio", 0.5049, digits=2) == 0.5
+
+
+def test_glue_returns_the_rounded_value_it_records(monkeypatch):
+    calls = recorded(monkeypatch)
+    assert glue("ratio", 0.5049, digits=2) == 0.5 == calls[0][1]
 
 
 def test_glue_refuses_to_round_what_is_not_a_number():
@@ -139,3 +144,58 @@ def test_online_is_false_when_the_connection_fails_or_hangs(monkeypatch):
     start = time.perf_counter()
     assert notebook.online(timeout=0.1) is False
     assert time.perf_counter() - start < 2  # gave up after timeout + 1 seconds, not 3
+
+
+def test_runtime_follows_the_device_unless_told(monkeypatch):
+    import torch
+
+    from attnbook.notebook import Runtime, runtime
+
+    monkeypatch.delenv("ATTNBOOK_PROFILE", raising=False)
+    monkeypatch.delenv("ATTNBOOK_DEVICE", raising=False)
+    cuda = torch.cuda.is_available()
+    here = runtime()
+    assert here == Runtime("cuda" if cuda else "cpu", "gpu" if cuda else "cpu")
+    assert here.cuda == cuda and here.pick(cpu="small", gpu="large") == ("large" if cuda else "small")
+    monkeypatch.setenv("ATTNBOOK_PROFILE", "gpu")
+    monkeypatch.setenv("ATTNBOOK_DEVICE", "cpu")
+    forced = runtime()
+    assert forced == Runtime("cpu", "gpu") and not forced.cuda and forced.pick(1, 2) == 2
+    assert "forced" in forced.describe()
+
+
+@pytest.mark.parametrize("name, value", [("ATTNBOOK_PROFILE", "tpu"), ("ATTNBOOK_DEVICE", "mps"),
+                                         ("ATTNBOOK_PROFILE", "")])
+def test_runtime_names_a_bad_setting(monkeypatch, name, value):
+    from attnbook.notebook import runtime
+
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=name):
+        runtime()
+
+
+def test_runtime_refuses_cuda_without_a_gpu(monkeypatch):
+    import torch
+
+    from attnbook.notebook import runtime
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("ATTNBOOK_DEVICE", "cuda")
+    with pytest.raises(ValueError, match="ATTNBOOK_DEVICE"):
+        runtime()
+
+
+def test_glue_returns_what_it_records():
+    assert glue("x", 0.6549, digits=2) == 0.65
+    assert glue("x", 12345, digits=2) == 12000.0
+    assert glue("x", "text") == "text" and glue("x", 7) == 7
+    assert math.isnan(glue("x", float("nan"), digits=2))
+
+
+def test_a_cell_ending_in_glue_displays_nothing():
+    value = glue("x", 0.2549, digits=2)
+    assert value == 0.25 and f"{value:.0%}" == "25%" and value * 2 == 0.5
+    assert hasattr(value, "_ipython_display_") and value._ipython_display_() is None
+    count = glue("n", 7)
+    assert count == 7 and hasattr(count, "_ipython_display_")
+    assert glue("flag", True) is True and glue("text", "a") == "a"  # not numbers: as they are

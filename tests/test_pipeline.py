@@ -127,6 +127,67 @@ def test_only_chapters_with_a_gpu_path_ask_colab_for_a_gpu():
     assert "12" in wanting and "01" not in wanting
 
 
+def test_every_gpu_chapter_has_a_current_gpu_profile_record():
+    """make gpu-profile ran each gpu: true chapter, as it is now, with the GPU's sizes."""
+    import gpu_profile
+
+    assert {p.stem for p in gpu_profile.gpu_chapters()} == {
+        c.slug for c in tangler.read_chapters() if c.wants_gpu}
+    assert gpu_profile.check(gpu_profile.load()) == []
+
+
+def test_the_gpu_profile_check_sees_a_stale_or_failed_record(tmp_path, monkeypatch):
+    import gpu_profile
+
+    chapter = gpu_profile.gpu_chapters()[0]
+    fresh = {"source_sha256": gpu_profile.sha256(chapter), "status": "ok"}
+    assert not [p for p in gpu_profile.check({"chapters": {chapter.stem: fresh}})
+                if p.startswith(chapter.stem)]
+    for entry, says in [(None, "no GPU-profile record"),
+                        ({**fresh, "source_sha256": "0" * 64}, "changed since"),
+                        ({**fresh, "status": {"failed_cell": 3}}, "failed")]:
+        record = {"chapters": {} if entry is None else {chapter.stem: entry}}
+        assert any(chapter.stem in p and says in p for p in gpu_profile.check(record))
+
+
+def test_no_glued_number_shows_digits_its_record_lacks():
+    import glue_check
+
+    assert glue_check.check_book() == []
+
+
+@pytest.mark.parametrize("spec, value, digits, bad", [
+    (".1%", "0.25", 2, True),     # 25.0%: three digits from two
+    (".0%", "0.7", 1, True),      # 70%: the zero is claimed
+    ("", "100.0", 2, True),       # 100.0: the format of the record itself
+    (".0%", "0.65", 2, False),    # 65%
+    (".1%", "0.999", 3, False),   # 99.9%
+    (".2f", "0.25", 2, False),    # 0.25
+    (".1e", "2.5e-07", 2, False), # 2.5e-07
+    (",d", "1086", 4, False),     # 1,086
+])
+def test_glue_check_catches_a_format_with_more_digits_than_the_record(spec, value, digits, bad):
+    import glue_check
+
+    chapter = f"The share is {{glue:text}}`x{':' + spec if spec else ''}`.\n"
+    found = glue_check.problems(chapter, {"x": value, "x__digits": str(digits)})
+    assert bool(found) == bad, found
+    assert glue_check.problems(chapter, {"x": value}) == []  # not rounded: every digit is real
+
+
+def test_glue_records_the_digits_it_kept_for_the_check(monkeypatch):
+    import types
+
+    from attnbook.notebook import glue
+
+    records = {}
+    fake = types.SimpleNamespace(glue=lambda name, value, display: records.update({name: value}))
+    monkeypatch.setitem(sys.modules, "myst_nb", fake)
+    glue("share", 0.2549, digits=2)
+    glue("count", 7)
+    assert records == {"share": 0.25, "share__digits": 2, "count": 7}
+
+
 def test_a_chapter_can_ask_colab_for_more_packages(book_copy):
     tangle_extra_chapter(book_copy, "  module: extra\n  colab_install: [some-package==1.0]\n",
                          "Extra", {"export": "A = 1"})

@@ -4,8 +4,9 @@ A chapter records a result with `glue(name, value, digits=2)` (appendix A), whic
 significant digits, and quotes it in the prose as {glue:text}`name:.1%`. That format shows three
 digits, so a record of 0.25 reads "25.0%", a precision the cell never had, and a record of 0.7
 (one digit of 0.65) reads "70%". This check reads every {glue:text}`name:format` of the chapters
-whose name is glued with `digits=`, formats the value the committed notebook recorded, as the
-site does, and fails when the text shows more significant digits than `digits`. Values glued
+whose value was glued with `digits=` (glue then records `name__digits` too), formats the value
+the committed notebook recorded, as the site does, and fails when the text shows more
+significant digits than that. Values glued
 without `digits` are exact (counts, sizes) and may show all their digits.
 
     python tools/glue_check.py      # exit 1 and list the glue roles that show too many digits
@@ -22,8 +23,7 @@ import nbformat
 ROOT = Path(__file__).resolve().parents[1]
 GLUE = re.compile(r"\{glue:text\}`([^`]*)`")
 RECORD = "application/papermill.record/text/plain"
-# glue("name", value, digits=2) or glue(f"name_{key}", ..., digits=2), on one line
-GLUED_WITH_DIGITS = re.compile(r'glue\((f?)"([^"]+)",[^\n]*?digits=(\d+)')
+DIGITS_SUFFIX = "__digits"  # attnbook.notebook.glue records name__digits beside name
 
 
 def recorded(notebook: nbformat.NotebookNode) -> dict[str, str]:
@@ -48,31 +48,23 @@ def shown_digits(text: str) -> int | None:
     return len(mantissa.replace(".", "").lstrip("0"))
 
 
-def rounded_names(chapter_text: str) -> dict[re.Pattern, int]:
-    """Each name the chapter glues with `digits=N` (a pattern, for names made by f-strings)."""
-    found = {}
-    for quote_f, name, digits in GLUED_WITH_DIGITS.findall(chapter_text):
-        pattern = re.escape(name) if not quote_f else re.sub(
-            r"\\\{.*?\\\}", ".+", re.escape(name))
-        found[re.compile(pattern + r"\Z")] = int(digits)
-    return found
-
-
 def problems(chapter_text: str, values: dict[str, str]) -> list[str]:
-    """The glue roles of one chapter whose format shows more digits than their record has."""
+    """The glue roles of one chapter whose format shows more digits than their record has.
+    `values` holds the notebook's records, among them `name__digits` for each value glued with
+    digits= (appendix A's glue records it)."""
     from myst_nb.core.variables import format_plain_text
 
-    rounded, found = rounded_names(chapter_text), []
+    found = []
     for match in GLUE.finditer(chapter_text):
         name, _, spec = match.group(1).partition(":")
-        digits = next((n for pattern, n in rounded.items() if pattern.match(name)), None)
+        digits = values.get(name + DIGITS_SUFFIX)
         if name not in values or digits is None:
             continue  # not rounded (exact), or not recorded: the book build reports that
         shown = format_plain_text(values[name], spec or "s")
         showing = shown_digits(shown)
-        if showing is not None and showing > digits:
+        if showing is not None and showing > int(digits):
             found.append(f"{{glue:text}}`{match.group(1)}` shows {shown!r}, {showing} significant "
-                         f"digits, but {name} is glued with digits={digits} "
+                         f"digits, but {name} was glued with digits={digits} "
                          f"(record {values[name]})")
     return found
 
