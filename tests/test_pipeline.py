@@ -158,8 +158,10 @@ def test_no_glued_number_shows_digits_its_record_lacks():
 
 @pytest.mark.parametrize("spec, value, digits, bad", [
     (".1%", "0.25", 2, True),     # 25.0%: three digits from two
-    (".0%", "0.7", 1, True),      # 70%: the zero is claimed
     ("", "100.0", 2, True),       # 100.0: the format of the record itself
+    (".2f", "1.0", 2, True),      # 1.00
+    (".0%", "0.7", 1, False),     # 70%: a whole number's trailing zero places the point
+    (".0f", "400.0", 2, False),   # 400
     (".0%", "0.65", 2, False),    # 65%
     (".1%", "0.999", 3, False),   # 99.9%
     (".2f", "0.25", 2, False),    # 0.25

@@ -40,12 +40,14 @@ def recorded(notebook: nbformat.NotebookNode) -> dict[str, str]:
 def shown_digits(text: str) -> int | None:
     """How many significant digits a number as the site shows it carries; None for no number.
 
-    "0.25" has 2, "25.0%" 3, "100.0%" 4, "70%" 2 (a zero that is shown is claimed), "1,086" 4,
-    "2.5e-07" 2: the digits of the mantissa from its first nonzero one."""
+    "0.25" has 2, "25.0%" 3 and "100.0%" 4 (a zero after the point is claimed), "1,086" 4,
+    "2.5e-07" 2; "400" and "70%" have 1, as the convention reads trailing zeros of a whole
+    number: they may only place the point."""
     mantissa = re.split(r"[eE]", text.strip().replace(",", "").rstrip("%"))[0].lstrip("+-")
     if not re.fullmatch(r"\d*\.?\d*", mantissa) or not re.search(r"[1-9]", mantissa):
         return None
-    return len(mantissa.replace(".", "").lstrip("0"))
+    digits = mantissa.replace(".", "").lstrip("0")
+    return len(digits if "." in mantissa else digits.rstrip("0"))
 
 
 def problems(chapter_text: str, values: dict[str, str]) -> list[str]:

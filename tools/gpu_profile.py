@@ -135,9 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("only", nargs="*", help="chapter prefixes, e.g. 07 12")
     parser.add_argument("--check", action="store_true", help="fail on a missing or stale record")
     args = parser.parse_args(argv)
-    record = load()
     if args.check:
-        problems = check(record)
+        problems = check(load())
         print("\n".join(problems) or "gpu-profile: every record is current")
         return 1 if problems else 0
     chosen = [c for c in gpu_chapters() if not args.only or c.stem.startswith(tuple(args.only))]
@@ -145,12 +144,12 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"no gpu: true chapter starts with {args.only}")
     import torch
 
-    record.setdefault("chapters", {})
     failed = False
     for chapter in chosen:
         print(f"gpu-profile: {chapter.stem} ...", flush=True)
         entry = run(chapter)
-        record["chapters"][chapter.stem] = entry
+        record = load()  # read again: another run may have recorded other chapters meanwhile
+        record.setdefault("chapters", {})[chapter.stem] = entry
         record["machine"] = {"python": platform.python_version(), "torch": torch.__version__,
                              "cpus": os.cpu_count(), "env": PROFILE_ENV}
         RECORD.parent.mkdir(parents=True, exist_ok=True)

@@ -20,7 +20,7 @@ __all__ = [
 import contextlib
 import io
 import json
-import os
+import os  # noqa: F811 (notebook)
 import re
 import subprocess
 import sys

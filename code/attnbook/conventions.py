@@ -14,7 +14,7 @@ __all__ = [
 # chapters/a1-conventions.md, "One way to check an argument"
 import torch
 
-from attnbook.basic_checks import (  # noqa: F401 (gathered here: every check from one module)
+from attnbook.basic_checks import (  # noqa: F401, F811 (gathered: every check from one module)
     check_alias,
     check_array,
     check_bool,

@@ -568,8 +568,8 @@ class _MetadataUnpickler(pickle.Unpickler):
 
     ADMITTED = {("torch", "Size"), ("torch.serialization", "_get_layout"),
                 ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-                *(("pathlib", p) for p in ("PosixPath", "WindowsPath", "PurePosixPath",
-                                           "PureWindowsPath"))}
+                *((module, p) for module in ("pathlib", "pathlib._local")  # 3.13: _local
+                  for p in ("PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"))}
 
     def find_class(self, module: str, name: str):
         found = getattr(sys.modules.get(module), name, None)
