@@ -98,7 +98,7 @@ def check_choice(name: str, value, choices: Collection[str]) -> str:
 def check_alias(name: str, value, alias_name: str, alias, default) -> tuple[str, object]:
     """(the name it was given under, the value) of a setting given as `name` or as its deprecated
     alias: `default` if neither is given, an error if both are given and differ. The name is for
-    the next check's message: check_int(*check_alias(...), minimum=1)."""
+    the next check's message: ``check_int(*check_alias(...), minimum=1)``."""
     if value is None:
         return (name, default) if alias is None else (alias_name, alias)
     if alias is not None and alias != value:
