@@ -304,3 +304,32 @@ def test_the_triton_backend_runs_the_kernel_where_it_can(monkeypatch):
     layer(x, mask=padding_mask([3], 5)[:, None, None, :])  # the kernel takes no mask: SDPA does
     layer(x, return_weights=True)  # the weights: attend
     assert len(calls) == 2
+
+
+def test_two_byte_attention_on_a_cpu_without_avx512_runs_in_float32():
+    """PyTorch's CPU SDPA stops on bfloat16 where AVX-512 is missing ('pack_vnni2'): the fast path
+    computes 2-byte data in float32, as attend does, so a model runs on any CPU."""
+    import os
+    import subprocess
+    import sys
+
+    script = """
+import torch
+from attnbook.gpt import GPT, GPTConfig
+torch.manual_seed(0)
+config = GPTConfig(vocab_size=64, context_length=512, d_model=64, num_layers=1, num_heads=4,
+                   dropout=0.0)  # head size 16, 300 positions: where the CPU kernel stopped
+for dtype in (torch.bfloat16, torch.float16):
+    fast = GPT(config).eval().to(dtype)
+    slow = GPT(GPTConfig(**{**config.__dict__, "backend": "explicit"})).eval().to(dtype)
+    slow.load_state_dict(fast.state_dict())
+    ids = torch.randint(64, (1, 300))
+    cache = fast.make_kv_cache(1)
+    with torch.no_grad():
+        a, b = fast(ids, kv_cache=cache), slow(ids)
+    assert a.dtype == dtype and torch.allclose(a.float(), b.float(), atol=0.05), dtype
+print("ok")
+"""
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]

@@ -111,6 +111,11 @@ def _fast_attention(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
                     mask: torch.Tensor | None, is_causal: bool, dropout_p: float) -> torch.Tensor:
     """attend's outputs (B, H, Lq, dv) without the weights, by SDPA or chapter 12's kernel;
     `is_causal` aligns bottom-right and a query with no allowed key gets zeros, as in attend."""
+    if q.device.type == "cpu" and q.dtype in (torch.float16, torch.bfloat16):
+        # 2-byte data computed in float32, as attend does (appendix A); PyTorch's own CPU
+        # kernel for bfloat16 also stops on processors without AVX-512 ("pack_vnni2")
+        out = _fast_attention(backend, q.float(), k.float(), v.float(), mask, is_causal, dropout_p)
+        return out.to(q.dtype)
     (lq, lk), shared = (q.shape[2], k.shape[2]), q.shape[1] != k.shape[1]
     _count_cpu_sdpa_flops()
     if is_causal and lq == 1:  # one query, the last position: it may see every key
