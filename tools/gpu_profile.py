@@ -34,6 +34,7 @@ from pathlib import Path
 
 import nbformat
 import yaml
+from glue_check import recorded  # every glued value of an executed notebook
 
 ROOT = Path(__file__).resolve().parents[1]
 CHAPTERS, NOTEBOOKS = ROOT / "chapters", ROOT / "notebooks"
@@ -63,19 +64,6 @@ def sha256(path: Path) -> str:
 
 def first_line(source: str) -> str:
     return next((line for line in source.splitlines() if line.strip()), "")[:100]
-
-
-def glued_values(nb: nbformat.NotebookNode) -> dict[str, str]:
-    """Every value the run recorded with myst-nb's glue, as its text."""
-    values = {}
-    for cell in nb.cells:
-        for output in cell.get("outputs", []) if cell.cell_type == "code" else []:
-            name = output.get("metadata", {}).get("scrapbook", {}).get("name")
-            if name:
-                data = output.get("data", {})
-                values[name] = data.get("application/papermill.record/text/plain",
-                                        data.get("text/plain"))
-    return values
 
 
 def gpu_cells(nb: nbformat.NotebookNode) -> list[dict]:
@@ -108,7 +96,7 @@ def run(chapter: Path) -> dict:
                   "first_line": first_line(nb.cells[failed].source) if failed is not None else "",
                   "error": str(error).strip().splitlines()[-1][:300]}
     return {"source_sha256": sha256(chapter), "status": status,
-            "seconds": round(time.perf_counter() - start), "glued": glued_values(nb),
+            "seconds": round(time.perf_counter() - start), "glued": recorded(nb),
             "needs_gpu": gpu_cells(nb)}
 
 
