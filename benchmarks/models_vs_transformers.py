@@ -4,11 +4,11 @@ Each row times the same work on both sides, with the same sizes, interleaved (ou
 ours, ...) by attnbook.notebook.median_seconds, whose clock is the thread's CPU time, which
 other programs on a busy machine do not inflate; the median of 15 is kept:
 
-- gpt-train-step:  GPT (chapter 8) vs GPT2LMHeadModel: forward, cross-entropy, backward and an
+- gpt-train-step:  GPT (chapter 10) vs GPT2LMHeadModel: forward, cross-entropy, backward and an
                    AdamW step, batch 8, length 256, width 256, 4 layers, 4 heads;
 - gpt-generate:    greedy generation of 128 tokens after a 16-token prompt with the KV cache,
                    GPT.generate(temperature=0) vs GPT2LMHeadModel.generate(do_sample=False);
-- bert-forward:    BERT.encode (chapter 7) vs BertModel (no pooler), batch 8, length 256,
+- bert-forward:    BERT.encode (chapter 8) vs BertModel (no pooler), batch 8, length 256,
                    width 256, 4 layers, 4 heads, with a padding mask, under no_grad;
 - mha-fwd-bwd:     MultiHeadAttention (chapter 3) vs torch.nn.MultiheadAttention, forward and
                    backward, batch 8, length 256, width 512, 8 heads.

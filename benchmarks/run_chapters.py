@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("prefixes", nargs="*", help="chapters whose names start so (all)")
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--small", action="store_true", help="CPU dry run: chapter 01 alone")
+    parser.add_argument("--small", action="store_true", help="CPU dry run: chapter 1 alone")
     parser.add_argument("--budget", type=float, default=330, help="seconds for all chapters")
     parser.add_argument("--timeout", type=float, default=200, help="seconds for one chapter")
     args = parser.parse_args(argv)

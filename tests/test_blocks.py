@@ -1,4 +1,4 @@
-"""Tests of attnbook.blocks (chapter 6) against PyTorch's layers and formulas."""
+"""Tests of attnbook.blocks (chapter 7) against PyTorch's layers and formulas."""
 
 import numpy as np
 import pytest

@@ -1,4 +1,4 @@
-"""attnbook.cost (chapter 10) against FlopCounterMode, nbytes, tracemalloc and autograd's graph."""
+"""attnbook.cost (chapter 12) against FlopCounterMode, nbytes, tracemalloc and autograd's graph."""
 
 import time
 import tracemalloc

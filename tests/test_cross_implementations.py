@@ -2,7 +2,7 @@
 
 The implementations: the NumPy reference (chapter 1, attnbook.attention), the attention core
 `attend` and the module `MultiHeadAttention` (chapter 3, attnbook.heads), the tiled NumPy
-FlashAttention (chapter 11, attnbook.tiling) and the Triton kernel (chapter 12,
+FlashAttention (chapter 13, attnbook.tiling) and the Triton kernel (chapter 14,
 attnbook.kernels; in Triton's interpreter on CPU when there is no GPU). Each is checked against
 `torch.nn.functional.scaled_dot_product_attention` in float64 with an explicit boolean mask (or
 against `torch.nn.MultiheadAttention`), on random shapes, masks, dtypes, scales and causal flags,
@@ -400,7 +400,7 @@ def test_multihead_attention_with_identity_projections_is_numpy_attention(
 
 
 # ---------------------------------------------------------------------------------------------
-# Chapter 5: the mask helpers drive the masked implementations
+# Chapter 6: the mask helpers drive the masked implementations
 # ---------------------------------------------------------------------------------------------
 
 @examples(25)
@@ -448,7 +448,7 @@ def test_causal_mask_is_bottom_right(lq, lk):
 
 
 # ---------------------------------------------------------------------------------------------
-# Chapter 11: the tiled NumPy FlashAttention
+# Chapter 13: the tiled NumPy FlashAttention
 # ---------------------------------------------------------------------------------------------
 
 @examples(40)
@@ -487,7 +487,7 @@ def test_block_schedule_visits_exactly_the_needed_tiles(lq, lk, block_size, caus
 
 
 # ---------------------------------------------------------------------------------------------
-# Chapter 12: the Triton kernel (interpreted on CPU: few, small examples)
+# Chapter 14: the Triton kernel (interpreted on CPU: few, small examples)
 # ---------------------------------------------------------------------------------------------
 
 @needs_triton
@@ -857,7 +857,7 @@ BAD_INPUTS = [
          ValueError, "add_bias_kv=False", id="from-torch-bias-kv"),
     case(heads.from_torch, dict(module=nn.MultiheadAttention(8, 2, add_zero_attn=True)),
          ValueError, "add_zero_attn=False", id="from-torch-zero-attn"),
-    # positions (chapter 4)
+    # positions (chapter 5)
     case(positions.sinusoidal_encoding, dict(num_positions=0, d_model=4), ValueError,
          "num_positions must be at least 1", id="sinusoidal-zero-positions"),
     case(positions.sinusoidal_encoding, dict(num_positions=4, d_model=2.5), TypeError,
@@ -895,7 +895,7 @@ BAD_INPUTS = [
          "k_len must be at least 1", id="alibi-bias-k-len"),
     case(positions.alibi_bias, dict(num_heads=-1, q_len=3), ValueError,
          "num_heads must be at least 1", id="alibi-bias-heads"),
-    # masks (chapter 5)
+    # masks (chapter 6)
     case(masks.causal_mask, dict(q_len=0), ValueError, "q_len must be at least 1",
          id="causal-zero"),
     case(masks.causal_mask, dict(q_len=-3, k_len=2), ValueError, "q_len must be at least 1",
@@ -937,7 +937,7 @@ BAD_INPUTS = [
          ValueError, "k_len = 4 differs from key_padding's Lk = 3", id="attention-mask-k-len"),
     case(masks.attention_mask, dict(k_len=3, q_len=0), ValueError, "q_len must be at least 1",
          id="attention-mask-q-len"),
-    # tiling (chapter 11)
+    # tiling (chapter 13)
     case(tiling.online_softmax, dict(x=np.array(["a"])), TypeError, "x must hold real numbers",
          id="online-softmax-str"),
     case(tiling.online_softmax, dict(x=np.float64(1.0)), ValueError,

@@ -1,4 +1,4 @@
-"""Tests of attnbook.encdec (chapter 9) against torch.nn.Transformer and the model's properties."""
+"""Tests of attnbook.encdec (chapter 11) against torch.nn.Transformer and the model's properties."""
 
 import warnings
 

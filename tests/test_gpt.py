@@ -1,4 +1,4 @@
-"""attnbook.gpt (chapter 8) against transformers' GPT-2, its own uncached path, and bad input."""
+"""attnbook.gpt (chapter 10) against transformers' GPT-2, its own uncached path, and bad input."""
 
 import math
 

@@ -391,7 +391,7 @@ def test_module_large_float16_inputs_do_not_overflow():
 
 
 def _storage(layer, batch, capacity, dtype=DOUBLE):
-    """Keys and values as views of one (2, B, nkv, capacity, hs) tensor, as chapter 8 keeps them."""
+    """Keys and values as views of one (2, B, nkv, capacity, hs) tensor, as chapter 10 keeps them."""
     return torch.zeros(2, batch, layer.num_kv_heads, capacity, layer.head_dim, dtype=dtype)
 
 

@@ -1,4 +1,4 @@
-"""Tests of attnbook.masks (chapter 5) against independent references."""
+"""Tests of attnbook.masks (chapter 6) against independent references."""
 
 import numpy as np
 import pytest

@@ -18,7 +18,7 @@ def test_models_are_the_chapters_own_classes():
 
 
 def test_models_has_its_own_description():
-    """It was described by chapter 9's title, "Encoder-decoder: the original Transformer."."""
+    """It was described by chapter 11's title, "Encoder-decoder: the original Transformer."."""
     first_line = attnbook.models.__doc__.splitlines()[0]
     assert first_line != attnbook.encdec.__doc__.splitlines()[0]
     assert all(name in first_line for name in ("BERT", "GPT", "encoder-decoder"))

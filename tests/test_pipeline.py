@@ -99,7 +99,7 @@ def test_notebooks_pin_the_commit_of_their_package(book_copy):
     git(book_copy, "add", "-A")
     git(book_copy, "commit", "-qm", "book")
     first = git(book_copy, "rev-parse", "HEAD")
-    notebook = book_copy / "notebooks" / "05-masks.ipynb"
+    notebook = book_copy / "notebooks" / "06-masks.ipynb"
     outputs = [c.get("outputs") for c in json.loads(notebook.read_text())["cells"]]
     assert tangle(book_copy).returncode == 0
     assert tangler.pinned_commit(nbformat.read(notebook, as_version=4)) == first
@@ -116,7 +116,7 @@ def test_notebooks_pin_the_commit_of_their_package(book_copy):
     git(book_copy, "commit", "-qam", "change the package")
     result = tangle(book_copy, "--check")
     assert result.returncode == 1
-    assert f"05-masks.ipynb: installs the package of commit {first}" in result.stderr
+    assert f"06-masks.ipynb: installs the package of commit {first}" in result.stderr
 
 
 def test_only_chapters_with_a_gpu_path_ask_colab_for_a_gpu():
@@ -271,6 +271,22 @@ def test_a_second_module_is_described_by_the_front_matter(book_copy):
         "Extra things", {"export": "A = 1", "export:narrow": "B = 2"})
     assert '"""Extra things.\n\nBuilt and explained' in modules["extra"]
     assert '"""Only the narrow part.\n\nBuilt and explained' in modules["narrow"]
+
+
+def test_a_split_chapter_continues_its_module_only_when_it_says_so(book_copy):
+    masks_cell = {"export": "X = 1", "export:masks": "def extra_mask():\n    return None"}
+    with pytest.raises(AssertionError):  # writing another chapter's module unasked is refused
+        tangle_extra_chapter(book_copy, "  module: extra\n", "Extra", masks_cell)
+    assert "module 'masks' is claimed by two chapters" in tangle(book_copy).stderr
+    tangle_extra_chapter(book_copy, "  module: extra\n  continues: [masks]\n", "Extra", masks_cell)
+    masks = (book_copy / "code" / "attnbook" / "masks.py").read_text()
+    assert masks.startswith("# Do not edit: tools/tangle.py generates this file from "
+                            "chapters/06-masks.md and chapters/99-extra.md.")
+    # the owner's cells first, then the continuation's, each behind its own chapter's marker
+    assert masks.index('# chapters/06-masks.md, "') < masks.index('# chapters/99-extra.md, "Extra"')
+    assert '    "extra_mask",\n]' in masks
+    import attnbook.masks as owned  # the owner's names are all still exported
+    assert all(f'    "{name}",' in masks for name in owned.__all__)
 
 
 def test_a_second_module_without_a_description_is_refused(book_copy):

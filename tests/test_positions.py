@@ -1,4 +1,4 @@
-"""Tests for attnbook.positions (chapter 4): sinusoidal encodings, RoPE and ALiBi."""
+"""Tests for attnbook.positions (chapter 5): sinusoidal encodings, RoPE and ALiBi."""
 
 import math
 

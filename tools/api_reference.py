@@ -223,8 +223,8 @@ def generate() -> tuple[str, list[str]]:
 # --- the built site: objects, entries and the links from chapter code ----------------------------
 
 API_PAGE = "book/api.html"
-# A name that chapter 11's code uses, and the chapter that builds it (the issue's example).
-EXAMPLE = ("chapters/11-tiling.html", f"{PACKAGE}.attention.scaled_dot_product_attention",
+# A name that chapter 13's code uses, and the chapter that builds it (the issue's example).
+EXAMPLE = ("chapters/13-tiling.html", f"{PACKAGE}.attention.scaled_dot_product_attention",
            "chapters/01-queries-keys-values.html")
 
 

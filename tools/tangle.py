@@ -1,14 +1,15 @@
 """Tangle the book: chapters/*.md -> code/attnbook/*.py and notebooks/*.ipynb.
 
-A chapter is a MyST Markdown notebook. Its front matter names the module it owns
-(`attnbook: {module: attention}`), and every code cell tagged `export` goes, in order, into
-`code/attnbook/<module>.py`. A cell tagged `export:<name>` goes into `code/attnbook/<name>.py`
-instead, for the rare chapter that owns a second module; `attnbook: {describe: {<name>: ...}}`
-gives a module its one-line docstring (a second module must have one; the chapter's own module
-defaults to the chapter's title), and `attnbook: {main: {<name>: <function>}}` makes
-`python -m attnbook.<name>` call that function. A module starts with `__all__`, and each of its cells follows a
-comment naming the chapter file and the section the cell sits in, so that any generated line
-leads back to the prose that explains it. The same chapter becomes `notebooks/<chapter>.ipynb`:
+A chapter is a MyST Markdown notebook. Its front matter names the module it owns (`attnbook:
+{module: attention}`), and every code cell tagged `export` goes, in order, into
+`code/attnbook/<module>.py`. A chapter split in two continues its first half's module with
+`attnbook: {continues: [<module>]}`. A cell tagged `export:<name>` goes into
+`code/attnbook/<name>.py` instead, for the rare chapter that owns a second module; `attnbook:
+{describe: {<name>: ...}}` gives a module its one-line docstring (a second module must have one;
+the chapter's own module defaults to the chapter's title), and `attnbook: {main: {<name>:
+<function>}}` makes `python -m attnbook.<name>` call that function. A module starts with
+`__all__`, and each of its cells follows a comment naming the chapter file and the section the
+cell sits in, so that any generated line leads back to the prose that explains it. The same chapter becomes `notebooks/<chapter>.ipynb`:
 its cells behind one setup cell that, on Colab only, installs the package from the repository named in
 `_config.yml`.
 
@@ -94,6 +95,11 @@ class Chapter:
         calls. It is called under `if __name__ == "__main__"` at the end of the module, a line
         that no cell holds, since a notebook's kernel runs as `__main__` too."""
         return self.notebook.metadata.get("attnbook", {}).get("main", {})
+
+    @property
+    def continues(self) -> list[str]:
+        """Modules an earlier chapter owns that this one adds to (the second half of a split)."""
+        return list(self.notebook.metadata.get("attnbook", {}).get("continues", []))
 
     @property
     def wants_gpu(self) -> bool:
@@ -190,29 +196,35 @@ def public_names(source: str) -> list[str]:
 
 
 def marker(chapter: Chapter, cell: ExportCell) -> str:
-    """The comment above each generated cell: where in the book to read about it and change it."""
-    return f'# {chapter.relpath}, "{cell.section or chapter.title}"\n'
+    """A generated cell behind a comment saying where in the book to read about it and change
+    it."""
+    return f'# {chapter.relpath}, "{cell.section or chapter.title}"\n' + cell.source
 
 
-def module_source(chapter: Chapter, module: str, cells: list[ExportCell]) -> str:
+def module_source(parts: list[tuple[Chapter, list[ExportCell]]], module: str) -> str:
     """One module: its header, a one-line docstring, `__all__`, then each cell behind a marker
-    naming its chapter and section."""
+    naming its chapter and section. `parts` is each chapter that writes the module with its cells,
+    in the book's order: the first owns it, and a later one continues it (a chapter split in two)."""
+    owner = parts[0][0]
+    sources = " and ".join(chapter.relpath for chapter, _ in parts)
     docstring = (
-        f'"""{textwrap.fill(chapter.description(module), 96)}\n\n'
-        f"Built and explained in the book's chapter {chapter.relpath}.\n"
+        f'"""{textwrap.fill(owner.description(module), 96)}\n\n'
+        f"Built and explained in the book's chapter{'s' if len(parts) > 1 else ''} {sources}.\n"
         '"""\n'
     )
+    cells = [cell for _, chapter_cells in parts for cell in chapter_cells]
     names = public_names("\n\n".join(cell.source for cell in cells))
     exports = "__all__ = [\n" + "".join(f'    "{name}",\n' for name in names) + "]\n"
-    body = "\n\n\n".join(marker(chapter, cell) + cell.source for cell in cells)
-    if function := chapter.entry_points.get(module):
+    body = "\n\n\n".join(marker(chapter, cell) for chapter, chapter_cells in parts
+                          for cell in chapter_cells)
+    if function := owner.entry_points.get(module):
         body += (f'\n\n\nif __name__ == "__main__":  # python -m attnbook.{module}\n'
                  f"    {function}()")
-    return f"{header(chapter.relpath)}{docstring}\n{exports}\n{body}\n"
+    return f"{header(sources)}{docstring}\n{exports}\n{body}\n"
 
 
 def init_source(chapters: list[Chapter]) -> str:
-    modules = [(m, c) for c in chapters for m in c.exports()]
+    modules = list(owners(chapters).items())
     listing = "".join(textwrap.fill(f"- attnbook.{m} ({c.relpath}): {c.description(m)}", 96,
                                     subsequent_indent="  ", break_on_hyphens=False) + "\n"
                       for m, c in modules)
@@ -234,15 +246,29 @@ def init_source(chapters: list[Chapter]) -> str:
     )
 
 
+def owners(chapters: list[Chapter]) -> dict[str, Chapter]:
+    """Each module's owner: the first chapter that writes it, in the book's order."""
+    found: dict[str, Chapter] = {}
+    for chapter in chapters:
+        for module in chapter.exports():
+            found.setdefault(module, chapter)
+    return found
+
+
 def package_files(chapters: list[Chapter]) -> dict[str, str]:
-    """Every file of code/attnbook/, by path relative to the repository root."""
-    files = {}
+    """Every file of code/attnbook/, by path relative to the repository root. A chapter may
+    continue a module an earlier chapter owns only when its front matter says so
+    (`attnbook: {continues: [module]}`), so that no module is written by two chapters unawares."""
+    parts: dict[str, list[tuple[Chapter, list[ExportCell]]]] = {}
     for chapter in chapters:
         for module, cells in chapter.exports().items():
-            rel = (PACKAGE / f"{module}.py").relative_to(ROOT).as_posix()
-            if rel in files:
-                raise ValueError(f"module {module!r} is claimed by two chapters")
-            files[rel] = module_source(chapter, module, cells)
+            if module in parts and module not in chapter.continues:
+                raise ValueError(f"module {module!r} is claimed by two chapters "
+                                 f"({parts[module][0][0].relpath} and {chapter.relpath}); the "
+                                 f"second may continue it with `attnbook: {{continues: [{module}]}}`")
+            parts.setdefault(module, []).append((chapter, cells))
+    files = {(PACKAGE / f"{m}.py").relative_to(ROOT).as_posix(): module_source(p, m)
+             for m, p in parts.items()}
     files[(PACKAGE / "__init__.py").relative_to(ROOT).as_posix()] = init_source(chapters)
     return files
 

@@ -12,37 +12,37 @@ Modules, in the order the book builds them:
   random scores, the softmax's peak and its Jacobian.
 - attnbook.heads (chapters/03-heads.md): Multi-head attention in PyTorch: the attention core,
   shared key/value heads, one layer's KV cache, and a copy of torch.nn.MultiheadAttention.
-- attnbook.positions (chapters/04-positions.md): Positions: sinusoidal encodings, rotary
+- attnbook.positions (chapters/05-positions.md): Positions: sinusoidal encodings, rotary
   embeddings (RoPE) and ALiBi biases.
-- attnbook.masks (chapters/05-masks.md): Boolean attention masks: causal, padding, and both
+- attnbook.masks (chapters/06-masks.md): Boolean attention masks: causal, padding, and both
   combined.
-- attnbook.blocks (chapters/06-blocks.md): The Transformer block: the feed-forward network,
+- attnbook.blocks (chapters/07-blocks.md): The Transformer block: the feed-forward network,
   RMSNorm, pre- and post-norm residuals, and a copy of torch.nn.TransformerEncoderLayer.
-- attnbook.bert (chapters/07-bert.md): An encoder-only model, BERT: embeddings, the
+- attnbook.bert (chapters/08-bert.md): An encoder-only model, BERT: embeddings, the
   masked-language-model head, token masking, and Hugging Face BERT weights.
-- attnbook.corpus (chapters/07-bert.md): The book's training text: a fixed snapshot of the
+- attnbook.corpus (chapters/08-bert.md): The book's training text: a fixed snapshot of the
   Python documentation's topics.
-- attnbook.gpt (chapters/08-gpt.md): A decoder-only model, GPT: generation with a KV cache,
+- attnbook.gpt (chapters/10-gpt.md): A decoder-only model, GPT: generation with a KV cache,
   GPT-2's weights, and a character tokenizer.
-- attnbook.encdec (chapters/09-encoder-decoder.md): The original Transformer's encoder-decoder,
+- attnbook.encdec (chapters/11-encoder-decoder.md): The original Transformer's encoder-decoder,
   with greedy decoding.
-- attnbook.models (chapters/09-encoder-decoder.md): The book's three models, BERT, GPT and the
+- attnbook.models (chapters/11-encoder-decoder.md): The book's three models, BERT, GPT and the
   encoder-decoder, in one place.
-- attnbook.cost (chapters/10-cost.md): What attention costs: operations, time, the memory of the
+- attnbook.cost (chapters/12-cost.md): What attention costs: operations, time, the memory of the
   scores, of saved tensors and of the KV cache.
-- attnbook.tiling (chapters/11-tiling.md): FlashAttention's algorithm in NumPy: the online
+- attnbook.tiling (chapters/13-tiling.md): FlashAttention's algorithm in NumPy: the online
   softmax and attention computed tile by tile.
-- attnbook.triton_mode (chapters/12-flash-attention-triton.md): How Triton runs the book's
+- attnbook.triton_mode (chapters/14-flash-attention-triton.md): How Triton runs the book's
   kernels: compiled for a GPU, or in its interpreter on the CPU, chosen once, explicitly, before
   anything imports triton.
-- attnbook.kernels (chapters/12-flash-attention-triton.md): FlashAttention in Triton: the
+- attnbook.kernels (chapters/14-flash-attention-triton.md): FlashAttention in Triton: the
   forward and backward kernels, and flash_attention for PyTorch tensors.
-- attnbook.compile_check (chapters/12-flash-attention-triton.md): Compile the kernels of chapter
-  12 for a GPU that need not be present, and read what they use.
-- attnbook.efficient (chapters/13-efficient-attention.md): Beyond quadratic attention:
+- attnbook.compile_check (chapters/14-flash-attention-triton.md): Compile the kernels of chapter
+  14 for a GPU that need not be present, and read what they use.
+- attnbook.efficient (chapters/16-efficient-attention.md): Beyond quadratic attention:
   sliding-window, global and block-sparse masks with tile skipping, linear attention, FAVOR+
   random features and retention.
-- attnbook.vit (chapters/14-vision-transformer.md): The Vision Transformer: images cut into
+- attnbook.vit (chapters/17-vision-transformer.md): The Vision Transformer: images cut into
   patches, a class token and learned positions, on the book's Transformer blocks.
 - attnbook.basic_checks (chapters/a1-conventions.md): The argument checks that need only Python
   and NumPy, which the NumPy chapters import without loading PyTorch; attnbook.conventions

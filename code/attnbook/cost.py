@@ -1,8 +1,8 @@
-# Do not edit: tools/tangle.py generates this file from chapters/10-cost.md.
+# Do not edit: tools/tangle.py generates this file from chapters/12-cost.md.
 """What attention costs: operations, time, the memory of the scores, of saved tensors and of the KV
 cache.
 
-Built and explained in the book's chapter chapters/10-cost.md.
+Built and explained in the book's chapter chapters/12-cost.md.
 """
 
 __all__ = [
@@ -15,7 +15,7 @@ __all__ = [
     "kv_cache_bytes_per_token",
 ]
 
-# chapters/10-cost.md, "Counting the work"
+# chapters/12-cost.md, "Counting the work"
 import math
 import time
 import tracemalloc
@@ -51,7 +51,7 @@ def _check_counts(**counts) -> list[int]:  # each of `counts` as an int of at le
     return [check_int(name, value, minimum=1) for name, value in counts.items()]
 
 
-# chapters/10-cost.md, "Measuring the time"
+# chapters/12-cost.md, "Measuring the time"
 def time_call(fn: Callable[[], object], repeats: int = 5, warmup: int = 1,
               min_time_s: float = 0.0, device: str | torch.device | None = None) -> float:
     """The fastest of `repeats` or more runs of fn() (up to 10,000 until `min_time_s` is spent),
@@ -74,7 +74,7 @@ def time_call(fn: Callable[[], object], repeats: int = 5, warmup: int = 1,
     return best
 
 
-# chapters/10-cost.md, "Measuring the time"
+# chapters/12-cost.md, "Measuring the time"
 def loglog_slope(x: Sequence[float], y: Sequence[float]) -> float:
     """The least-squares slope of log(y) against log(x): p for y = c * x**p."""
     x, y = (check_array(name, v).astype(np.float64) for name, v in (("x", x), ("y", y)))
@@ -86,7 +86,7 @@ def loglog_slope(x: Sequence[float], y: Sequence[float]) -> float:
     return float(np.polyfit(np.log(x), np.log(y), 1)[0])
 
 
-# chapters/10-cost.md, "The memory of the score matrix"
+# chapters/12-cost.md, "The memory of the score matrix"
 def score_matrix_bytes(q_len: int, k_len: int, num_heads: int = 1, batch: int = 1,
                        dtype_bytes: int = 4) -> int:
     """Bytes of one (batch, num_heads, q_len, k_len) matrix of `dtype_bytes` numbers."""
@@ -94,7 +94,7 @@ def score_matrix_bytes(q_len: int, k_len: int, num_heads: int = 1, batch: int = 
                                    dtype_bytes=dtype_bytes))
 
 
-# chapters/10-cost.md, "The memory of the score matrix"
+# chapters/12-cost.md, "The memory of the score matrix"
 def numpy_peak_bytes(fn: Callable[[], object]) -> tuple[object, int]:
     """(fn(), the peak bytes tracemalloc traced during the call beyond those held before): NumPy's
     arrays, not PyTorch's tensors. Works with tracemalloc running or not, and nested in itself."""
@@ -118,7 +118,7 @@ def numpy_peak_bytes(fn: Callable[[], object]) -> tuple[object, int]:
 _PEAKS: list[int] = []  # the peak so far of each numpy_peak_bytes in progress, outermost first
 
 
-# chapters/10-cost.md, "What training keeps"
+# chapters/12-cost.md, "What training keeps"
 def saved_tensor_bytes(fn: Callable[[], object], exclude: Sequence[torch.Tensor] = ()
                        ) -> tuple[object, int]:
     """(fn(), bytes of the tensors autograd saves for the backward pass while fn runs): each block
@@ -139,7 +139,7 @@ def saved_tensor_bytes(fn: Callable[[], object], exclude: Sequence[torch.Tensor]
     return result, sum(saved.values())
 
 
-# chapters/10-cost.md, "The KV cache"
+# chapters/12-cost.md, "The KV cache"
 def kv_cache_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int,
                              dtype_bytes: int = 2) -> int:
     """Bytes a KV cache adds per token: 2 * num_layers * num_kv_heads * head_dim * dtype_bytes."""

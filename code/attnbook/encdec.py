@@ -1,7 +1,7 @@
-# Do not edit: tools/tangle.py generates this file from chapters/09-encoder-decoder.md.
+# Do not edit: tools/tangle.py generates this file from chapters/11-encoder-decoder.md.
 """The original Transformer's encoder-decoder, with greedy decoding.
 
-Built and explained in the book's chapter chapters/09-encoder-decoder.md.
+Built and explained in the book's chapter chapters/11-encoder-decoder.md.
 """
 
 __all__ = [
@@ -9,7 +9,7 @@ __all__ = [
     "EncoderDecoder",
 ]
 
-# chapters/09-encoder-decoder.md, "The model"
+# chapters/11-encoder-decoder.md, "The model"
 import math
 from dataclasses import dataclass
 
@@ -36,7 +36,7 @@ from attnbook.positions import sinusoidal_encoding
 class EncoderDecoderConfig:
     """The sizes of an EncoderDecoder; `context_length` (deprecated alias: `max_len`) is the
     longest source or target, 64 by default. By default num_decoder_layers = num_layers and
-    d_ff = 4 * d_model; norm_first=False is post-norm; `backend` as in chapter 8's GPTConfig."""
+    d_ff = 4 * d_model; norm_first=False is post-norm; `backend` as in chapter 10's GPTConfig."""
 
     src_vocab: int
     tgt_vocab: int
@@ -78,7 +78,7 @@ class EncoderDecoderConfig:
                              f"eos_id={self.eos_id} must be three different tokens")
 
 
-# chapters/09-encoder-decoder.md, "The model"
+# chapters/11-encoder-decoder.md, "The model"
 class _Embedding(nn.Module):
     """Token embedding * sqrt(d_model) + position encoding, then dropout."""
 
@@ -99,7 +99,7 @@ class _Embedding(nn.Module):
         return self.dropout(self.tokens(ids) * self.scale + self.positions[: ids.shape[1]])
 
 
-# chapters/09-encoder-decoder.md, "The model"
+# chapters/11-encoder-decoder.md, "The model"
 class EncoderDecoder(nn.Module):
     """The original Transformer, built from an EncoderDecoderConfig: src (B, Ls), tgt_in (B, Lt)
     -> next-token logits (B, Lt, tgt_vocab). `src_lengths` (B,) gives the source's padding, else
@@ -124,7 +124,7 @@ class EncoderDecoder(nn.Module):
         self.lm_head = nn.Linear(c.d_model, c.tgt_vocab)
 
     def source_padding(self, src: torch.Tensor, src_lengths=None) -> torch.Tensor:
-        """(B, Ls) bool, True at real source tokens (chapter 5's padding mask)."""
+        """(B, Ls) bool, True at real source tokens (chapter 6's padding mask)."""
         src = _check_ids("src", src, self.config.src_vocab, self.config.context_length)
         if src_lengths is None:
             return src != self.config.pad_id
@@ -187,7 +187,7 @@ def _check_ids(name: str, ids, vocab: int, max_len: int, batch: int | None = Non
     return ids
 
 
-# chapters/09-encoder-decoder.md, "Greedy decoding"
+# chapters/11-encoder-decoder.md, "Greedy decoding"
 @torch.no_grad()
 def _greedy_decode(model: EncoderDecoder, src: torch.Tensor, max_len: int | None,
                    src_lengths) -> torch.Tensor:

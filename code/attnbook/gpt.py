@@ -1,8 +1,8 @@
-# Do not edit: tools/tangle.py generates this file from chapters/08-gpt.md.
+# Do not edit: tools/tangle.py generates this file from chapters/10-gpt.md.
 """A decoder-only model, GPT: generation with a KV cache, GPT-2's weights, and a character
 tokenizer.
 
-Built and explained in the book's chapter chapters/08-gpt.md.
+Built and explained in the book's chapter chapters/10-gpt.md.
 """
 
 __all__ = [
@@ -12,7 +12,7 @@ __all__ = [
     "CharTokenizer",
 ]
 
-# chapters/08-gpt.md, "The model"
+# chapters/10-gpt.md, "The model"
 import math
 from dataclasses import dataclass
 
@@ -74,9 +74,9 @@ class GPTConfig:
         return self.d_model // self.num_heads
 
 
-# chapters/08-gpt.md, "The model"
+# chapters/10-gpt.md, "The model"
 class GPT(nn.Module):
-    """A decoder-only Transformer language model with GPT-2's design (chapter 8, "The model")."""
+    """A decoder-only Transformer language model with GPT-2's design (chapter 10, "The model")."""
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
@@ -212,14 +212,14 @@ def _check_idx(model: GPT, idx, kv_cache=None, crop: bool = False) -> torch.Tens
     return idx
 
 
-# chapters/08-gpt.md, "GPT-2's weights"
+# chapters/10-gpt.md, "GPT-2's weights"
 def _copy_conv1d(linear: nn.Linear, conv: nn.Module, columns: slice = slice(None)) -> None:
     """nn.Linear <- the output `columns` of GPT-2's Conv1D, whose weight is (in, out)."""
     linear.weight.copy_(conv.weight[:, columns].T)
     linear.bias.copy_(conv.bias[columns])
 
 
-# chapters/08-gpt.md, "The KV cache"
+# chapters/10-gpt.md, "The KV cache"
 class KVCache:
     """A GPT's keys and values: `layers[i]` is layer i's LayerCache, over views of `keys[i]`."""
 
@@ -258,9 +258,9 @@ class KVCache:
                 f"capacity={c}, head_dim={hd}, dtype={self.keys.dtype}, nbytes={self.nbytes})")
 
 
-# chapters/08-gpt.md, "Generating text"
+# chapters/10-gpt.md, "Generating text"
 def _next_token(logits: torch.Tensor, temperature: float, top_k, generator) -> torch.Tensor:
-    """One token id per row of logits (B, V) -> (B, 1) (chapter 8, "Generating text").
+    """One token id per row of logits (B, V) -> (B, 1) (chapter 10, "Generating text").
 
     A non-finite logit is read as 0: the caller refuses such logits (GPT.generate, once)."""
     logits = logits.nan_to_num(0.0, posinf=0.0, neginf=0.0)
@@ -274,7 +274,7 @@ def _next_token(logits: torch.Tensor, temperature: float, top_k, generator) -> t
     return torch.multinomial(z.softmax(dim=-1), 1, generator=generator)  # (B, 1)
 
 
-# chapters/08-gpt.md, "Training a character-level GPT"
+# chapters/10-gpt.md, "Training a character-level GPT"
 class CharTokenizer:
     """Characters as tokens: the vocabulary is the sorted set of the characters of `text`."""
 

@@ -1,7 +1,7 @@
-# Do not edit: tools/tangle.py generates this file from chapters/05-masks.md.
+# Do not edit: tools/tangle.py generates this file from chapters/06-masks.md.
 """Boolean attention masks: causal, padding, and both combined.
 
-Built and explained in the book's chapter chapters/05-masks.md.
+Built and explained in the book's chapter chapters/06-masks.md.
 """
 
 __all__ = [
@@ -10,7 +10,7 @@ __all__ = [
     "attention_mask",
 ]
 
-# chapters/05-masks.md, "The causal mask"
+# chapters/06-masks.md, "The causal mask"
 import contextlib
 from collections.abc import Iterable, Sequence
 from typing import Literal
@@ -31,7 +31,7 @@ def causal_mask(q_len: int, k_len: int | None = None, *,
     return torch.arange(k_len, device=device)[None, :] <= query_positions  # (Lq, Lk)
 
 
-# chapters/05-masks.md, "Padding"
+# chapters/06-masks.md, "Padding"
 def padding_mask(lengths: Sequence[int] | torch.Tensor, max_len: int | None = None, *,
                  side: Literal["right", "left"] = "right",
                  device: torch.device | str | None = None) -> torch.Tensor:
@@ -58,7 +58,7 @@ def _check_lengths(lengths) -> list[int]:
     return [check_int(f"lengths[{i}]", n, 0) for i, n in enumerate(lengths)]
 
 
-# chapters/05-masks.md, "One mask for a batch"
+# chapters/06-masks.md, "One mask for a batch"
 def attention_mask(key_padding: torch.Tensor | None = None, causal: bool = False,
                    q_len: int | None = None, k_len: int | None = None, *,
                    device: torch.device | str | None = None) -> torch.Tensor:

@@ -1,7 +1,7 @@
-# Do not edit: tools/tangle.py generates this file from chapters/09-encoder-decoder.md.
+# Do not edit: tools/tangle.py generates this file from chapters/11-encoder-decoder.md.
 """The book's three models, BERT, GPT and the encoder-decoder, in one place.
 
-Built and explained in the book's chapter chapters/09-encoder-decoder.md.
+Built and explained in the book's chapter chapters/11-encoder-decoder.md.
 """
 
 __all__ = [
@@ -13,7 +13,7 @@ __all__ = [
     "GPTConfig",
 ]
 
-# chapters/09-encoder-decoder.md, "Three kinds of Transformer"
+# chapters/11-encoder-decoder.md, "Three kinds of Transformer"
 from attnbook.bert import BERT, BERTConfig
 from attnbook.encdec import EncoderDecoder, EncoderDecoderConfig
 from attnbook.gpt import GPT, GPTConfig

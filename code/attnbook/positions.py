@@ -1,7 +1,7 @@
-# Do not edit: tools/tangle.py generates this file from chapters/04-positions.md.
+# Do not edit: tools/tangle.py generates this file from chapters/05-positions.md.
 """Positions: sinusoidal encodings, rotary embeddings (RoPE) and ALiBi biases.
 
-Built and explained in the book's chapter chapters/04-positions.md.
+Built and explained in the book's chapter chapters/05-positions.md.
 """
 
 __all__ = [
@@ -11,7 +11,7 @@ __all__ = [
     "alibi_bias",
 ]
 
-# chapters/04-positions.md, "Sinusoidal encodings"
+# chapters/05-positions.md, "Sinusoidal encodings"
 import math
 
 import numpy as np
@@ -38,7 +38,7 @@ def sinusoidal_encoding(num_positions: int, d_model: int) -> np.ndarray:
     return np.where(columns % 2 == 0, np.sin(angles), np.cos(angles))
 
 
-# chapters/04-positions.md, "Rotary position embeddings (RoPE)"
+# chapters/05-positions.md, "Rotary position embeddings (RoPE)"
 def apply_rope(x: torch.Tensor, positions: torch.Tensor | None = None,
                base: float = 10000.0) -> torch.Tensor:
     """RoPE on `x` (..., L, d), d even, row l standing at `positions[l]` (default l): half-split
@@ -70,7 +70,7 @@ def _as_positions(positions, length: int, device: torch.device, dtype: torch.dty
     return check_tensor("positions", positions.to(device, dtype), shape=(length,))
 
 
-# chapters/04-positions.md, "ALiBi: a penalty for distance"
+# chapters/05-positions.md, "ALiBi: a penalty for distance"
 def alibi_slopes(num_heads: int, *, dtype: torch.dtype = torch.float32,
                  device: torch.device | str | None = None) -> torch.Tensor:
     """ALiBi's slopes (num_heads,), as in Press et al. (2022): 2**(-8/n), 2**(-16/n), ..., 2**(-8)
@@ -93,7 +93,7 @@ def _check_float_dtype(dtype) -> torch.dtype:
     return dtype
 
 
-# chapters/04-positions.md, "ALiBi: a penalty for distance"
+# chapters/05-positions.md, "ALiBi: a penalty for distance"
 def alibi_bias(num_heads: int, q_len: int, k_len: int | None = None, *,
                dtype: torch.dtype = torch.float32,
                device: torch.device | str | None = None) -> torch.Tensor:

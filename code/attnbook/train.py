@@ -160,7 +160,7 @@ def _number(kind: type, low: float, high: float = math.inf, open_low: bool = Fal
 
 # chapters/a2-training-at-scale.md, "One global batch, shared out"
 def corpus() -> tuple[torch.Tensor, int]:
-    """Chapter 8's training text as int64 character ids, and the size of its vocabulary."""
+    """Chapter 10's training text as int64 character ids, and the size of its vocabulary."""
     tokenizer = CharTokenizer(text := _corpus_text())
     return tokenizer.encode(text), tokenizer.vocab_size
 
