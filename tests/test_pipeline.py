@@ -393,3 +393,20 @@ def test_a_module_with_an_entry_point_runs_it_only_as_a_script(book_copy):
                               capture_output=True, text=True,
                               env={**os.environ, "PYTHONPATH": str(code)})
     assert imported.returncode == 0 and imported.stdout == ""
+
+
+def test_solutions_are_hidden_in_jupyter_and_on_colab_as_on_the_site():
+    # The site collapses a cell tagged hide-input; Jupyter and Colab ignore that tag, so the
+    # notebook must carry what each of them reads, or the solution sits under its exercise.
+    solutions = 0
+    for chapter in tangler.read_chapters():
+        nb = tangler.notebook_source(chapter, "0" * 40)
+        for cell in nb.cells:
+            if cell.cell_type != "code" or "hide-input" not in cell.metadata.get("tags", []):
+                continue
+            assert cell.metadata["jupyter"] == {"source_hidden": True}, chapter.relpath
+            assert cell.metadata["cellView"] == "form", chapter.relpath
+            title = cell.source.splitlines()[0]
+            assert title.startswith("# @title "), (chapter.relpath, title)
+            solutions += title.startswith("# @title Solutions")
+    assert solutions >= len(tangler.read_chapters()) - 2  # every chapter has its solutions

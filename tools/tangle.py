@@ -405,6 +405,19 @@ def fill_glue(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
     return nb
 
 
+HIDDEN_TAG = "hide-input"  # the site shows such a cell's code collapsed: solutions, drawing code
+
+
+def hide_source(cell: nbformat.NotebookNode, section: str | None) -> None:
+    """Hide a code cell's source where the notebook is read, as the site hides it: Jupyter reads
+    `jupyter.source_hidden`, and Colab shows a cell with `cellView: form` as its `# @title`
+    line alone, its code one double-click away. The title says what is hidden."""
+    what = "Solutions" if section == "Exercises" else "Hidden code"
+    cell.source = f"# @title {what} (double-click to show the code)\n" + cell.source
+    cell.metadata["jupyter"] = {"source_hidden": True}
+    cell.metadata["cellView"] = "form"
+
+
 def notebook_source(chapter: Chapter, commit: str) -> nbformat.NotebookNode:
     """The chapter as a Jupyter notebook, without outputs (and so with glue roles unfilled),
     whose setup cell installs the package at `commit` on Colab."""
@@ -412,12 +425,17 @@ def notebook_source(chapter: Chapter, commit: str) -> nbformat.NotebookNode:
     setup.metadata["tags"] = ["nbval-ignore-output"]
     cells = [setup]
     cited = citations()
+    section = None
     for cell in chapter.notebook.cells:
         cell = copy.deepcopy(cell)
         if cell.cell_type == "code":
             cell.outputs = []
             cell.execution_count = None
+            if HIDDEN_TAG in cell.metadata.get("tags", []):
+                hide_source(cell, section)
         elif cell.cell_type == "markdown":
+            for title in HEADING.findall(FENCE.sub("", cell.source)):
+                section = title.strip()
             cell.source = plain_markdown(cell.source, cited)
         cells.append(cell)
     for index, cell in enumerate(cells):
