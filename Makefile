@@ -84,8 +84,12 @@ tangle: $(STAMP)
 notebooks: $(STAMP)
 	$(PY) tools/tangle.py --execute $(if $(FORCE),--force)
 
-## book: build the site into _build/html, executing every chapter (cached between builds)
+## book: build the site into _build/html, executing every chapter (cached between builds): the
+## chapters missing from the cache run first, BOOK_WORKERS at a time (tools/execute_chapters.py),
+## each as the build itself would run it, and the build then finds them all in the cache
+BOOK_WORKERS ?= 2
 book: $(STAMP) $(MATHJAX) api-reference
+	$(PY) tools/execute_chapters.py _build/.jupyter_cache --workers $(BOOK_WORKERS)
 	$(VENV)/bin/jupyter-book build . $(BOOK_FLAGS)
 	@echo "The book is in _build/html/index.html"
 

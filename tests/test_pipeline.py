@@ -409,4 +409,8 @@ def test_solutions_are_hidden_in_jupyter_and_on_colab_as_on_the_site():
             title = cell.source.splitlines()[0]
             assert title.startswith("# @title "), (chapter.relpath, title)
             solutions += title.startswith("# @title Solutions")
+        # the chapter's own code, as tools/verified_cache.py reads it back
+        ours = [c.source for c in chapter.notebook.cells if c.cell_type == "code"]
+        theirs = [tangler.chapter_source(c) for c in nb.cells[1:] if c.cell_type == "code"]
+        assert ours == theirs, chapter.relpath
     assert solutions >= len(tangler.read_chapters()) - 2  # every chapter has its solutions

@@ -408,12 +408,22 @@ def fill_glue(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
 HIDDEN_TAG = "hide-input"  # the site shows such a cell's code collapsed: solutions, drawing code
 
 
+HIDDEN_TITLE_END = "(double-click to show the code)"
+
+
+def chapter_source(notebook_cell: nbformat.NotebookNode) -> str:
+    """A notebook code cell's source as its chapter writes it: without hide_source's title."""
+    first, _, rest = notebook_cell.source.partition("\n")
+    hidden = first.startswith("# @title ") and first.endswith(HIDDEN_TITLE_END)
+    return rest if hidden else notebook_cell.source
+
+
 def hide_source(cell: nbformat.NotebookNode, section: str | None) -> None:
     """Hide a code cell's source where the notebook is read, as the site hides it: Jupyter reads
     `jupyter.source_hidden`, and Colab shows a cell with `cellView: form` as its `# @title`
     line alone, its code one double-click away. The title says what is hidden."""
     what = "Solutions" if section == "Exercises" else "Hidden code"
-    cell.source = f"# @title {what} (double-click to show the code)\n" + cell.source
+    cell.source = f"# @title {what} {HIDDEN_TITLE_END}\n" + cell.source
     cell.metadata["jupyter"] = {"source_hidden": True}
     cell.metadata["cellView"] = "form"
 

@@ -23,7 +23,7 @@ from jupyter_cache.base import CacheBundleIn
 from myst_nb.core.read import read_myst_markdown_notebook
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from tangle import ROOT, notebook_path, read_chapters  # noqa: E402
+from tangle import ROOT, chapter_source, notebook_path, read_chapters  # noqa: E402
 
 
 def chapter_with_outputs(chapter) -> nbformat.NotebookNode:
@@ -31,7 +31,7 @@ def chapter_with_outputs(chapter) -> nbformat.NotebookNode:
     committed = nbformat.read(notebook_path(chapter), as_version=4)
     executed = [c for c in committed.cells[1:] if c.cell_type == "code"]  # [0]: setup cell
     code = [c for c in nb.cells if c.cell_type == "code"]
-    if [c.source.strip() for c in code] != [c.source.strip() for c in executed]:
+    if [c.source.strip() for c in code] != [chapter_source(c).strip() for c in executed]:
         raise SystemExit(f"{notebook_path(chapter)} does not match {chapter.relpath}: make notebooks")
     for cell, done in zip(code, executed):
         cell.outputs, cell.execution_count = done.outputs, done.execution_count
