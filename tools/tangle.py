@@ -409,6 +409,7 @@ HIDDEN_TAG = "hide-input"  # the site shows such a cell's code collapsed: soluti
 
 
 HIDDEN_TITLE_END = "(double-click to show the code)"
+SHOWING = ("jupyter", "cellView")  # the cell metadata that hide_source sets
 
 
 def chapter_source(notebook_cell: nbformat.NotebookNode) -> str:
@@ -483,11 +484,13 @@ def dumps(nb: nbformat.NotebookNode) -> str:
 
 def same_code(a: nbformat.NotebookNode, b: nbformat.NotebookNode) -> bool:
     """Whether two notebooks run the same code. The setup cell is left out: on Colab it installs
-    the package, and anywhere else its outputs depend on nothing that it pins."""
+    the package, and anywhere else its outputs depend on nothing that it pins. So is how a cell
+    is shown (hide_source's title comment and metadata), which changes nothing it computes."""
 
     def code(nb):
         cells = strip_outputs(nb).cells[1:]
-        return [(c.source, c.metadata) for c in cells if c.cell_type == "code"]
+        return [(chapter_source(c), {k: v for k, v in c.metadata.items() if k not in SHOWING})
+                for c in cells if c.cell_type == "code"]
 
     return code(a) == code(b)
 
