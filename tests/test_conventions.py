@@ -257,3 +257,10 @@ def test_models_that_take_ids_accept_unsigned_ids(dtype):
 def test_check_token_ids_checks_vocab_size(vocab_size, error):
     with pytest.raises(error, match="vocab_size"):
         c.check_token_ids("ids", torch.tensor([], dtype=torch.long), vocab_size)
+
+
+def test_token_ids_on_the_meta_device_are_refused_by_name():
+    # A meta tensor has a shape and no values: the range check cannot run, and PyTorch's own
+    # error ("cannot be called on meta tensors") would name no argument.
+    with pytest.raises(ValueError, match="ids must hold values, got a tensor on the meta device"):
+        c.check_token_ids("ids", torch.zeros(2, 3, dtype=torch.long, device="meta"), 5)

@@ -56,6 +56,8 @@ def check_token_ids(name: str, ids, vocab_size: int, shape: tuple[int | None, ..
     if ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex():
         raise TypeError(f"{name} must hold integer ids, got dtype {ids.dtype}")
     _check_shape_and_device(name, ids, shape, device)
+    if ids.is_meta:  # a meta tensor has a shape but no values to check
+        raise ValueError(f"{name} must hold values, got a tensor on the meta device")
     if ids.dtype == torch.uint64:  # PyTorch has no min or max for uint16, uint32 and uint64;
         wide = ids.view(torch.int64)  # an id of 2**63 or more reads as negative: out of range
         if ids.numel() and int(wide.min()) < 0:
