@@ -1,4 +1,4 @@
-"""attnbook.viz (chapter 1): the attention explorer's HTML, read back with Python's HTML parser."""
+"""attnbook.viz (appendix C): the attention explorer's HTML, read back with Python's HTML parser."""
 
 import json
 import re

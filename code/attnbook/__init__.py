@@ -5,9 +5,6 @@ Modules, in the order the book builds them:
 
 - attnbook.attention (chapters/01-queries-keys-values.md): Scaled dot-product attention in
   NumPy: a softmax that cannot overflow, masks, and the shape check of Q, K and V.
-- attnbook.viz (chapters/01-queries-keys-values.md): An attention explorer: attention weights
-  over a sentence's tokens as HTML that Jupyter, Colab and the book's site display, with nothing
-  fetched from outside.
 - attnbook.scaling (chapters/02-scaling.md): Why scores are divided by the square root of d:
   random scores, the softmax's peak and its Jacobian.
 - attnbook.heads (chapters/03-heads.md): Multi-head attention in PyTorch: the attention core,
@@ -54,6 +51,9 @@ Modules, in the order the book builds them:
 - attnbook.train (chapters/a2-training-at-scale.md): Training the book's GPT on one or many
   processes: torch.distributed's DDP and FSDP2, launched by torchrun, with distributed
   checkpoints.
+- attnbook.viz (chapters/a3-pictures.md): An attention explorer: attention weights over a
+  sentence's tokens as HTML that Jupyter, Colab and the book's site display, with nothing
+  fetched from outside.
 """
 
 import importlib
@@ -61,7 +61,6 @@ import importlib
 __version__ = "0.1.0"
 __all__ = [
     "attention",
-    "viz",
     "scaling",
     "heads",
     "positions",
@@ -83,6 +82,7 @@ __all__ = [
     "conventions",
     "notebook",
     "train",
+    "viz",
 ]
 
 

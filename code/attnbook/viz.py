@@ -1,8 +1,8 @@
-# Do not edit: tools/tangle.py generates this file from chapters/01-queries-keys-values.md.
+# Do not edit: tools/tangle.py generates this file from chapters/a3-pictures.md.
 """An attention explorer: attention weights over a sentence's tokens as HTML that Jupyter, Colab
 and the book's site display, with nothing fetched from outside.
 
-Built and explained in the book's chapter chapters/01-queries-keys-values.md.
+Built and explained in the book's chapter chapters/a3-pictures.md.
 """
 
 __all__ = [
@@ -12,7 +12,7 @@ __all__ = [
     "attention_explorer",
 ]
 
-# chapters/01-queries-keys-values.md, "Pointing at a word: an attention explorer"
+# chapters/a3-pictures.md, "What the explorer accepts"
 import hashlib
 import html
 import itertools
@@ -22,12 +22,12 @@ import re
 import numpy as np
 import torch
 
-from attnbook.conventions import check_array, check_instance, check_int, check_real  # noqa: F811
+from attnbook.conventions import check_array, check_instance, check_int, check_real
 
 
 def explorer_weights(tokens, weights, atol: float = 1e-3) -> np.ndarray:
     """`weights` of shape (T, T), (heads, T, T) or (layers, heads, T, T) as a float64 array of
-    shape (layers, heads, T, T) (chapter 1), checked against `tokens`, T strings: finite,
+    shape (layers, heads, T, T) (appendix C), checked against `tokens`, T strings: finite,
     non-negative, every row summing to 1 within `atol` or all zero (no allowed key)."""
     check_instance("tokens", tokens, (list, tuple))
     for i, token in enumerate(tokens):
@@ -50,7 +50,7 @@ def explorer_weights(tokens, weights, atol: float = 1e-3) -> np.ndarray:
     return w.reshape((1,) * (4 - w.ndim) + w.shape)
 
 
-# chapters/01-queries-keys-values.md, "Pointing at a word: an attention explorer"
+# chapters/a3-pictures.md, "The page"
 _STYLE = """
 .attnbook-explorer { font-family: sans-serif; margin: 0.5em 0; }
 .attnbook-explorer .ax-controls label { margin-left: 0.5em; font-size: 0.9em; }
@@ -99,7 +99,7 @@ _SCRIPT = """(function () {
 })();"""
 
 
-# chapters/01-queries-keys-values.md, "Pointing at a word: an attention explorer"
+# chapters/a3-pictures.md, "The page"
 def _options(name: str, count: int, uid: str, average: bool = False) -> str:
     """A <select> of `count` numbered choices (plus the average), or nothing for one choice."""
     if count == 1:
@@ -118,7 +118,7 @@ def _json_for_script(data) -> str:
 
 
 def explorer_html(tokens, weights: np.ndarray, uid: str, title: str = "", digits: int = 3) -> str:
-    """The explorer's HTML for `weights` over `tokens`, checked by explorer_weights (chapter 1),
+    """The explorer's HTML for `weights` over `tokens`, checked by explorer_weights (appendix C),
     its element ids all starting with `uid`: letters, digits, `-` and `_` only, since it goes
     into attributes and into the script. Tokens and title are escaped, shown as text."""
     weights = explorer_weights(tokens, weights)  # (L, H, T, T), finite: valid JSON
@@ -145,13 +145,13 @@ def explorer_html(tokens, weights: np.ndarray, uid: str, title: str = "", digits
             f'<script>{_SCRIPT.replace("__UID__", uid)}</script></div>')
 
 
-# chapters/01-queries-keys-values.md, "Pointing at a word: an attention explorer"
+# chapters/a3-pictures.md, "The page"
 _shown = itertools.count()  # explorers displayed so far by this Python process
 
 
 class AttentionExplorer:
     """Attention weights over `tokens` that Jupyter, Colab and the book's site display as an
-    interactive explorer (chapter 1); make one with attention_explorer."""
+    interactive explorer (appendix C); make one with attention_explorer."""
 
     def __init__(self, tokens, weights, title: str = "", digits: int = 3):
         self.weights = explorer_weights(tokens, weights)  # (L, H, T, T)
@@ -172,6 +172,6 @@ class AttentionExplorer:
 
 def attention_explorer(tokens, weights, title: str = "", digits: int = 3) -> AttentionExplorer:
     """An explorer of `weights` (T, T), (heads, T, T) or (layers, heads, T, T) over `tokens`, a
-    list of T strings (chapter 1): hovering over or focusing a token shades the others by its
+    list of T strings (appendix C): hovering over or focusing a token shades the others by its
     weights; selectors choose the layer and the head, or the average over heads."""
     return AttentionExplorer(tokens, weights, title=title, digits=digits)
