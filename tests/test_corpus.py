@@ -1,4 +1,4 @@
-"""The corpus snapshot (chapter 8): the same text on every Python, refused when damaged."""
+"""The corpus snapshot (appendix A): the same text on every Python, refused when damaged."""
 
 import gzip
 import hashlib

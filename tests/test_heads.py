@@ -1,4 +1,4 @@
-"""attnbook.heads (chapter 3) against torch.nn.MultiheadAttention and scaled_dot_product_attention."""
+"""attnbook.heads (chapters 3 and 4) against torch.nn.MultiheadAttention and scaled_dot_product_attention."""
 
 import numpy as np
 import pytest
@@ -387,7 +387,7 @@ def test_module_large_float16_inputs_do_not_overflow():
                                rtol=2e-3, atol=2e-3)
 
 
-# The KV cache (chapter 3, "Keeping keys and values for generation") ------------------------
+# The KV cache (chapter 4, "Keeping keys and values for generation") ------------------------
 
 
 def _storage(layer, batch, capacity, dtype=DOUBLE):

@@ -17,8 +17,6 @@ Modules, in the order the book builds them:
   RMSNorm, pre- and post-norm residuals, and a copy of torch.nn.TransformerEncoderLayer.
 - attnbook.bert (chapters/08-bert.md): An encoder-only model, BERT: embeddings, the
   masked-language-model head, token masking, and Hugging Face BERT weights.
-- attnbook.corpus (chapters/08-bert.md): The book's training text: a fixed snapshot of the
-  Python documentation's topics.
 - attnbook.gpt (chapters/10-gpt.md): A decoder-only model, GPT: generation with a KV cache,
   GPT-2's weights, and a character tokenizer.
 - attnbook.encdec (chapters/11-encoder-decoder.md): The original Transformer's encoder-decoder,
@@ -34,8 +32,6 @@ Modules, in the order the book builds them:
   anything imports triton.
 - attnbook.kernels (chapters/14-flash-attention-triton.md): FlashAttention in Triton: the
   forward and backward kernels, and flash_attention for PyTorch tensors.
-- attnbook.compile_check (chapters/14-flash-attention-triton.md): Compile the kernels of chapter
-  14 for a GPU that need not be present, and read what they use.
 - attnbook.efficient (chapters/16-efficient-attention.md): Beyond quadratic attention:
   sliding-window, global and block-sparse masks with tile skipping, linear attention, FAVOR+
   random features and retention.
@@ -48,12 +44,16 @@ Modules, in the order the book builds them:
   policy, one check per concept.
 - attnbook.notebook (chapters/a1-conventions.md): What a chapter uses to run as a notebook:
   numbers glued into the prose, timings, and whether pretrained weights can be downloaded.
+- attnbook.corpus (chapters/a1-conventions.md): The book's training text: a fixed snapshot of
+  the Python documentation's topics.
 - attnbook.train (chapters/a2-training-at-scale.md): Training the book's GPT on one or many
   processes: torch.distributed's DDP and FSDP2, launched by torchrun, with distributed
   checkpoints.
 - attnbook.viz (chapters/a3-pictures.md): An attention explorer: attention weights over a
   sentence's tokens as HTML that Jupyter, Colab and the book's site display, with nothing
   fetched from outside.
+- attnbook.compile_check (chapters/a4-compiling.md): Compile the kernels of chapter 14 for a GPU
+  that need not be present, and read what they use.
 """
 
 import importlib
@@ -67,7 +67,6 @@ __all__ = [
     "masks",
     "blocks",
     "bert",
-    "corpus",
     "gpt",
     "encdec",
     "models",
@@ -75,14 +74,15 @@ __all__ = [
     "tiling",
     "triton_mode",
     "kernels",
-    "compile_check",
     "efficient",
     "vit",
     "basic_checks",
     "conventions",
     "notebook",
+    "corpus",
     "train",
     "viz",
+    "compile_check",
 ]
 
 

@@ -1,8 +1,8 @@
-# Do not edit: tools/tangle.py generates this file from chapters/08-bert.md.
+# Do not edit: tools/tangle.py generates this file from chapters/08-bert.md and chapters/09-pretraining.md.
 """An encoder-only model, BERT: embeddings, the masked-language-model head, token masking, and
 Hugging Face BERT weights.
 
-Built and explained in the book's chapter chapters/08-bert.md.
+Built and explained in the book's chapters chapters/08-bert.md and chapters/09-pretraining.md.
 """
 
 __all__ = [
@@ -264,7 +264,7 @@ def mean_pool(hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tenso
     return (total / keep.sum(1).clamp(min=1)).to(hidden.dtype)
 
 
-# chapters/08-bert.md, "Masked language modelling"
+# chapters/09-pretraining.md, "Masked language modelling"
 def mask_tokens(input_ids: torch.Tensor, mask_id: int, vocab_size: int, *,
                 can_mask: torch.Tensor | None = None, p: float = 0.15,
                 generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,7 +1,7 @@
-# Do not edit: tools/tangle.py generates this file from chapters/14-flash-attention-triton.md.
+# Do not edit: tools/tangle.py generates this file from chapters/a4-compiling.md.
 """Compile the kernels of chapter 14 for a GPU that need not be present, and read what they use.
 
-Built and explained in the book's chapter chapters/14-flash-attention-triton.md.
+Built and explained in the book's chapter chapters/a4-compiling.md.
 """
 
 __all__ = [
@@ -16,7 +16,7 @@ __all__ = [
     "largest_tiles",
 ]
 
-# chapters/14-flash-attention-triton.md, "What the compiler makes of it"
+# chapters/a4-compiling.md, "Appendix D: Compiling for GPUs the machine does not have"
 import contextlib
 import io
 import json
@@ -59,7 +59,7 @@ class Compiled:
         return self.shared_bytes <= SHARED_MEMORY[self.gpu]
 
 
-# chapters/14-flash-attention-triton.md, "What the compiler makes of it"
+# chapters/a4-compiling.md, "Appendix D: Compiling for GPUs the machine does not have"
 # Each kernel's parameters, in order, typed as Triton's launcher specialises a typical launch
 # (contiguous (B, H, 1024, D) tensors): "*T" points to the inputs' dtype, "i32/16" is a multiple
 # of 16, "1" an integer equal to 1 (the stride along D), which becomes a constant.
@@ -94,7 +94,7 @@ def _signature(kernel: str, dtype: str) -> tuple[dict, dict, dict]:
     return signature, constants, attrs
 
 
-# chapters/14-flash-attention-triton.md, "What the compiler makes of it"
+# chapters/a4-compiling.md, "Appendix D: Compiling for GPUs the machine does not have"
 def _ptxas_usage(log: str) -> tuple[int, int]:
     # Registers per thread and bytes spilled, from the report of ptxas (NVIDIA's assembler).
     registers = re.search(r"Used (\d+) registers", log)
@@ -135,7 +135,7 @@ def _compile_here(kernel: str, gpu: str, dtype: str, head_dim: int, causal: bool
                     compiled.metadata.shared, registers, spills, tensor_cores)
 
 
-# chapters/14-flash-attention-triton.md, "What the compiler makes of it"
+# chapters/a4-compiling.md, "Appendix D: Compiling for GPUs the machine does not have"
 def compile_kernels(requests: list[dict], workers: int | None = None) -> list[Compiled]:
     """Compile chapter 14's kernels for GPUs that need not be present, in up to `workers` (at most
     4) fresh processes, and report their resources. Each request names kernel, gpu, dtype (in
@@ -199,7 +199,7 @@ def _main() -> None:
     json.dump([asdict(_compile_here(**r)) for r in json.load(sys.stdin)], sys.stdout)
 
 
-# chapters/14-flash-attention-triton.md, "What the compiler makes of it"
+# chapters/a4-compiling.md, "Appendix D: Compiling for GPUs the machine does not have"
 def choose_tiles(compiled: list[Compiled]) -> dict:
     """{(kernel, head_dim): rows}: the largest of 64 and 32 rows that fits the shared memory of
     every GPU compiled for and spills no register on the A100 and the H100, else 16."""

@@ -1,7 +1,7 @@
-# Do not edit: tools/tangle.py generates this file from chapters/08-bert.md.
+# Do not edit: tools/tangle.py generates this file from chapters/a1-conventions.md.
 """The book's training text: a fixed snapshot of the Python documentation's topics.
 
-Built and explained in the book's chapter chapters/08-bert.md.
+Built and explained in the book's chapter chapters/a1-conventions.md.
 """
 
 __all__ = [
@@ -11,7 +11,7 @@ __all__ = [
     "python_topics",
 ]
 
-# chapters/08-bert.md, "A vocabulary from the Python documentation"
+# chapters/a1-conventions.md, "The training text, shipped as package data"
 import gzip
 import hashlib
 import json
@@ -22,7 +22,7 @@ SNAPSHOT_SHA256 = "38ba2ac4b3d58f22f028ae47bef4b35d5b884f860c23411ad241d9484fc4d
 
 
 def read_snapshot() -> dict:
-    """The corpus file: its `source`, its `license` and its `topics` (chapter 8, "A vocabulary").
+    """The corpus file: its `source`, its `license` and its `topics` (appendix A).
 
     Raises RuntimeError when the file's SHA-256 is not SNAPSHOT_SHA256.
     """
@@ -36,6 +36,6 @@ def read_snapshot() -> dict:
 
 def python_topics() -> dict[str, str]:
     """The book's training text, article by article: CPython 3.11.7's `pydoc_data.topics`,
-    the same characters on every Python (chapter 8, "A vocabulary from the Python documentation").
+    the same characters on every Python (appendix A).
     """
     return read_snapshot()["topics"]

@@ -1,8 +1,8 @@
-# Do not edit: tools/tangle.py generates this file from chapters/03-heads.md.
+# Do not edit: tools/tangle.py generates this file from chapters/03-heads.md and chapters/04-heads-at-work.md.
 """Multi-head attention in PyTorch: the attention core, shared key/value heads, one layer's KV
 cache, and a copy of torch.nn.MultiheadAttention.
 
-Built and explained in the book's chapter chapters/03-heads.md.
+Built and explained in the book's chapters chapters/03-heads.md and chapters/04-heads-at-work.md.
 """
 
 __all__ = [
@@ -170,7 +170,7 @@ class MultiHeadAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, context: torch.Tensor | None = None,
                 mask: torch.Tensor | None = None, is_causal: bool = False,
-                return_weights: bool = False, cache: "LayerCache | None" = None
+                return_weights: bool = False, cache: "LayerCache | None" = None  # noqa: F821
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Attend from x (B, Lq, d_model) to context (B, Lk, d_model; default x): (B, Lq, d_model),
         and with `return_weights` the weights (B, nh, Lq, Lk). `is_causal` aligns bottom-right;
@@ -212,7 +212,8 @@ def _check_attention_call(layer: MultiHeadAttention, x, context, mask, is_causal
     if cache is not None:
         if context is not None:
             raise ValueError("a cache is for self-attention: give a context or a cache, not both")
-        _check_cache(check_instance("cache", cache, LayerCache), layer, x)
+        # LayerCache and _check_cache: chapter 4, "Keeping keys and values for generation"
+        _check_cache(check_instance("cache", cache, LayerCache), layer, x)  # noqa: F821
         lk += cache.length
     if mask is not None:
         check_mask("mask", mask, (b, layer.num_heads, lq, lk), x.device)
@@ -263,7 +264,7 @@ class _SequenceFirst(MultiHeadAttention):
         return (flip(result[0]), result[1]) if isinstance(result, tuple) else flip(result)
 
 
-# chapters/03-heads.md, "Keeping keys and values for generation"
+# chapters/04-heads-at-work.md, "Keeping keys and values for generation"
 class LayerCache:
     """One attention layer's keys and values for the positions read so far, in storage `keys`
     and `values` (B, num_kv_heads, capacity, head_dim) that the caller allocates; `length`
@@ -316,10 +317,10 @@ def _check_cache(cache: LayerCache, layer: MultiHeadAttention, x: torch.Tensor) 
     _check_fits(cache, x.shape[1], x.requires_grad or w.requires_grad)
 
 
-# chapters/03-heads.md, "Which heads can go"
+# chapters/04-heads-at-work.md, "Which heads can go"
 def head_gate_grad(attn: MultiHeadAttention) -> torch.Tensor:
     """The gradient of the last backward pass's loss with respect to a gate g_h on each head's
-    output at g_h = 1, (num_heads,), read from out_proj.weight and its .grad (chapter 3,
+    output at g_h = 1, (num_heads,), read from out_proj.weight and its .grad (chapter 4,
     "Which heads can go"): the input of out_proj is the heads side by side, so scaling head h by
     g_h scales its block of columns, and dL/dg_h = sum(W[:, block h] * dL/dW[:, block h])."""
     check_instance("attn", attn, MultiHeadAttention)

@@ -1,8 +1,8 @@
-# Do not edit: tools/tangle.py generates this file from chapters/14-flash-attention-triton.md.
+# Do not edit: tools/tangle.py generates this file from chapters/14-flash-attention-triton.md and chapters/15-flash-attention-backward.md.
 """FlashAttention in Triton: the forward and backward kernels, and flash_attention for PyTorch
 tensors.
 
-Built and explained in the book's chapter chapters/14-flash-attention-triton.md.
+Built and explained in the book's chapters chapters/14-flash-attention-triton.md and chapters/15-flash-attention-backward.md.
 """
 
 __all__ = [
@@ -22,7 +22,8 @@ import torch
 import triton  # compiled, or interpreted after use_triton_interpreter() without a GPU
 import triton.language as tl
 
-from attnbook.conventions import check_bool, check_real, check_scale, check_tensor
+# flash_attention's checks (chapter 15)
+from attnbook.conventions import check_bool, check_real, check_scale, check_tensor  # noqa: F401
 
 
 # chapters/14-flash-attention-triton.md, "The Triton programming model"
@@ -249,7 +250,7 @@ def _strides(*tensors: torch.Tensor) -> list[int]:
     return [s for t in tensors for s in t.stride()]
 
 
-# chapters/14-flash-attention-triton.md, "The backward pass"
+# chapters/15-flash-attention-backward.md, "The backward pass"
 @triton.jit
 def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, stride_qb, stride_qh, stride_qm, stride_qd,
                  stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn,
@@ -316,7 +317,7 @@ def _query_range(start_n, Lq, Lk, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
     return lo, tl.where(start_n + BLOCK_N > Lk, Lq, tl.minimum(mid, Lq))
 
 
-# chapters/14-flash-attention-triton.md, "The backward pass"
+# chapters/15-flash-attention-backward.md, "The backward pass"
 @triton.jit
 def _dq_kernel(Q, K, V, DO, LSE, DELTA, stride_qb, stride_qh, stride_qm, stride_qd,
                stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn,
@@ -362,7 +363,7 @@ def _dq_step(dq, q, do, lse, delta, K, V, rows, start_n, stride_kn, stride_kd, s
     return dq + tl.dot(ds.to(k.dtype), k, input_precision="ieee")
 
 
-# chapters/14-flash-attention-triton.md, "The backward pass"
+# chapters/15-flash-attention-backward.md, "The backward pass"
 # The kernels whose tiles TILE_ROWS holds, by name: what attnbook.compile_check compiles.
 TRITON_KERNELS = {"forward": _forward_kernel, "dkdv": _dkdv_kernel, "dq": _dq_kernel}
 
@@ -381,7 +382,7 @@ def _backward(q, k, v, o, lse, do, causal: bool, scale: float):
     return dq, dk, dv
 
 
-# chapters/14-flash-attention-triton.md, "A checked, differentiable function"
+# chapters/15-flash-attention-backward.md, "A checked, differentiable function"
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
                     scale: float | None = None) -> torch.Tensor:
     """Exact, differentiable attention softmax(scale * q k^T) v by tiled Triton kernels: q is
@@ -408,7 +409,7 @@ class _FlashAttention(torch.autograd.Function):
         return (*_backward(q, k, v, o, lse, do, ctx.causal, ctx.scale), None, None)
 
 
-# chapters/14-flash-attention-triton.md, "A checked, differentiable function"
+# chapters/15-flash-attention-backward.md, "A checked, differentiable function"
 _LARGEST_SCALE = torch.finfo(torch.float32).max / _LOG2E  # scale * log2(e) is a float32
 
 
