@@ -29,7 +29,7 @@ def pytest_configure(config):
     # Without a GPU, Triton must interpret kernels on the CPU, and that is fixed when triton is
     # first imported, which some torch modules do (torch.utils.flop_counter) before any test
     # reaches attnbook.kernels: chosen here, first, by the package's one function for it
-    # (chapter 14). The notebooks' kernels inherit this environment too.
+    # (chapter 15). The notebooks' kernels inherit this environment too.
     from attnbook.triton_mode import use_triton_interpreter
 
     use_triton_interpreter()

@@ -1,4 +1,4 @@
-"""Benchmark attnbook.kernels.flash_attention (chapter 14) against PyTorch's attention.
+"""Benchmark attnbook.kernels.flash_attention (chapter 15) against PyTorch's attention.
 
 Providers, each timed for the forward pass ("fwd") and forward plus backward ("fwd+bwd"):
 
@@ -16,7 +16,7 @@ Providers, each timed for the forward pass ("fwd") and forward plus backward ("f
 
 Writes OUT/flash_attention.csv and OUT/flash_attention.png (OUT defaults to benchmarks/results),
 or, with --roofline, OUT/roofline.csv: for each size, the time below which no kernel that moves
-chapter 14's bytes and does its FLOPs can run on this GPU (attnbook.tiling's roofline_seconds,
+chapter 15's bytes and does its FLOPs can run on this GPU (attnbook.tiling's roofline_seconds,
 with attention_bytes and schedule_flops for our launcher's tiles, and for tiles as long as the
 sequence: every input read once), and the TFLOP/s that time means in this benchmark's count.
 Naive attention and SDPA's math backend, which hold the N x N matrix, are skipped ("skipped")
@@ -204,9 +204,9 @@ ROOFLINE_COLUMNS = ["gpu", "dtype", "batch", "heads", "seqlen", "head_dim", "cau
 
 
 def roofline(small: bool) -> list[dict]:
-    """The roofline bound (attnbook.tiling, chapter 13) of every size the benchmark measures, on
+    """The roofline bound (attnbook.tiling, chapter 14) of every size the benchmark measures, on
     this GPU (on a CPU, --small: the H100, as an illustration). "launcher": the bytes and FLOPs
-    of chapter 14's kernels with the launcher's tiles on this GPU (the forward kernel's for the
+    of chapter 15's kernels with the launcher's tiles on this GPU (the forward kernel's for the
     forward pass, the dK, dV kernel's for forward + backward); "inputs once": tiles as long as
     the sequence, so that every input is read once (no causal skip, so not under a mask)."""
     from attnbook import tiling

@@ -1,4 +1,4 @@
-"""attnbook.compile_check (chapter 14): the kernels compiled ahead of time for GPUs we lack.
+"""attnbook.compile_check (appendix D): the kernels compiled ahead of time for GPUs we lack.
 
 Triton compiles for a T4, an A100 and an H100 on the CPU, and ptxas reports the machine code's
 registers and spills. These tests hold the launcher's tile table to the rule the chapter states,

@@ -2,7 +2,7 @@
 
 The implementations: the NumPy reference (chapter 1, attnbook.attention), the attention core
 `attend` and the module `MultiHeadAttention` (chapter 3, attnbook.heads), the tiled NumPy
-FlashAttention (chapter 13, attnbook.tiling) and the Triton kernel (chapter 14,
+FlashAttention (chapter 13, attnbook.tiling) and the Triton kernel (chapter 15,
 attnbook.kernels; in Triton's interpreter on CPU when there is no GPU). Each is checked against
 `torch.nn.functional.scaled_dot_product_attention` in float64 with an explicit boolean mask (or
 against `torch.nn.MultiheadAttention`), on random shapes, masks, dtypes, scales and causal flags,
@@ -487,7 +487,7 @@ def test_block_schedule_visits_exactly_the_needed_tiles(lq, lk, block_size, caus
 
 
 # ---------------------------------------------------------------------------------------------
-# Chapter 14: the Triton kernel (interpreted on CPU: few, small examples)
+# Chapter 15: the Triton kernel (interpreted on CPU: few, small examples)
 # ---------------------------------------------------------------------------------------------
 
 @needs_triton

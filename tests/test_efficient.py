@@ -1,4 +1,4 @@
-"""attnbook.efficient (chapter 16) against explicit formulas, loops and the book's softmax."""
+"""attnbook.efficient (chapter 17) against explicit formulas, loops and the book's softmax."""
 
 import math
 

@@ -1,4 +1,4 @@
-"""attnbook.kernels (chapter 14): the Triton FlashAttention kernels against PyTorch.
+"""attnbook.kernels (chapters 15 and 16): the Triton FlashAttention kernels against PyTorch.
 
 Without a GPU every kernel runs in Triton's interpreter on CPU tensors, which is slow, so the
 shapes below are a covering subset (every length, head size, dtype and mask appears; not every

@@ -1,4 +1,4 @@
-"""attnbook.tiling (chapter 13) against chapter 1, PyTorch and closed-form block counts."""
+"""attnbook.tiling (chapters 13 and 14) against chapter 1, PyTorch and closed-form block counts."""
 
 import dataclasses
 import math

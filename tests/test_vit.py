@@ -1,4 +1,4 @@
-"""Tests of attnbook.vit (chapter 17) against PyTorch's unfold, convolution and encoder layers."""
+"""Tests of attnbook.vit (chapter 18) against PyTorch's unfold, convolution and encoder layers."""
 
 import pytest
 import torch

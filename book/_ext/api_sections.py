@@ -27,7 +27,7 @@ from sphinx.util.docutils import SphinxDirective
 
 
 def use_triton_interpreter() -> None:
-    """The package's own choice of Triton's mode (attnbook.triton_mode, chapter 14): the
+    """The package's own choice of Triton's mode (attnbook.triton_mode, chapter 15): the
     interpreter where there is no GPU, before autodoc imports attnbook.kernels; tools/
     api_reference.py calls it too."""
     from attnbook.triton_mode import use_triton_interpreter as choose

@@ -27,15 +27,15 @@ Modules, in the order the book builds them:
   scores, of saved tensors and of the KV cache.
 - attnbook.tiling (chapters/13-tiling.md): FlashAttention's algorithm in NumPy: the online
   softmax and attention computed tile by tile.
-- attnbook.triton_mode (chapters/14-flash-attention-triton.md): How Triton runs the book's
+- attnbook.triton_mode (chapters/15-flash-attention-triton.md): How Triton runs the book's
   kernels: compiled for a GPU, or in its interpreter on the CPU, chosen once, explicitly, before
   anything imports triton.
-- attnbook.kernels (chapters/14-flash-attention-triton.md): FlashAttention in Triton: the
+- attnbook.kernels (chapters/15-flash-attention-triton.md): FlashAttention in Triton: the
   forward and backward kernels, and flash_attention for PyTorch tensors.
-- attnbook.efficient (chapters/16-efficient-attention.md): Beyond quadratic attention:
+- attnbook.efficient (chapters/17-efficient-attention.md): Beyond quadratic attention:
   sliding-window, global and block-sparse masks with tile skipping, linear attention, FAVOR+
   random features and retention.
-- attnbook.vit (chapters/17-vision-transformer.md): The Vision Transformer: images cut into
+- attnbook.vit (chapters/18-vision-transformer.md): The Vision Transformer: images cut into
   patches, a class token and learned positions, on the book's Transformer blocks.
 - attnbook.basic_checks (chapters/a1-conventions.md): The argument checks that need only Python
   and NumPy, which the NumPy chapters import without loading PyTorch; attnbook.conventions
@@ -52,8 +52,8 @@ Modules, in the order the book builds them:
 - attnbook.viz (chapters/a3-pictures.md): An attention explorer: attention weights over a
   sentence's tokens as HTML that Jupyter, Colab and the book's site display, with nothing
   fetched from outside.
-- attnbook.compile_check (chapters/a4-compiling.md): Compile the kernels of chapter 14 for a GPU
-  that need not be present, and read what they use.
+- attnbook.compile_check (chapters/a4-compiling.md): Compile the kernels of chapters 15 and 16
+  for a GPU that need not be present, and read what they use.
 """
 
 import importlib

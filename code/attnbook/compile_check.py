@@ -1,5 +1,6 @@
 # Do not edit: tools/tangle.py generates this file from chapters/a4-compiling.md.
-"""Compile the kernels of chapter 14 for a GPU that need not be present, and read what they use.
+"""Compile the kernels of chapters 15 and 16 for a GPU that need not be present, and read what they
+use.
 
 Built and explained in the book's chapter chapters/a4-compiling.md.
 """
@@ -137,8 +138,8 @@ def _compile_here(kernel: str, gpu: str, dtype: str, head_dim: int, causal: bool
 
 # chapters/a4-compiling.md, "Appendix D: Compiling for GPUs the machine does not have"
 def compile_kernels(requests: list[dict], workers: int | None = None) -> list[Compiled]:
-    """Compile chapter 14's kernels for GPUs that need not be present, in up to `workers` (at most
-    4) fresh processes, and report their resources. Each request names kernel, gpu, dtype (in
+    """Compile the kernels of chapters 15 and 16 for GPUs that need not be present, in up to
+    `workers` (at most 4) fresh processes, and report their resources. Each request names kernel, gpu, dtype (in
     KERNELS, GPUS, DTYPES), head_dim, and optionally causal (True), block and block_n (rows
     of the query and key tiles), warps and stages (all the launcher's, or block alone: square
     tiles, NUM_WARPS and NUM_STAGES)."""

@@ -1,8 +1,8 @@
-# Do not edit: tools/tangle.py generates this file from chapters/16-efficient-attention.md.
+# Do not edit: tools/tangle.py generates this file from chapters/17-efficient-attention.md.
 """Beyond quadratic attention: sliding-window, global and block-sparse masks with tile skipping,
 linear attention, FAVOR+ random features and retention.
 
-Built and explained in the book's chapter chapters/16-efficient-attention.md.
+Built and explained in the book's chapter chapters/17-efficient-attention.md.
 """
 
 __all__ = [
@@ -20,7 +20,7 @@ __all__ = [
     "retention_step",
 ]
 
-# chapters/16-efficient-attention.md, "Sparse masks: a window, global tokens, blocks"
+# chapters/17-efficient-attention.md, "Sparse masks: a window, global tokens, blocks"
 import math
 
 import torch
@@ -54,7 +54,7 @@ def sliding_window_mask(lq: int, lk: int, window: int,
     return (j <= p) & (j > p - window)  # (Lq, Lk)
 
 
-# chapters/16-efficient-attention.md, "Sparse masks: a window, global tokens, blocks"
+# chapters/17-efficient-attention.md, "Sparse masks: a window, global tokens, blocks"
 def global_token_mask(lq: int, lk: int, num_global: int,
                       device: torch.device | str | None = None) -> torch.Tensor:
     """Boolean mask (lq, lk), True where query i (at position i + lk - lq) or key j is one of
@@ -81,7 +81,7 @@ def block_sparse_mask(layout: torch.Tensor, block_size: int, lq: int | None = No
     return layout.repeat_interleave(b, 0).repeat_interleave(b, 1)[:lq, :lk].clone()
 
 
-# chapters/16-efficient-attention.md, "Skipping the tiles a mask leaves empty"
+# chapters/17-efficient-attention.md, "Skipping the tiles a mask leaves empty"
 def tile_layout(mask: torch.Tensor, block_size: int = 64) -> torch.Tensor:
     """The tiles of `mask` (Lq, Lk) that hold an allowed entry: a bool tensor
     (ceil(Lq / block_size), ceil(Lk / block_size)). The other tiles need not be computed."""
@@ -99,7 +99,7 @@ def _check_mask_2d(mask) -> torch.Tensor:
     return mask
 
 
-# chapters/16-efficient-attention.md, "Skipping the tiles a mask leaves empty"
+# chapters/17-efficient-attention.md, "Skipping the tiles a mask leaves empty"
 def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
                            block_size: int = 64) -> torch.Tensor:
     """heads.attend(q, k, v, mask)'s output (B, H, Lq, dv), computing only the tiles where `mask`
@@ -125,7 +125,7 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ma
     return out
 
 
-# chapters/16-efficient-attention.md, "Linear attention"
+# chapters/17-efficient-attention.md, "Linear attention"
 def elu_feature_map(x: torch.Tensor) -> torch.Tensor:
     """phi(x) = elu(x) + 1, positive everywhere: linear attention's default feature map."""
     return F.elu(check_tensor("x", x)) + 1.0
@@ -143,7 +143,7 @@ def _check_qkv_any(q, k, v) -> tuple[torch.Tensor, ...]:
     return q, k, v
 
 
-# chapters/16-efficient-attention.md, "Linear attention"
+# chapters/17-efficient-attention.md, "Linear attention"
 def linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
                      feature_map=None, eps: float = 1e-6) -> torch.Tensor:
     """Linear attention (Katharopoulos et al. 2020): output i = phi(q_i) S / (phi(q_i) . z + eps),
@@ -168,7 +168,7 @@ def linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: 
     return F.pad(num / (den + eps), (0, 0, blind, 0)).to(q.dtype)  # no key: zeros
 
 
-# chapters/16-efficient-attention.md, "FAVOR+: random features for the softmax"
+# chapters/17-efficient-attention.md, "FAVOR+: random features for the softmax"
 def random_features(num_features: int, dim: int, orthogonal: bool = True,
                     generator: torch.Generator | None = None,
                     dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -205,7 +205,7 @@ def _log_features(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return x @ w.T - (x * x).sum(dim=-1, keepdim=True) / 2  # log(phi(x) sqrt(m)): (..., L, m)
 
 
-# chapters/16-efficient-attention.md, "FAVOR+: random features for the softmax"
+# chapters/17-efficient-attention.md, "FAVOR+: random features for the softmax"
 def performer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_features: int,
                         causal: bool = False, generator: torch.Generator | None = None, *,
                         orthogonal: bool = True) -> torch.Tensor:
@@ -228,7 +228,7 @@ def _identity(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-# chapters/16-efficient-attention.md, "Retention: one model, three ways to compute it"
+# chapters/17-efficient-attention.md, "Retention: one model, three ways to compute it"
 def _check_gamma(gamma, heads: int, device) -> torch.Tensor:
     """`gamma`, a float or a tensor of shape (heads,), in (0, 1], as (heads,) float64."""
     if isinstance(gamma, torch.Tensor):
@@ -254,7 +254,7 @@ def _retention_step(q, k, v, g, state) -> tuple[torch.Tensor, torch.Tensor]:
     return (q[..., None, :] @ state).squeeze(-2), state  # (B, H, Dv)
 
 
-# chapters/16-efficient-attention.md, "Retention: one model, three ways to compute it"
+# chapters/17-efficient-attention.md, "Retention: one model, three ways to compute it"
 def retention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gamma,
               mode: str = "parallel", chunk_size: int = 64) -> torch.Tensor:
     """Retention (Sun et al. 2023): (Q K^T * D) V with D[n, m] = gamma^(n - m) for n >= m, else 0;
@@ -289,7 +289,7 @@ def retention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gamma,
     return torch.cat(outs, dim=2).to(dtype)
 
 
-# chapters/16-efficient-attention.md, "Generation: a state of fixed size against a growing cache"
+# chapters/17-efficient-attention.md, "Generation: a state of fixed size against a growing cache"
 def retention_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gamma,
                    state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One step of retention: q, k (B, H, D) and v (B, H, Dv) of a new position and the state

@@ -94,7 +94,7 @@ _CPU_SDPA = {"_scaled_dot_product_flash_attention_for_cpu": "sdpa_flop",
 
 def _count_cpu_sdpa_flops() -> None:
     """Give PyTorch's FLOP counter, if something has imported it, PyTorch's own formulas for
-    SDPA's CPU kernel. (Importing it here would import Triton, whose mode chapter 14 chooses.)"""
+    SDPA's CPU kernel. (Importing it here would import Triton, whose mode chapter 15 chooses.)"""
     counter = sys.modules.get("torch.utils.flop_counter")
     if counter is None:  # nobody counts
         return
@@ -104,12 +104,12 @@ def _count_cpu_sdpa_flops() -> None:
             counter.register_flop_formula(op, get_raw=True)(getattr(counter, formula))
 
 
-ATTENTION_BACKENDS = ("explicit", "sdpa", "triton")  # attend, PyTorch's SDPA, chapter 14's kernel
+ATTENTION_BACKENDS = ("explicit", "sdpa", "triton")  # attend, PyTorch's SDPA, chapter 15's kernel
 
 
 def _fast_attention(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     mask: torch.Tensor | None, is_causal: bool, dropout_p: float) -> torch.Tensor:
-    """attend's outputs (B, H, Lq, dv) without the weights, by SDPA or chapter 14's kernel;
+    """attend's outputs (B, H, Lq, dv) without the weights, by SDPA or chapter 15's kernel;
     `is_causal` aligns bottom-right and a query with no allowed key gets zeros, as in attend."""
     if q.device.type == "cpu" and q.dtype in (torch.float16, torch.bfloat16):
         # 2-byte data computed in float32, as attend does (appendix A); PyTorch's own CPU

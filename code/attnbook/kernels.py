@@ -1,8 +1,8 @@
-# Do not edit: tools/tangle.py generates this file from chapters/14-flash-attention-triton.md and chapters/15-flash-attention-backward.md.
+# Do not edit: tools/tangle.py generates this file from chapters/15-flash-attention-triton.md and chapters/16-flash-attention-backward.md.
 """FlashAttention in Triton: the forward and backward kernels, and flash_attention for PyTorch
 tensors.
 
-Built and explained in the book's chapters chapters/14-flash-attention-triton.md and chapters/15-flash-attention-backward.md.
+Built and explained in the book's chapters chapters/15-flash-attention-triton.md and chapters/16-flash-attention-backward.md.
 """
 
 __all__ = [
@@ -15,18 +15,18 @@ __all__ = [
     "flash_attention",
 ]
 
-# chapters/14-flash-attention-triton.md, "The Triton programming model"
+# chapters/15-flash-attention-triton.md, "The Triton programming model"
 import functools
 
 import torch
 import triton  # compiled, or interpreted after use_triton_interpreter() without a GPU
 import triton.language as tl
 
-# flash_attention's checks (chapter 15)
+# flash_attention's checks (chapter 16)
 from attnbook.conventions import check_bool, check_real, check_scale, check_tensor  # noqa: F401
 
 
-# chapters/14-flash-attention-triton.md, "The Triton programming model"
+# chapters/15-flash-attention-triton.md, "The Triton programming model"
 @triton.jit
 def _load_rows(base, rows, n_rows, stride_row, stride_d, HEAD_DIM: tl.constexpr):
     # A (len(rows), HEAD_DIM) tile. Rows at or past n_rows are not read; they come back as 0.
@@ -51,7 +51,7 @@ INTERPRETED = type(_load_rows).__name__ == "InterpretedFunction"
 _MIXED = INTERPRETED and type(tl.standard.sum).__name__ != "InterpretedFunction"
 
 
-# chapters/14-flash-attention-triton.md, "The Triton programming model"
+# chapters/15-flash-attention-triton.md, "The Triton programming model"
 @triton.jit
 def _delta_kernel(O, DO, DELTA, stride_ob, stride_oh, stride_om, stride_od,
                   stride_dob, stride_doh, stride_dom, stride_dod, H, L,
@@ -72,7 +72,7 @@ def _program(H, BLOCK: tl.constexpr):
     return bh, (bh // H).to(tl.int64), (bh % H).to(tl.int64), tl.program_id(0) * BLOCK
 
 
-# chapters/14-flash-attention-triton.md, "The forward kernel"
+# chapters/15-flash-attention-triton.md, "The forward kernel"
 @triton.jit
 def _forward_kernel(Q, K, V, O, LSE, stride_qb, stride_qh, stride_qm, stride_qd,
                     stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn,
@@ -158,7 +158,7 @@ def _scores(q, k, rows, cols, Lq, Lk, qk_scale, CAUSAL: tl.constexpr):
     return s, ok
 
 
-# chapters/14-flash-attention-triton.md, "The forward kernel"
+# chapters/15-flash-attention-triton.md, "The forward kernel"
 # Rows per tile (BLOCK_M = BLOCK_N) by kernel, element size and head dimension: see above.
 TILE_ROWS = {
     ("forward", 2): {16: 64, 32: 64, 64: 64, 128: 64},
@@ -172,10 +172,10 @@ NUM_WARPS, NUM_STAGES = 4, 2  # threads per program / 32, and tiles loaded ahead
 _LOG2E = 1.4426950408889634  # exp(x) == exp2(x * log2(e))
 
 
-# chapters/14-flash-attention-triton.md, "The forward kernel"
+# chapters/15-flash-attention-triton.md, "The forward kernel"
 # 2-byte dtypes on a GPU: candidates (BLOCK_M, BLOCK_N, num_warps, num_stages) by compute
 # capability and kernel, for head dims up to 64 and for 128; the first is the default. Each is
-# clean in compile_check's report (chapter 14, "Launch settings for each GPU").
+# clean in compile_check's report (chapter 15, "Launch settings for each GPU").
 LAUNCH = {
     (75, "forward"): {64: [(32, 32, 4, 2)], 128: [(32, 32, 8, 2)]},
     (75, "dkdv"): {64: [(32, 32, 8, 2)], 128: [(32, 32, 8, 2)]},
@@ -193,7 +193,7 @@ AUTOTUNE_FROM = 2048 * 2048  # Lq * Lk from which a GPU launch times its candida
 
 def launch_settings(kernel: str, element_size: int, head_dim: int,
                     capability: int | None = None) -> list[tuple[int, int, int, int]]:
-    """Chapter 14's candidate launch settings (BLOCK_M, BLOCK_N, num_warps, num_stages) of
+    """Chapter 15's candidate launch settings (BLOCK_M, BLOCK_N, num_warps, num_stages) of
     `kernel`, the default first: LAUNCH's for 2-byte dtypes on a GPU of compute capability 7.5
     to 9.0 (given as 75 to 90); else, and in the interpreter (None), TILE_ROWS' square tile."""
     if capability is not None and element_size == 2 and 75 <= capability <= 90:
@@ -203,7 +203,7 @@ def launch_settings(kernel: str, element_size: int, head_dim: int,
     return [(block, block, NUM_WARPS, NUM_STAGES)]
 
 
-# chapters/14-flash-attention-triton.md, "The forward kernel"
+# chapters/15-flash-attention-triton.md, "The forward kernel"
 def _forward(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     # O (B, H, Lq, D) and the base-2 logsumexp of each row's scores (B, H, Lq), float32.
     B, H, Lq, D = q.shape
@@ -250,7 +250,7 @@ def _strides(*tensors: torch.Tensor) -> list[int]:
     return [s for t in tensors for s in t.stride()]
 
 
-# chapters/15-flash-attention-backward.md, "The backward pass"
+# chapters/16-flash-attention-backward.md, "The backward pass"
 @triton.jit
 def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, stride_qb, stride_qh, stride_qm, stride_qd,
                  stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn,
@@ -317,7 +317,7 @@ def _query_range(start_n, Lq, Lk, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
     return lo, tl.where(start_n + BLOCK_N > Lk, Lq, tl.minimum(mid, Lq))
 
 
-# chapters/15-flash-attention-backward.md, "The backward pass"
+# chapters/16-flash-attention-backward.md, "The backward pass"
 @triton.jit
 def _dq_kernel(Q, K, V, DO, LSE, DELTA, stride_qb, stride_qh, stride_qm, stride_qd,
                stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn,
@@ -363,7 +363,7 @@ def _dq_step(dq, q, do, lse, delta, K, V, rows, start_n, stride_kn, stride_kd, s
     return dq + tl.dot(ds.to(k.dtype), k, input_precision="ieee")
 
 
-# chapters/15-flash-attention-backward.md, "The backward pass"
+# chapters/16-flash-attention-backward.md, "The backward pass"
 # The kernels whose tiles TILE_ROWS holds, by name: what attnbook.compile_check compiles.
 TRITON_KERNELS = {"forward": _forward_kernel, "dkdv": _dkdv_kernel, "dq": _dq_kernel}
 
@@ -382,7 +382,7 @@ def _backward(q, k, v, o, lse, do, causal: bool, scale: float):
     return dq, dk, dv
 
 
-# chapters/15-flash-attention-backward.md, "A checked, differentiable function"
+# chapters/16-flash-attention-backward.md, "A checked, differentiable function"
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
                     scale: float | None = None) -> torch.Tensor:
     """Exact, differentiable attention softmax(scale * q k^T) v by tiled Triton kernels: q is
@@ -409,7 +409,7 @@ class _FlashAttention(torch.autograd.Function):
         return (*_backward(q, k, v, o, lse, do, ctx.causal, ctx.scale), None, None)
 
 
-# chapters/15-flash-attention-backward.md, "A checked, differentiable function"
+# chapters/16-flash-attention-backward.md, "A checked, differentiable function"
 _LARGEST_SCALE = torch.finfo(torch.float32).max / _LOG2E  # scale * log2(e) is a float32
 
 

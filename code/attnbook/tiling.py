@@ -1,7 +1,7 @@
-# Do not edit: tools/tangle.py generates this file from chapters/13-tiling.md.
+# Do not edit: tools/tangle.py generates this file from chapters/13-tiling.md and chapters/14-traffic-and-roofline.md.
 """FlashAttention's algorithm in NumPy: the online softmax and attention computed tile by tile.
 
-Built and explained in the book's chapter chapters/13-tiling.md.
+Built and explained in the book's chapters chapters/13-tiling.md and chapters/14-traffic-and-roofline.md.
 """
 
 __all__ = [
@@ -19,12 +19,12 @@ __all__ = [
 ]
 
 # chapters/13-tiling.md, "Softmax from a stream of blocks"
-from dataclasses import dataclass
+from dataclasses import dataclass  # noqa: F401 (GPUSpec, chapter 14)
 
 import numpy as np
 
 from attnbook.attention import check_qkv, divide_or_zero
-from attnbook.basic_checks import (
+from attnbook.basic_checks import (  # noqa: F401 (check_choice, check_real: chapter 14)
     check_array,
     check_bool,
     check_choice,
@@ -141,15 +141,15 @@ def _attend_query_block(q, K, V, q0: int, offset: int, block_size: int, causal: 
     return divide_or_zero(acc, l[..., None])
 
 
-# chapters/13-tiling.md, "Traffic: the bytes a GPU moves"
-_FLOAT32 = ("lse", "delta")  # one float32 per query row in chapter 14's kernels
+# chapters/14-traffic-and-roofline.md, "Traffic: the bytes a GPU moves"
+_FLOAT32 = ("lse", "delta")  # one float32 per query row in chapter 15's kernels
 
 
 def attention_traffic(Lq: int, Lk: int, d: int, method: str = "tiled", causal: bool = False,
                       backward: bool = False, block_q: int = 64, block_k: int = 64,
                       itemsize: int = 2) -> dict[str, int]:
     """Bytes each tensor moves between a GPU's main memory and the chip, for one (batch, head)
-    of attention with head size d: "naive" writes and reads S and P; "tiled" runs chapter 14's
+    of attention with head size d: "naive" writes and reads S and P; "tiled" runs chapter 15's
     kernels on block_q x block_k tiles, loading K and V once per query tile that needs them."""
     Lq, Lk, d, method, causal, backward, block_q, block_k = _checked(
         Lq, Lk, d, method, causal, backward, block_q, block_k)
@@ -177,9 +177,9 @@ def _checked(Lq, Lk, d, method, causal, backward, block_q, block_k) -> tuple:
             check_int("block_k", block_k, 1))
 
 
-# chapters/13-tiling.md, "Traffic: the bytes a GPU moves"
+# chapters/14-traffic-and-roofline.md, "Traffic: the bytes a GPU moves"
 def _visits(Lq: int, Lk: int, block_q: int, block_k: int, causal: bool) -> tuple[int, int, int]:
-    """Over the (query tile, key tile) pairs chapter 14's kernels visit: the key rows loaded, the
+    """Over the (query tile, key tile) pairs chapter 15's kernels visit: the key rows loaded, the
     query rows loaded, and the scores computed."""
     key_rows = query_rows = scores = 0
     for q0 in range(0, Lq, block_q):
@@ -212,7 +212,7 @@ def _tiled_elements(Lq: int, Lk: int, d: int, key_rows: int, query_rows: int,
             "lse": query_rows + Lq, "dQ": Lq * d, "dK": Lk * d, "dV": Lk * d}
 
 
-# chapters/13-tiling.md, "The roofline: which side binds"
+# chapters/14-traffic-and-roofline.md, "The roofline: which side binds"
 def schedule_flops(Lq: int, Lk: int, d: int, method: str = "tiled", causal: bool = False,
                    backward: bool = False, block_q: int = 64, block_k: int = 64) -> int:
     """FLOPs of the matrix products in attention_traffic's schedule, for one (batch, head):
@@ -224,10 +224,10 @@ def schedule_flops(Lq: int, Lk: int, d: int, method: str = "tiled", causal: bool
     return 2 * d * scores * products
 
 
-# chapters/13-tiling.md, "The roofline: which side binds"
+# chapters/14-traffic-and-roofline.md, "The roofline: which side binds"
 @dataclass(frozen=True)
 class GPUSpec:
-    """A GPU's published peaks (chapter 13): main-memory bandwidth in bytes/s, and dense FLOP/s
+    """A GPU's published peaks (chapter 14): main-memory bandwidth in bytes/s, and dense FLOP/s
     of 16-bit products on tensor cores and of float32 ones without them."""
     name: str
     bandwidth: float
@@ -250,7 +250,7 @@ GPUS = {
 }
 
 
-# chapters/13-tiling.md, "The roofline: which side binds"
+# chapters/14-traffic-and-roofline.md, "The roofline: which side binds"
 def find_gpu(device_name: str) -> GPUSpec:
     """The entry of GPUS whose key `device_name` contains, such as
     find_gpu(torch.cuda.get_device_name()) on "NVIDIA A100-SXM4-80GB" or "Tesla T4"."""

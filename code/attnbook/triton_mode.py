@@ -1,15 +1,15 @@
-# Do not edit: tools/tangle.py generates this file from chapters/14-flash-attention-triton.md.
+# Do not edit: tools/tangle.py generates this file from chapters/15-flash-attention-triton.md.
 """How Triton runs the book's kernels: compiled for a GPU, or in its interpreter on the CPU, chosen
 once, explicitly, before anything imports triton.
 
-Built and explained in the book's chapter chapters/14-flash-attention-triton.md.
+Built and explained in the book's chapter chapters/15-flash-attention-triton.md.
 """
 
 __all__ = [
     "use_triton_interpreter",
 ]
 
-# chapters/14-flash-attention-triton.md, "The Triton programming model"
+# chapters/15-flash-attention-triton.md, "The Triton programming model"
 import os
 import sys
 
@@ -17,7 +17,7 @@ import sys
 def use_triton_interpreter() -> bool:
     """Ask for Triton's CPU interpreter (TRITON_INTERPRET=1) on a machine without a GPU, unless
     TRITON_INTERPRET is set already; return whether Triton will interpret. Call it before
-    anything imports triton, which fixes the choice (chapter 14, "The Triton programming
+    anything imports triton, which fixes the choice (chapter 15, "The Triton programming
     model"); if triton was imported in compiled mode without a GPU, RuntimeError says so."""
     import torch  # torch itself does not import triton
 

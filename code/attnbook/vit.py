@@ -1,8 +1,8 @@
-# Do not edit: tools/tangle.py generates this file from chapters/17-vision-transformer.md.
+# Do not edit: tools/tangle.py generates this file from chapters/18-vision-transformer.md.
 """The Vision Transformer: images cut into patches, a class token and learned positions, on the
 book's Transformer blocks.
 
-Built and explained in the book's chapter chapters/17-vision-transformer.md.
+Built and explained in the book's chapter chapters/18-vision-transformer.md.
 """
 
 __all__ = [
@@ -11,7 +11,7 @@ __all__ = [
     "ViT",
 ]
 
-# chapters/17-vision-transformer.md, "An image as a sequence of patches"
+# chapters/18-vision-transformer.md, "An image as a sequence of patches"
 from dataclasses import dataclass
 
 import torch
@@ -32,7 +32,7 @@ from attnbook.heads import ATTENTION_BACKENDS
 
 def patchify(images: torch.Tensor, patch_size: int) -> torch.Tensor:
     """(B, C, H, W) images -> (B, (H/p)(W/p), C p p) patches, in row-major order, each flattened
-    in (channel, row, column) order: F.unfold(images, p, stride=p).transpose(1, 2). Chapter 17."""
+    in (channel, row, column) order: F.unfold(images, p, stride=p).transpose(1, 2). Chapter 18."""
     images = check_tensor("images", images, 4)
     p = check_int("patch_size", patch_size, minimum=1)
     b, c, h, w = images.shape
@@ -44,10 +44,10 @@ def patchify(images: torch.Tensor, patch_size: int) -> torch.Tensor:
     return x.reshape(b, (h // p) * (w // p), c * p * p)  # (B, N, C p p)
 
 
-# chapters/17-vision-transformer.md, "The model"
+# chapters/18-vision-transformer.md, "The model"
 @dataclass
 class ViTConfig:
-    """The sizes of a Vision Transformer, by default ViT-B/16's (chapter 17): square images of
+    """The sizes of a Vision Transformer, by default ViT-B/16's (chapter 18): square images of
     image_size pixels, cut into patches of patch_size, for num_classes classes."""
 
     image_size: int = 224
@@ -81,9 +81,9 @@ class ViTConfig:
         return (self.image_size // self.patch_size) ** 2
 
 
-# chapters/17-vision-transformer.md, "The model"
+# chapters/18-vision-transformer.md, "The model"
 class ViT(nn.Module):
-    """The Vision Transformer (chapter 17): images (B, C, H, W) -> logits (B, num_classes)."""
+    """The Vision Transformer (chapter 18): images (B, C, H, W) -> logits (B, num_classes)."""
 
     def __init__(self, config: ViTConfig) -> None:
         super().__init__()
