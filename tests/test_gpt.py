@@ -510,3 +510,15 @@ def test_generation_refuses_logits_that_turn_non_finite_late():
     model._logits = late_nan
     with pytest.raises(ValueError, match="logits are not all finite"):
         model.generate(prompt, 5, temperature=0.8)
+
+
+def test_conversion_refuses_another_kind_of_model_by_its_model_type():
+    # A GPT-Neo has transformer, lm_head and a tied embedding too: only model_type tells it apart.
+    from transformers import GPTNeoConfig, GPTNeoForCausalLM
+
+    neo = GPTNeoForCausalLM(GPTNeoConfig(num_layers=1, attention_types=[[["global"], 1]],
+                                         hidden_size=32, num_heads=2, vocab_size=100,
+                                         max_position_embeddings=64, bos_token_id=0,
+                                         eos_token_id=0))
+    with pytest.raises(TypeError, match="model must be a GPT2LMHeadModel, got GPTNeoForCausalLM"):
+        GPT.from_hf_gpt2(neo)

@@ -137,7 +137,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gpu-profile: {chapter.stem} ...", flush=True)
         entry = run(chapter)
         record = load()  # read again: another run may have recorded other chapters meanwhile
-        record.setdefault("chapters", {})[chapter.stem] = entry
+        current = {c.stem for c in gpu_chapters()}  # a renamed or split chapter's old entry goes
+        record["chapters"] = {k: v for k, v in record.get("chapters", {}).items() if k in current}
+        record["chapters"][chapter.stem] = entry
         record["machine"] = {"python": platform.python_version(), "torch": torch.__version__,
                              "cpus": os.cpu_count(), "env": PROFILE_ENV}
         RECORD.parent.mkdir(parents=True, exist_ok=True)
