@@ -93,9 +93,11 @@ book: $(STAMP) $(MATHJAX) api-reference
 	$(VENV)/bin/jupyter-book build . $(BOOK_FLAGS)
 	@echo "The book is in _build/html/index.html"
 
-## check-sync: code/ and notebooks/ must be what the chapters produce
+## check-sync: code/ and notebooks/ must be what the chapters produce; and every glossary term a
+## chapter uses before the chapter that defines it is linked at its first use (tools/terms_check.py)
 check-sync: $(STAMP)
 	$(PY) tools/tangle.py --check
+	$(PY) tools/terms_check.py
 
 ## lint: ruff on the Python, actionlint on the GitHub workflows (its shellcheck and pyflakes checks
 ## off: neither is in the lock, so what they find would depend on the machine) and zizmor, their

@@ -442,11 +442,44 @@ def test_compiling_in_an_interpreting_process_is_refused():
         _compile_here("forward", "T4", "float16", 64, True, None)
 
 
+# What the launcher passes for each parameter of a typical call, as a table written out by hand
+# before the kinds were derived from the kernels: the derivation must reproduce it.
+_QKV = ("stride_qb:i32/16 stride_qh:i32/16 stride_qm:i32/16 stride_qd:1 stride_kb:i32/16 "
+        "stride_kh:i32/16 stride_kn:i32/16 stride_kd:1 stride_vb:i32/16 stride_vh:i32/16 "
+        "stride_vn:i32/16 stride_vd:1")
+_META = "CAUSAL:constexpr BLOCK_M:constexpr BLOCK_N:constexpr HEAD_DIM:constexpr"
+_BACKWARD = (f"Q:*T K:*T V:*T DO:*T LSE:*fp32 DELTA:*fp32 {_QKV} stride_dob:i32/16 "
+             "stride_doh:i32/16 stride_dom:i32/16 stride_dod:1 H:i32 Lq:i32/16 Lk:i32/16 "
+             "qk_scale:fp32 scale:fp32")
+WRITTEN_OUT = {
+    "forward": f"Q:*T K:*T V:*T O:*T LSE:*fp32 {_QKV} stride_ob:i32/16 stride_oh:i32/16 "
+               f"stride_om:i32/16 stride_od:1 H:i32 Lq:i32/16 Lk:i32/16 qk_scale:fp32 {_META}",
+    "dkdv": f"{_BACKWARD} DK:*T DV:*T stride_dkb:i32/16 stride_dkh:i32/16 stride_dkn:i32/16 "
+            f"stride_dkd:1 {_META}",
+    "dq": f"{_BACKWARD} DQ:*T stride_dqb:i32/16 stride_dqh:i32/16 stride_dqm:i32/16 "
+          f"stride_dqd:1 {_META}",
+}
+
+
 @pytest.mark.parametrize("kernel", KERNELS)
-def test_every_kernel_parameter_has_a_signature(kernel):
-    # The table is in the kernel's parameter order: a parameter added to a kernel without its
-    # type in SIGNATURES fails here, not as a wrong compilation.
-    assert list(compile_check.SIGNATURES[kernel]) == kernels.TRITON_KERNELS[kernel].arg_names
+def test_parameter_kinds_come_from_the_kernel_in_its_order(kernel):
+    kinds = compile_check.parameter_kinds(kernel)
+    assert list(kinds) == kernels.TRITON_KERNELS[kernel].arg_names
+    assert kinds == dict(p.split(":") for p in WRITTEN_OUT[kernel].split())
+
+
+def test_a_parameter_no_rule_types_is_refused_by_name(monkeypatch):
+    def _new_kernel(Q, K, weird, BLOCK_M: "tl.constexpr"):  # noqa: F821 (an annotation only)
+        pass
+
+    class Fake:
+        fn = _new_kernel
+
+    monkeypatch.setitem(kernels.TRITON_KERNELS, "forward", Fake)
+    with pytest.raises(ValueError, match="kernel 'forward' has a parameter 'weird' that no rule"):
+        compile_check.parameter_kinds("forward")
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        compile_check.parameter_kinds("backward")
 
 
 def test_signature_is_the_launchers_specialisation_of_a_typical_call():

@@ -20,7 +20,7 @@ from attnbook.cost import (
     score_matrix_bytes,
     time_call,
 )
-from attnbook.encdec import EncoderDecoder
+from attnbook.encdec import EncoderDecoder, EncoderDecoderConfig
 from attnbook.gpt import GPT, GPTConfig
 from attnbook.heads import MultiHeadAttention, attend
 from attnbook.masks import causal_mask
@@ -134,8 +134,9 @@ def test_kv_cache_bytes_per_token_matches_gpt_cache(dtype):
 
 def test_kv_cache_bytes_per_token_matches_cross_attention_keys_and_values():
     torch.manual_seed(0)
-    model = EncoderDecoder(src_vocab=20, tgt_vocab=20, d_model=32, num_heads=4, num_layers=1,
-                           num_decoder_layers=3, max_len=32, dropout=0.0).eval()
+    model = EncoderDecoder(EncoderDecoderConfig(
+        src_vocab=20, tgt_vocab=20, d_model=32, num_heads=4, num_layers=1, num_decoder_layers=3,
+        context_length=32, dropout=0.0)).eval()
     src = torch.randint(3, 20, (1, 25))
     with torch.no_grad():
         memory = model.encode(src)

@@ -22,7 +22,7 @@ def _model(seed=0, dtype=torch.float64, **overrides):
     sizes = dict(src_vocab=VOCAB, tgt_vocab=VOCAB + 2, d_model=16, num_heads=2, num_layers=2,
                  d_ff=24, max_len=12, dropout=0.0)
     sizes.update(overrides)
-    return EncoderDecoder(**sizes).to(dtype).eval()
+    return EncoderDecoder(EncoderDecoderConfig(**sizes)).to(dtype).eval()
 
 
 def _batch(seed, b=4, ls=7, lt=5, vocab=VOCAB):
@@ -47,8 +47,8 @@ def test_config_and_keywords_build_the_same_model():
     assert all(block.cross_attn is not None for block in model.decoder)
     assert all(block.cross_attn is None for block in model.encoder)
     assert model.decoder[0].ff.d_ff == 64  # default 4 * d_model
-    other = EncoderDecoder(src_vocab=9, tgt_vocab=10, d_model=16, num_heads=4, num_layers=1,
-                           num_decoder_layers=3)
+    other = EncoderDecoder(EncoderDecoderConfig(src_vocab=9, tgt_vocab=10, d_model=16,
+                                                num_heads=4, num_layers=1, num_decoder_layers=3))
     assert other.config == config
     assert model.lm_head.out_features == 10
 
@@ -86,12 +86,12 @@ def test_config_bad_values(kwargs, error, match):
 
 def test_model_bad_construction():
     with pytest.raises(ValueError, match="activation='swish'"):
-        EncoderDecoder(src_vocab=5, tgt_vocab=5, d_model=8, num_heads=2, activation="swish")
-    config = EncoderDecoderConfig(src_vocab=5, tgt_vocab=5, d_model=8, num_heads=2)
-    with pytest.raises(TypeError, match="not both"):
-        EncoderDecoder(config, d_model=16)
+        EncoderDecoder(EncoderDecoderConfig(src_vocab=5, tgt_vocab=5, d_model=8, num_heads=2,
+                                            activation="swish"))
     with pytest.raises(TypeError, match="config must be"):
         EncoderDecoder({"src_vocab": 5})
+    with pytest.raises(TypeError):  # one way to build it: a config, not its fields
+        EncoderDecoder(src_vocab=5, tgt_vocab=5, d_model=8, num_heads=2)
 
 
 # Against torch.nn.Transformer -------------------------------------------------------------
@@ -201,7 +201,8 @@ class _Scripted(EncoderDecoder):
     """Emits token 5 until position stop[b], then EOS: tests the decoding loop itself."""
 
     def __init__(self, stop):
-        super().__init__(src_vocab=VOCAB, tgt_vocab=VOCAB, d_model=8, num_heads=2, max_len=12)
+        super().__init__(EncoderDecoderConfig(src_vocab=VOCAB, tgt_vocab=VOCAB, d_model=8,
+                                              num_heads=2, context_length=12))
         self.stop = torch.tensor(stop)
 
     def decode(self, tgt_in, memory, src_padding=None, return_weights=False):

@@ -11,7 +11,7 @@ __all__ = [
     "KERNELS",
     "DTYPES",
     "Compiled",
-    "SIGNATURES",
+    "parameter_kinds",
     "compile_kernels",
     "choose_tiles",
     "largest_tiles",
@@ -19,6 +19,7 @@ __all__ = [
 
 # chapters/a4-compiling.md, "Appendix D: Compiling for GPUs the machine does not have"
 import contextlib
+import inspect
 import io
 import json
 import os  # noqa: F811 (notebook)
@@ -61,31 +62,36 @@ class Compiled:
 
 
 # chapters/a4-compiling.md, "Appendix D: Compiling for GPUs the machine does not have"
-# Each kernel's parameters, in order, typed as Triton's launcher specialises a typical launch
-# (contiguous (B, H, 1024, D) tensors): "*T" points to the inputs' dtype, "i32/16" is a multiple
-# of 16, "1" an integer equal to 1 (the stride along D), which becomes a constant.
-_QKV = """stride_qb:i32/16 stride_qh:i32/16 stride_qm:i32/16 stride_qd:1
-    stride_kb:i32/16 stride_kh:i32/16 stride_kn:i32/16 stride_kd:1
-    stride_vb:i32/16 stride_vh:i32/16 stride_vn:i32/16 stride_vd:1"""
-_META = "CAUSAL:constexpr BLOCK_M:constexpr BLOCK_N:constexpr HEAD_DIM:constexpr"
-_BACKWARD = f"""Q:*T K:*T V:*T DO:*T LSE:*fp32 DELTA:*fp32 {_QKV}
-    stride_dob:i32/16 stride_doh:i32/16 stride_dom:i32/16 stride_dod:1
-    H:i32 Lq:i32/16 Lk:i32/16 qk_scale:fp32 scale:fp32"""
-SIGNATURES = {kernel: dict(p.split(":") for p in spec.split()) for kernel, spec in {
-    "forward": f"""Q:*T K:*T V:*T O:*T LSE:*fp32 {_QKV}
-        stride_ob:i32/16 stride_oh:i32/16 stride_om:i32/16 stride_od:1
-        H:i32 Lq:i32/16 Lk:i32/16 qk_scale:fp32 {_META}""",
-    "dkdv": f"""{_BACKWARD} DK:*T DV:*T
-        stride_dkb:i32/16 stride_dkh:i32/16 stride_dkn:i32/16 stride_dkd:1 {_META}""",
-    "dq": f"""{_BACKWARD} DQ:*T
-        stride_dqb:i32/16 stride_dqh:i32/16 stride_dqm:i32/16 stride_dqd:1 {_META}""",
-}.items()}
+def parameter_kinds(kernel: str) -> dict[str, str]:
+    """`kernel`'s parameters, in order, typed as Triton's launcher specialises a typical launch
+    (contiguous (B, H, 1024, D) tensors): "*T" points to the inputs' dtype, "*fp32" to float32
+    rows (the logsumexp, delta), "i32/16" is a multiple of 16, "1" an integer equal to 1 (the
+    stride along D), which becomes a constant, and "constexpr" a compile-time constant."""
+    from attnbook import kernels
+
+    def kind(name: str, annotation) -> str:
+        if "constexpr" in str(annotation):
+            return "constexpr"
+        if name in ("LSE", "DELTA"):
+            return "*fp32"
+        if name.isupper() and name != "H":  # Q, K, V, O and their gradients
+            return "*T"
+        if name.startswith("stride_"):
+            return "1" if name.endswith("d") else "i32/16"
+        scalars = {"H": "i32", "Lq": "i32/16", "Lk": "i32/16", "qk_scale": "fp32", "scale": "fp32"}
+        if name not in scalars:
+            raise ValueError(f"kernel {kernel!r} has a parameter {name!r} that no rule types")
+        return scalars[name]
+
+    function = kernels.TRITON_KERNELS[check_choice("kernel", kernel, KERNELS)].fn  # the Python
+    return {name: kind(name, p.annotation)  # function, compiled or interpreted alike
+            for name, p in inspect.signature(function).parameters.items()}
 
 
 def _signature(kernel: str, dtype: str) -> tuple[dict, dict, dict]:
     # Triton's signature, constants and attributes of `kernel` for the typical call above.
     signature, constants, attrs = {}, {}, {}
-    for index, (name, kind) in enumerate(SIGNATURES[kernel].items()):
+    for index, (name, kind) in enumerate(parameter_kinds(kernel).items()):
         signature[name] = {"*T": "*" + DTYPES[dtype], "1": "constexpr"}.get(kind,
                                                                            kind.removesuffix("/16"))
         if kind == "1":

@@ -103,14 +103,10 @@ class _Embedding(nn.Module):
 class EncoderDecoder(nn.Module):
     """The original Transformer, built from an EncoderDecoderConfig: src (B, Ls), tgt_in (B, Lt)
     -> next-token logits (B, Lt, tgt_vocab). `src_lengths` (B,) gives the source's padding, else
-    its pad_id positions do. (The config's fields as keyword arguments, instead of a config,
-    are a deprecated shorthand.)"""
+    its pad_id positions do."""
 
-    def __init__(self, config: EncoderDecoderConfig | None = None, **kwargs) -> None:
+    def __init__(self, config: EncoderDecoderConfig) -> None:
         super().__init__()
-        if config is not None and kwargs:
-            raise TypeError(f"give a config or keyword arguments, not both: got {sorted(kwargs)}")
-        config = EncoderDecoderConfig(**kwargs) if config is None else config  # the shorthand
         self.config = c = check_instance("config", config, EncoderDecoderConfig)
         sizes = dict(d_model=c.d_model, num_heads=c.num_heads, d_ff=c.d_ff, dropout=c.dropout,
                      norm_first=c.norm_first, activation=c.activation, backend=c.backend,
