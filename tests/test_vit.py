@@ -225,3 +225,17 @@ def test_model_refuses_bad_config_and_flag():
         ViT(dict(image_size=8))
     with pytest.raises(TypeError, match="return_weights"):
         ViT(_small())(torch.zeros(1, 3, 8, 8), return_weights=1)
+
+
+def test_forward_checks_the_images_once(monkeypatch):
+    # Issue 26: the entry point checks, and the patches are cut by the unchecked core.
+    import attnbook.vit as vit_module
+
+    calls = []
+    real = vit_module.check_tensor
+    monkeypatch.setattr(vit_module, "check_tensor", lambda *a, **k: calls.append(a[0]) or real(*a, **k))
+    config = vit_module.ViTConfig(image_size=8, patch_size=2, in_channels=1, num_classes=3,
+                                  d_model=16, num_layers=1, num_heads=2)
+    model = vit_module.ViT(config).eval()
+    model(torch.zeros(2, 1, 8, 8))
+    assert calls == ["images"]

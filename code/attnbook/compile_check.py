@@ -64,9 +64,10 @@ class Compiled:
 # chapters/a4-compiling.md, "Appendix D: Compiling for GPUs the machine does not have"
 def parameter_kinds(kernel: str) -> dict[str, str]:
     """`kernel`'s parameters, in order, typed as Triton's launcher specialises a typical launch
-    (contiguous (B, H, 1024, D) tensors): "*T" points to the inputs' dtype, "*fp32" to float32
-    rows (the logsumexp, delta), "i32/16" is a multiple of 16, "1" an integer equal to 1 (the
-    stride along D), which becomes a constant, and "constexpr" a compile-time constant."""
+    (contiguous (B, H, 1024, D) tensors): ``*T`` points to the inputs' dtype, ``*fp32`` to
+    float32 rows (the logsumexp, delta), ``i32/16`` is a multiple of 16, ``1`` an integer equal
+    to 1 (the stride along D), which becomes a constant, and ``constexpr`` a compile-time
+    constant."""
     from attnbook import kernels
 
     def kind(name: str, annotation) -> str:

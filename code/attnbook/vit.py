@@ -39,6 +39,12 @@ def patchify(images: torch.Tensor, patch_size: int) -> torch.Tensor:
     if h % p or w % p:
         raise ValueError(f"images' height and width must be multiples of patch_size={p}, "
                          f"got images of shape {tuple(images.shape)}")
+    return _patchify(images, p)
+
+
+def _patchify(images: torch.Tensor, p: int) -> torch.Tensor:
+    # patchify's computation, on images already checked (by patchify, or by ViT.forward)
+    b, c, h, w = images.shape
     x = images.reshape(b, c, h // p, p, w // p, p)  # (B, C, rows, p, cols, p)
     x = x.permute(0, 2, 4, 1, 3, 5)  # (B, rows, cols, C, p, p)
     return x.reshape(b, (h // p) * (w // p), c * p * p)  # (B, N, C p p)
@@ -108,7 +114,7 @@ class ViT(nn.Module):
         images = check_tensor("images", images, 4, dtype=weight.dtype, device=weight.device,
                               shape=(None, c.in_channels, c.image_size, c.image_size))
         return_weights = check_bool("return_weights", return_weights)
-        x = self.patch_embed(patchify(images, c.patch_size))  # (B, N, d_model)
+        x = self.patch_embed(_patchify(images, c.patch_size))  # (B, N, d_model): checked above
         cls = self.cls_token.expand(x.shape[0], -1, -1)  # (B, 1, d_model)
         x = self.dropout(torch.cat([cls, x], dim=1) + self.position)  # (B, 1 + N, d_model)
         weights = []  # only with return_weights: else the blocks take the fast path
