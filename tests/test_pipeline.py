@@ -341,6 +341,23 @@ def test_a_prose_only_edit_keeps_the_outputs(book_copy):
     assert "01-queries-keys-values.ipynb" not in tangle(book_copy, "--check").stderr
 
 
+def test_a_new_figure_caption_keeps_the_outputs_and_code_changes_drop_them(book_copy):
+    chapter = book_copy / "chapters" / "01-queries-keys-values.md"
+    notebook = book_copy / "notebooks" / "01-queries-keys-values.ipynb"
+    outputs_before = [c.get("outputs") for c in json.loads(notebook.read_text())["cells"]]
+    old = "    caption: Figure 1.1. Attention with the shape"
+    assert old in chapter.read_text()
+    chapter.write_text(chapter.read_text().replace(old, old.replace("Attention", "Scaled attention")))
+    assert tangle(book_copy).returncode == 0
+    cells = json.loads(notebook.read_text())["cells"]
+    assert [c.get("outputs") for c in cells] == outputs_before
+    assert any("Scaled attention" in str(c["metadata"]) for c in cells)
+    old = "n, m, d_k, d_v = 4, 6, 3, 2"
+    chapter.write_text(chapter.read_text().replace(old, "n, m, d_k, d_v = 4, 6, 3, 3"))
+    assert "outputs dropped" in tangle(book_copy).stdout
+    assert not any(c.get("outputs") for c in json.loads(notebook.read_text())["cells"])
+
+
 def test_text_cells_become_plain_markdown_for_colab():
     cited = {"dao2022": "Dao et al., 2022", "two2001": "One and Two, 2001"}
     text = ("An *{term}`online softmax <online softmax>`* and {term}`tiling` "

@@ -409,7 +409,9 @@ HIDDEN_TAG = "hide-input"  # the site shows such a cell's code collapsed: soluti
 
 
 HIDDEN_TITLE_END = "(double-click to show the code)"
-SHOWING = ("jupyter", "cellView")  # the cell metadata that hide_source sets
+# Cell metadata that changes how a cell is shown, never what it computes: hide_source's, and
+# myst-nb's (a figure's number, caption and alt text).
+SHOWING = ("jupyter", "cellView", "mystnb")
 
 
 def chapter_source(notebook_cell: nbformat.NotebookNode) -> str:
@@ -485,7 +487,7 @@ def dumps(nb: nbformat.NotebookNode) -> str:
 def same_code(a: nbformat.NotebookNode, b: nbformat.NotebookNode) -> bool:
     """Whether two notebooks run the same code. The setup cell is left out: on Colab it installs
     the package, and anywhere else its outputs depend on nothing that it pins. So is how a cell
-    is shown (hide_source's title comment and metadata), which changes nothing it computes."""
+    is shown (hide_source's title comment, SHOWING's metadata), which changes nothing it computes."""
 
     def code(nb):
         cells = strip_outputs(nb).cells[1:]
