@@ -433,3 +433,14 @@ def test_solutions_are_hidden_in_jupyter_and_on_colab_as_on_the_site():
         theirs = [tangler.chapter_source(c) for c in nb.cells[1:] if c.cell_type == "code"]
         assert ours == theirs, chapter.relpath
     assert solutions >= len(tangler.read_chapters()) - 2  # every chapter has its solutions
+
+
+def test_a_module_exports_what_it_defines_and_what_it_explicitly_re_exports():
+    source = ("from attnbook.heads import causal_mask as causal_mask\n"
+              "from attnbook.conventions import check_int\n"
+              "def padding_mask(): ...\n"
+              "def _helper(): ...\n"
+              "LIMIT = 3\n")
+    assert tangler.public_names(source) == ["causal_mask", "padding_mask", "LIMIT"]
+    assert tangler.public_names("from attnbook.heads import attend, LayerCache\n") == [
+        "attend", "LayerCache"]  # a module that only gathers names exports them all

@@ -181,8 +181,9 @@ def header(source: str) -> str:
 
 def public_names(source: str) -> list[str]:
     """The names a cell (or a module) exports: its top-level functions, classes and UPPER_CASE
-    constants that do not start with an underscore. A module that defines nothing and only
-    gathers names from other attnbook modules exports those."""
+    constants that do not start with an underscore, and the names it re-exports from another
+    attnbook module in the explicit form `from attnbook.m import name as name`. A module that
+    defines nothing and only gathers names from other attnbook modules exports those."""
     defined, gathered = [], []
     for node in ast.parse(source).body:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
@@ -192,6 +193,7 @@ def public_names(source: str) -> list[str]:
             defined.extend(t.id for t in targets if isinstance(t, ast.Name) and t.id.isupper())
         elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("attnbook."):
             gathered.extend(alias.asname or alias.name for alias in node.names)
+            defined.extend(alias.name for alias in node.names if alias.asname == alias.name)
     return [name for name in defined or gathered if not name.startswith("_")]
 
 

@@ -6,6 +6,7 @@ Built and explained in the book's chapters chapters/03-heads.md and chapters/04-
 """
 
 __all__ = [
+    "causal_mask",
     "attend",
     "ATTENTION_BACKENDS",
     "MultiHeadAttention",
@@ -25,6 +26,7 @@ from torch import nn
 from attnbook.conventions import (
     check_bool,
     check_choice,
+    check_device,
     check_instance,
     check_int,
     check_mask,
@@ -33,7 +35,17 @@ from attnbook.conventions import (
     check_tensor,
     compute_dtype,
 )
-from attnbook.masks import causal_mask
+
+
+def causal_mask(q_len: int, k_len: int | None = None, *,
+                device: torch.device | str | None = None) -> torch.Tensor:
+    """Boolean mask (q_len, k_len), True where query i may attend key j <= i + (k_len - q_len):
+    the queries are the last q_len of the k_len positions (bottom-right). k_len defaults to q_len."""
+    q_len = check_int("q_len", q_len, 1)
+    k_len = q_len if k_len is None else check_int("k_len", k_len, 1)
+    device = None if device is None else check_device("device", device)
+    query_positions = torch.arange(q_len, device=device)[:, None] + (k_len - q_len)  # (Lq, 1)
+    return torch.arange(k_len, device=device)[None, :] <= query_positions  # (Lq, Lk)
 
 
 def _masked_softmax(scores: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:

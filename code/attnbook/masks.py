@@ -18,17 +18,7 @@ from typing import Literal
 import torch
 
 from attnbook.conventions import check_bool, check_choice, check_device, check_int
-
-
-def causal_mask(q_len: int, k_len: int | None = None, *,
-                device: torch.device | str | None = None) -> torch.Tensor:
-    """Boolean mask (q_len, k_len), True where query i may attend key j <= i + (k_len - q_len):
-    the queries are the last q_len of the k_len positions (bottom-right). k_len defaults to q_len."""
-    q_len = check_int("q_len", q_len, 1)
-    k_len = q_len if k_len is None else check_int("k_len", k_len, 1)
-    device = None if device is None else check_device("device", device)
-    query_positions = torch.arange(q_len, device=device)[:, None] + (k_len - q_len)  # (Lq, 1)
-    return torch.arange(k_len, device=device)[None, :] <= query_positions  # (Lq, Lk)
+from attnbook.heads import causal_mask as causal_mask  # chapter 3's, offered here with the rest
 
 
 # chapters/06-masks.md, "Padding"
