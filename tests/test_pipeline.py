@@ -444,3 +444,29 @@ def test_a_module_exports_what_it_defines_and_what_it_explicitly_re_exports():
     assert tangler.public_names(source) == ["causal_mask", "padding_mask", "LIMIT"]
     assert tangler.public_names("from attnbook.heads import attend, LayerCache\n") == [
         "attend", "LayerCache"]  # a module that only gathers names exports them all
+
+
+def _figure_cells(notebook: Path):
+    """(metadata of the cell's figure, or None) for each code cell that draws an image."""
+    nb = nbformat.read(notebook, as_version=4)
+    return [cell.metadata.get("mystnb", {}) for cell in nb.cells if cell.cell_type == "code"
+            and any("image/png" in out.get("data", {}) for out in cell.get("outputs", []))]
+
+
+@pytest.mark.parametrize("notebook", sorted((ROOT / "notebooks").glob("*.ipynb")),
+                         ids=lambda p: p.stem)
+def test_every_image_is_a_numbered_captioned_figure_with_alt_text(notebook):
+    label = notebook.stem[:2].lstrip("0")
+    if label.startswith("a"):  # appendices are lettered: a1 is A, a2 is B, ...
+        label = "ABCDEFGH"[int(label[1:]) - 1]
+    for number, figure in enumerate(_figure_cells(notebook), start=1):
+        caption = figure.get("figure", {}).get("caption", "")
+        assert caption.startswith(f"Figure {label}.{number}. "), (notebook.name, number, caption)
+        assert figure["figure"].get("name", "").startswith("fig-"), (notebook.name, number)
+        assert len(figure.get("image", {}).get("alt", "")) > 40, (notebook.name, number)
+
+
+def test_figure_names_are_unique_in_the_book():
+    names = [figure["figure"]["name"] for notebook in sorted((ROOT / "notebooks").glob("*.ipynb"))
+             for figure in _figure_cells(notebook) if "figure" in figure]
+    assert len(names) == len(set(names)) > 30
