@@ -1,4 +1,4 @@
-"""Sphinx extension: fixes for what every page shows or logs, and the site's sitemap.
+"""Sphinx extension: fixes for what every page shows or logs.
 
 - Sphinx 7.4 writes a script that has a body and no file twice when an extension adds it after
   the builder starts (sphinx-thebe does), so the browser raises "Identifier 'THEBE_JS_URL' has
@@ -9,19 +9,16 @@
 - The repository menu's buttons read "Edit this page" and "Open an issue", and a page that a
   tool writes at build time (book/api.md, from tools/api_reference.py) has no edit button: the
   file it would open is not in the repository.
-- sitemap.xml lists every page under `html_baseurl` (_config.yml's html.baseurl, where the site
-  is published), which also gives every page its canonical link.
+
+sitemap.xml is sphinx-sitemap's (_config.yml: html.baseurl, sitemap_url_scheme), and every page's
+canonical link is Sphinx's own, from the same html.baseurl.
 
 tools/site_check.py (make site-check) checks each of these on the built pages.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-from xml.sax.saxutils import escape
-
 GENERATED_PAGES = {"book/api"}  # written by tools/api_reference.py, not committed
-SITEMAP_NS = "http://www.sitemaps.org/schemas/sitemap/0.9"
 
 
 def set_default_mode(app, config) -> None:
@@ -57,20 +54,8 @@ def relabel_source_buttons(app, pagename, templatename, context, doctree) -> Non
         ]
 
 
-def write_sitemap(app, exception) -> None:
-    if exception or app.builder.format != "html" or not app.config.html_baseurl:
-        return
-    base = app.config.html_baseurl.rstrip("/") + "/"
-    urls = sorted(base + app.builder.get_target_uri(doc) for doc in app.env.found_docs)
-    lines = [f"  <url><loc>{escape(url)}</loc></url>" for url in urls]
-    text = "\n".join(['<?xml version="1.0" encoding="UTF-8"?>', f'<urlset xmlns="{SITEMAP_NS}">',
-                      *lines, "</urlset>", ""])
-    (Path(app.outdir) / "sitemap.xml").write_text(text, encoding="utf-8")
-
-
 def setup(app):
     app.connect("config-inited", set_default_mode)
     app.connect("html-page-context", drop_duplicate_scripts, priority=900)
     app.connect("html-page-context", relabel_source_buttons, priority=600)
-    app.connect("build-finished", write_sitemap)
     return {"version": "1.0", "parallel_read_safe": True, "parallel_write_safe": True}
