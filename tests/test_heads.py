@@ -472,6 +472,15 @@ def test_cache_refuses_chunks_that_do_not_fit(k, v, error, match):
 def test_cache_arguments_are_checked():
     with pytest.raises(TypeError, match="keys must be a floating-point tensor"):
         LayerCache(torch.zeros(2, 2, 6, 4, dtype=torch.long), torch.zeros(2, 2, 6, 4))
+    for values, error in [(torch.zeros(2, 2, 5, 4), ValueError),  # another capacity
+                          (torch.zeros(1, 2, 6, 4), ValueError),  # another batch
+                          (torch.zeros(2, 1, 6, 4), ValueError),  # other heads
+                          (torch.zeros(2, 2, 6, 4).double(), TypeError)]:  # another dtype
+        with pytest.raises(error, match="values must"):
+            LayerCache(torch.zeros(2, 2, 6, 4), values)
+    cache = LayerCache(torch.zeros(2, 2, 6, 4), torch.zeros(2, 2, 6, 3))  # d_v may differ from d_k
+    keys, values = cache.append(torch.ones(2, 2, 6, 4), torch.ones(2, 2, 6, 3))
+    assert keys.shape == (2, 2, 6, 4) and values.shape == (2, 2, 6, 3)
     x = torch.randn(2, 3, 16)
     cache = LayerCache(*_storage(CACHE_LAYER, 2, 4, torch.float32))
     with pytest.raises(ValueError, match="context or a cache, not both"):
@@ -655,6 +664,13 @@ def test_head_helpers_refuse_bad_input():
         mask_heads(layer, [-1])
     with pytest.raises(TypeError, match="heads"):
         mask_heads(layer, [1.0])
+    for one in (1, torch.tensor(1), "1"):  # one index, not a sequence of them
+        with pytest.raises(TypeError, match="heads must be a sequence of head indices"):
+            mask_heads(layer, one)
+    before = layer.out_proj.weight.detach().clone()
+    mask_heads(layer, torch.tensor([1, 3]))  # a 1-d tensor of indices is a sequence
+    assert (layer.out_proj.weight[:, 4:8] == 0).all() and (layer.out_proj.weight[:, 12:] == 0).all()
+    assert torch.equal(layer.out_proj.weight[:, :4], before[:, :4])
 
 
 @pytest.mark.parametrize("bias", [True, False])

@@ -283,7 +283,9 @@ class LayerCache:
     counts the positions filled. It keeps no autograd history: use it under torch.no_grad()."""
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        self.keys, self.values = check_tensor("keys", keys, 4), check_tensor("values", values, 4)
+        self.keys = check_tensor("keys", keys, 4)  # (B, num_kv_heads, capacity, head_dim)
+        self.values = check_tensor("values", values, 4, dtype=keys.dtype, device=keys.device,
+                                   shape=(*keys.shape[:3], None))  # the same B, heads, capacity
         self.length = 0
 
     @property
@@ -347,6 +349,8 @@ def mask_heads(attn: MultiHeadAttention, heads) -> MultiHeadAttention:
     """Silence `heads` (indices from 0 to num_heads - 1) of `attn`, in place: zero their blocks
     of columns of out_proj.weight, so their outputs never reach the layer's output."""
     check_instance("attn", attn, MultiHeadAttention)
+    if isinstance(heads, (int, str)) or (isinstance(heads, torch.Tensor) and heads.dim() != 1):
+        raise TypeError(f"heads must be a sequence of head indices, got heads={heads!r}")
     heads = [check_int("heads", h, 0, attn.num_heads - 1) for h in heads]
     hs = attn.head_dim
     with torch.no_grad():
