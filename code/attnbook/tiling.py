@@ -15,6 +15,7 @@ __all__ = [
     "GPUSpec",
     "GPUS",
     "find_gpu",
+    "BOARDS",
     "roofline_seconds",
 ]
 
@@ -257,9 +258,18 @@ def find_gpu(device_name: str) -> GPUSpec:
     check_instance("device_name", device_name, str)
     for key, spec in GPUS.items():
         if key in device_name.upper():
+            other = [board for board in BOARDS if board in device_name.upper()
+                     and board not in spec.name.upper()]  # another board: other peaks
+            if other:
+                raise ValueError(f"device_name={device_name!r} is a {other[0]} board, whose "
+                                 f"peaks are not those of GPUS' {spec.name}")
             return spec
     raise ValueError(f"device_name must name one of {sorted(GPUS)}, got "
                      f"device_name={device_name!r}")
+
+
+# Names that mark a board of the same chip with other peaks (memory, clocks) than GPUS' entry.
+BOARDS = ("PCIE", "NVL", "40GB")
 
 
 def roofline_seconds(flops, bytes_moved, gpu, itemsize: int = 2) -> float:
