@@ -73,8 +73,9 @@ def _as_positions(positions, length: int, device: torch.device, dtype: torch.dty
 # chapters/05-positions.md, "ALiBi: a penalty for distance"
 def alibi_slopes(num_heads: int, *, dtype: torch.dtype = torch.float32,
                  device: torch.device | str | None = None) -> torch.Tensor:
-    """ALiBi's slopes (num_heads,), as in Press et al. (2022): 2**(-8/n), 2**(-16/n), ..., 2**(-8)
-    for a power of two n; else those of the power of two n' below, then every other one of 2n'."""
+    """ALiBi's slopes (num_heads,): 2**(-8/n), 2**(-16/n), ..., 2**(-8) for a power of two n, as in
+    Press et al. (2022); else, as in their code, those of the power of two n' below, then every
+    other one of 2n'."""
     num_heads, dtype = check_int("num_heads", num_heads, minimum=1), _check_float_dtype(dtype)
     device = None if device is None else check_device("device", device)
     lower = 2 ** int(math.log2(num_heads))
