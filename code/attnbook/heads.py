@@ -284,8 +284,12 @@ class LayerCache:
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         self.keys = check_tensor("keys", keys, 4)  # (B, num_kv_heads, capacity, head_dim)
-        self.values = check_tensor("values", values, 4, dtype=keys.dtype, device=keys.device,
-                                   shape=(*keys.shape[:3], None))  # the same B, heads, capacity
+        self.values = check_tensor("values", values, 4)  # (B, num_kv_heads, capacity, d_v)
+        if (values.shape[:3], values.dtype, values.device) != (keys.shape[:3], keys.dtype,
+                                                                 keys.device):
+            raise ValueError(f"values must have the batch, heads, capacity, dtype and device of "
+                             f"keys, {tuple(keys.shape[:3])} {keys.dtype} {keys.device}, got "
+                             f"{tuple(values.shape[:3])} {values.dtype} {values.device}")
         self.length = 0
 
     @property
