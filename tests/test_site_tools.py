@@ -132,10 +132,12 @@ def build_small_book(tmp_path: Path, api: str) -> tuple[Path, str]:
     (src / "book" / "api.md").write_text(api)
     (src / "index.md").write_text("# Book\n\n```{toctree}\nchapters/01-queries-keys-values\n"
                                   "book/api\n```\n")
-    book = yaml.safe_load((ROOT / "_config.yml").read_text())["sphinx"]
+    config = yaml.safe_load((ROOT / "_config.yml").read_text())
+    book = config["sphinx"]
     settings = {k: v for k, v in book["config"].items()
-                if k.startswith(("autodoc_", "codeautolink_", "nitpick", "myst_heading"))
+                if k.startswith(("autodoc_", "codeautolink_", "nitpick", "myst_heading", "sitemap_"))
                 or k in ("add_module_names", "default_role", "toc_object_entries_show_parents")}
+    settings["html_baseurl"] = config["html"]["baseurl"]  # sphinx-sitemap's base
     (src / "conf.py").write_text(
         f"import sys\nsys.path.insert(0, {str(ROOT / 'book' / '_ext')!r})\n"
         f"extensions = ['myst_parser', *{book['extra_extensions']!r}, 'api_sections']\n"
