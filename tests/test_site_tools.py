@@ -455,3 +455,20 @@ def test_the_book_page_is_printed_as_sphinx_wrote_its_links(tmp_path):
         server.server_close()
     assert outside == [] and info["images"] == 3 and info["broken"] == []
     assert book_pdf.page_count(out.read_bytes()) == 3  # each document on a page of its own
+
+
+def test_a_chapter_figure_carries_its_own_number_and_no_second_one():
+    own = ('<figure><img alt="x"><figcaption><p><span class="caption-text">Figure 5.3. RoPE in '
+           'one plane.</span></p></figcaption></figure>')
+    twice = own.replace('<p><span class="caption-text">',
+                        '<p><span class="caption-number">Fig. 13 </span><span class="caption-text">')
+    bare = own.replace("Figure 5.3. ", "")
+    appendix = own.replace("Figure 5.3.", "Figure B.1.")
+    for html, problems in [
+        (own, []), (appendix, []),
+        (twice, ["figure numbered twice: 'Fig. 13 Figure 5.3. RoPE in one plane.'"]),
+        (bare, ["figure caption without its number: 'RoPE in one plane.'"]),
+    ]:
+        result = site_check.PageResult("chapters/05-positions.html")
+        site_check.check_figures(result, html)
+        assert result.problems == problems

@@ -8,6 +8,8 @@ Debian's Chromium, driven by Playwright. A page passes when:
 - its math is typeset: every `.math` element holds MathJax output (`mjx-container`), MathJax
   reports no TeX error, and no raw `\\(`, `\\[`, `$$` or `\\begin{` is left in the text;
 - every image loaded (naturalWidth > 0);
+- every figure of a chapter has a caption that starts with its own number, "Figure N.k.", and
+  no second, book-wide one;
 - every link inside the site resolves: the file exists and, for `page.html#anchor`, the page
   has an element with that id;
 - every "Open in Colab" link (class colab-link, book/_ext/colab_links.py) is the one for its
@@ -513,6 +515,22 @@ def analyse(result: PageResult, info: dict, base: str, site: Path, notebooks: Pa
         check_buttons(result, info, base, site, config)
     for exec_table in info["execTables"]:
         check_execution_table(result, exec_table, site)
+    if result.path.startswith("chapters/") and (site / result.path).is_file():
+        check_figures(result, (site / result.path).read_text(encoding="utf-8"))
+
+
+FIGURE_CAPTION = re.compile(r"<figcaption>(.*?)</figcaption>", re.S)
+
+
+def check_figures(result: PageResult, html: str) -> None:
+    """Every figure's caption carries the book's own number ("Figure 5.3. ...", the chapter's
+    count, which Colab shows too) and no second, book-wide one from Sphinx ("Fig. 13")."""
+    for caption in FIGURE_CAPTION.findall(html):
+        text = re.sub(r"<[^>]+>", "", caption).strip()
+        if 'class="caption-number"' in caption:
+            result.problems.append(f"figure numbered twice: {text[:40]!r}")
+        elif not re.match(r"Figure [0-9A-Z]+\.[0-9]+\. ", text):
+            result.problems.append(f"figure caption without its number: {text[:40]!r}")
 
 
 def check_execution_table(result: PageResult, exec_table: dict, site: Path) -> None:
