@@ -11,10 +11,13 @@ this process, so that the file takes well under a minute.
 
 import contextlib
 import hashlib
+import importlib.metadata
 import io
 import json
+import math
 import os
 import pickle
+import re
 import shlex
 import shutil
 import signal
@@ -28,7 +31,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from attnbook import train
+from attnbook import train, train_command
 from attnbook.gpt import GPT, GPTConfig
 
 TINY = ["--d-model", "32", "--layers", "2", "--heads", "2", "--context", "16",
@@ -152,10 +155,13 @@ def test_log_has_one_line_per_step_and_the_same_losses(runs):
     folders, _ = runs
     one, ddp = log(folders["one"]), log(folders["restarted"])
     assert [e["step"] for e in one] == [e["step"] for e in ddp] == list(range(1, STEPS + 1))
-    assert all(e.keys() == {"step", "loss", "tokens_per_second"} for e in one + ddp)
+    last = {"step", "loss", "lr", "tokens_per_second", "held_out_loss"}  # held out: at the end
+    assert all(e.keys() == last - {"held_out_loss"} for e in one[:-1] + ddp[:-1])
+    assert one[-1].keys() == ddp[-1].keys() == last
     assert all(e["tokens_per_second"] > 0 for e in one + ddp)
     for a, b in zip(one, ddp):  # DDP logs the mean over processes: the global batch's loss
-        assert a["loss"] == pytest.approx(b["loss"], abs=1e-9)
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-9) and a["lr"] == b["lr"]
+    assert one[-1]["held_out_loss"] == pytest.approx(ddp[-1]["held_out_loss"], abs=1e-9)
 
 
 def test_checkpoints_are_complete_directories_of_the_right_steps(runs):
@@ -220,11 +226,15 @@ def test_model_pt_rebuilds_the_model_and_sample_continues_a_prompt(runs, capsys)
         for _ in range(12):
             ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
     expected = "".join(vocabulary[i] for i in ids)
-    train.main(["sample", "--run", str(folders["one"]), "--prompt", "for ", "--tokens", "12"])
+    train.main(["sample", "--run", str(folders["one"]), "--prompt", "for ", "--tokens", "12",
+                "--temperature", "0"])
     assert capsys.readouterr().out == expected + "\n"  # what the command prints
-    assert train.sample(folders["one"], "for ", 12) == expected
-    drawn = [train.sample(folders["one"], "for ", 30, temperature=1.0, seed=s) for s in (5, 5, 6)]
+    assert train.sample(folders["one"], "for ", 12, temperature=0) == expected
+    drawn = [train.sample(folders["one"], "for ", 30, seed=s) for s in (5, 5, 6)]  # 0.8, top 10
     assert drawn[0] == drawn[1] != drawn[2] and drawn[0].startswith("for ")
+    train.main(["sample", "--run", str(folders["one"]), "--prompt", "for ", "--tokens", "30",
+                "--seed", "5"])
+    assert capsys.readouterr().out == drawn[0] + "\n"  # the command's defaults are sample's
 
 
 @pytest.mark.filterwarnings("ignore:Detected pickle protocol")  # the crafted file's, on purpose
@@ -250,10 +260,69 @@ def test_sample_refuses_what_is_not_a_model(runs, tmp_path):
         train.sample(folders["one"], "a", -1)
 
 
+def test_the_installed_command_trains_by_chapter_10s_recipe(tmp_path):
+    """The installed attnbook-train, against chapter 10's recipe written out with PyTorch's own
+    AdamW, LambdaLR and clipping on the same batches: the same loss at every step, the same
+    held-out losses, in float64."""
+    steps, warmup, lr = 24, 5, 8e-3
+    script = Path(sys.executable).with_name("attnbook-train")
+    done = subprocess.run([str(script), "gpt", *TINY, "--steps", str(steps), "--warmup",
+                           str(warmup), "--lr", str(lr), "--eval-every", "10", "--out",
+                           str(tmp_path / "run")], capture_output=True, text=True, env=ENV,
+                          timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    logged = log(tmp_path / "run")
+    assert [line["step"] for line in logged if "held_out_loss" in line] == [10, 20, 24]
+
+    ids, vocab_size = train.corpus()
+    blocks = ids.split(4096)  # chapter 10's split: every tenth block held out
+    train_ids = torch.cat([b for i, b in enumerate(blocks) if i % 10 != 9])
+    held_ids = torch.cat([b for i, b in enumerate(blocks) if i % 10 == 9])
+
+    def windows(source, step, size, seed=3, context=16):  # TINY's seed and context
+        g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+        starts = torch.randint(len(source) - context, (size,), generator=g).tolist()
+        w = torch.stack([source[s:s + context + 1] for s in starts])
+        return w[:, :-1], w[:, 1:]
+
+    torch.manual_seed(3)
+    model = GPT(GPTConfig(vocab_size=vocab_size, context_length=16, d_model=32, num_layers=2,
+                          num_heads=2, dropout=0.0)).double()
+    matrices = [p for p in model.parameters() if p.dim() >= 2]
+    others = [p for p in model.parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW([{"params": matrices, "weight_decay": 0.1},
+                                   {"params": others, "weight_decay": 0.0}], lr=lr,
+                                  betas=(0.9, 0.95))
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: (s + 1) / warmup if s < warmup
+                                                 else 0.1 + 0.45 * (1 + math.cos(math.pi * (
+                                                     s - warmup) / (steps - warmup))))
+    held_x, held_y = windows(held_ids, 0, 64)
+    norms = []
+    for line in logged:
+        x, y = windows(train_ids, line["step"], 4)
+        loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        assert line["lr"] == pytest.approx(optimizer.param_groups[0]["lr"], rel=1e-12)
+        optimizer.zero_grad()
+        loss.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).item())
+        optimizer.step()
+        schedule.step()
+        assert line["loss"] == pytest.approx(loss.item(), rel=1e-9)
+        if "held_out_loss" in line:
+            model.eval()
+            with torch.no_grad():
+                held = torch.nn.functional.cross_entropy(model(held_x).flatten(0, 1),
+                                                         held_y.flatten())
+            model.train()
+            assert line["held_out_loss"] == pytest.approx(held.item(), rel=1e-9)
+    assert f"held-out loss {logged[-1]['held_out_loss']:.4f}" in done.stderr.splitlines()[-1]
+    assert max(norms) > 1.0 > min(norms)  # clipping acted on some steps and not on others
+
+
 def test_the_console_script_is_declared():
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
     module, function = scripts["attnbook-train"].split(":")
-    assert module == "attnbook.train" and getattr(train, function) is train.main
+    assert module == "attnbook.train_command" and getattr(train_command, function) is train.main
 
 
 # In-process runs: a tiny model, 1 to 4 steps.
@@ -292,7 +361,9 @@ def copy(base, tmp_path, monkeypatch):
 
 
 def files(folder):
-    return {p.relative_to(folder): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+    """A run's files and their bytes; the lock file, which each run takes, aside."""
+    return {p.relative_to(folder): p.read_bytes() for p in folder.rglob("*")
+            if p.is_file() and p.name != ".lock"}
 
 
 def test_a_fresh_run_into_a_folder_holding_a_run_is_refused(copy):
@@ -320,7 +391,8 @@ def test_resume_of_a_finished_run_without_checkpoints_is_refused(copy):
 
 
 def test_a_torn_last_log_line_is_dropped_on_resume(copy):
-    shutil.rmtree(copy / "checkpoints" / "step-00000004")
+    shutil.rmtree(copy / "checkpoints" / "step-00000004")  # killed after step 4's log line
+    (copy / "model.pt").unlink()
     with open(copy / "log.jsonl", "a") as file:
         file.write('{"step": 5, "lo')  # a process killed while writing it
     run(copy, "--resume")
@@ -343,13 +415,32 @@ def test_a_resume_with_a_checkpoint_beyond_steps_is_refused(copy):
 
 @pytest.mark.parametrize("option, value, recorded", [
     ("--seed", "4", "3"), ("--global-batch", "8", "4"), ("--dtype", "float32", "float64"),
-    ("--dropout", "0.1", "0.0"), ("--d-model", "64", "32"), ("--lr", "0.001", "0.003"),
-    ("--context", "8", "16"),
+    ("--dropout", "0.1", "0.0"), ("--d-model", "64", "32"), ("--lr", "0.001", "0.006"),
+    ("--context", "8", "16"), ("--warmup", "3", "30"), ("--clip", "0.0", "1.0"),
 ])
 def test_a_resume_with_other_options_is_refused_by_name(copy, option, value, recorded):
-    with pytest.raises(ValueError, match=rf"written with {option} {recorded}, and this run has "
-                                         rf"{option} {value}"):
+    with pytest.raises(ValueError, match=rf"{option} {value} \(the run's: {recorded}\)"):
         run(copy, "--resume", option, value, steps=6)
+
+
+def test_a_resume_names_every_option_that_differs_at_once(copy):
+    with pytest.raises(ValueError) as refused:
+        run(copy, "--resume", "--seed", "4", "--d-model", "64", "--lr", "0.001", steps=6)
+    said = str(refused.value)
+    assert all(f in said for f in ("--seed 4 (the run's: 3)", "--d-model 64 (the run's: 32)",
+                                   "--lr 0.001 (the run's: 0.006)"))
+
+
+def test_a_resume_takes_the_options_it_is_not_given_from_the_run(copy):
+    before = torch.load(copy / "model.pt", weights_only=True)["options"]
+    with contextlib.redirect_stderr(io.StringIO()) as said:
+        train.train(train.parse_options(["gpt", "--resume", "--steps", "6", "--out", str(copy)]))
+    saved = torch.load(copy / "model.pt", weights_only=True)
+    assert saved["step"] == 6 and [e["step"] for e in log(copy)] == [1, 2, 3, 4, 5, 6]
+    assert saved["options"] == {**before, "steps": 6}  # TINY's sizes, seed and dtype, not defaults
+    assert saved["config"]["d_model"] == 32 and before["checkpoint_every"] == 2
+    assert said.getvalue().startswith(f"resuming {copy} from its checkpoint step-00000004 "
+                                      f"(step 4)\n")
 
 
 def test_a_resume_with_the_same_options_continues(copy):
@@ -374,7 +465,7 @@ def test_a_crafted_metadata_pickle_runs_no_code(copy, tmp_path, forged):
         forge_manifest(checkpoint)
     match = "names posix.system|names nt.system" if forged else "does not match the SHA-256"
     with pytest.raises(ValueError, match=match) as refused:
-        run(copy, "--resume")
+        run(copy, "--resume", steps=6)
     assert str(checkpoint) in str(refused.value)
     assert not marker.exists()
 
@@ -396,7 +487,7 @@ def test_a_crafted_value_pickle_runs_no_code(copy, tmp_path):
     (checkpoint / "manifest.json").write_text(manifest)
     forge_manifest(checkpoint)
     with pytest.raises(ValueError, match="stores step as a pickle"):
-        run(copy, "--resume")
+        run(copy, "--resume", steps=6)
     assert not marker.exists()
 
 
@@ -418,7 +509,7 @@ def test_a_damaged_checkpoint_is_refused_by_name(copy, damage):
     if "forged" in damage or damage == "garbled metadata":
         forge_manifest(checkpoint)
     with pytest.raises(ValueError) as refused:  # not a CheckpointException, a BaseException
-        run(copy, "--resume")
+        run(copy, "--resume", steps=6)
     assert f"checkpoint {checkpoint}" in str(refused.value)
 
 
@@ -428,7 +519,7 @@ def test_the_command_turns_a_refusal_into_one_line_and_status_1(base, monkeypatc
         train.main(["gpt", *TINY, "--steps", "4", "--out", str(base)])
     assert exit.value.code == 1
     said = capsys.readouterr().err
-    assert said.startswith("python -m attnbook.train: error: --out ") and said.count("\n") == 1
+    assert said.startswith("attnbook-train: error: --out ") and said.count("\n") == 1
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="SIGINT to a process is POSIX")
@@ -455,7 +546,7 @@ def test_ctrl_c_stops_cleanly_and_says_how_to_resume(tmp_path):
     last = train.latest_checkpoint(out)
     assert f"the last checkpoint is {last} (step {int(last.name[5:])})" in said
     resume = said.split("To resume:\n")[1].strip()
-    assert shlex.split(resume) == ["python", "-m", "attnbook.train", *args, "--resume"]
+    assert shlex.split(resume) == ["attnbook-train", *args, "--resume"]
 
 
 def refusal(argv, monkeypatch, processes=1):
@@ -474,10 +565,14 @@ def refusal(argv, monkeypatch, processes=1):
     ("--dropout", "nan", "argument --dropout: must be in [0, 1], got 'nan'"),
     ("--lr", "0", "argument --lr: must be above 0, got '0'"),
     ("--lr", "inf", "argument --lr: must be above 0, got 'inf'"),
-    ("--heads", "3", "argument --heads: 3 heads do not divide --d-model 64"),
+    ("--heads", "3", "argument --heads: 3 heads do not divide --d-model 128"),
     ("--dtype", "float16", "argument --dtype"),
     ("--strategy", "zero", "argument --strategy"),
-    ("--checkpoint-every", "0", "argument --checkpoint-every: must be at least 1"),
+    ("--checkpoint-every", "-1", "argument --checkpoint-every: must be at least 0"),
+    ("--keep-checkpoints", "0", "argument --keep-checkpoints: must be at least 1"),
+    ("--clip", "-1", "argument --clip: must be at least 0"),
+    ("--warmup", "1.5", "argument --warmup: must be an integer"),
+    ("--min-lr-ratio", "2", "argument --min-lr-ratio: must be in [0, 1]"),
     ("--print-every", "-1", "argument --print-every: must be at least 0"),
 ])
 def test_bad_options_are_refused_by_name(monkeypatch, option, value, message):
@@ -513,11 +608,10 @@ def test_other_commands_and_a_missing_out_are_refused(monkeypatch):
 
 
 def test_the_help_says_what_is_trusted(monkeypatch):
-    for argv in (["--help"], ["gpt", "--help"], ["sample", "--help"]):
-        with contextlib.redirect_stdout(io.StringIO()) as said, pytest.raises(SystemExit):
-            train.parse_options(argv)
-        text = " ".join(said.getvalue().split())
-        assert "What is trusted" in text and "weights_only=True" in text and "SHA-256" in text
+    with contextlib.redirect_stdout(io.StringIO()) as said, pytest.raises(SystemExit):
+        train.parse_options(["--help"])
+    text = " ".join(said.getvalue().split())
+    assert "What is trusted" in text and "weights_only=True" in text and "SHA-256" in text
 
 
 def test_batch_shares_are_disjoint_slices_of_one_global_batch(monkeypatch):
@@ -550,3 +644,123 @@ def test_corpus_is_chapter_8s_text():
     ids, vocab_size = train.corpus()
     assert ids.dtype == torch.int64 and ids.dim() == 1 and len(ids) > 400_000
     assert int(ids.min()) == 0 and int(ids.max()) == vocab_size - 1
+
+
+def test_sample_on_an_unfinished_run_says_how_to_finish_it(copy):
+    (copy / "model.pt").unlink()  # stopped after its last checkpoint, before model.pt
+    with pytest.raises(ValueError, match=rf"gpt --resume --out {re.escape(str(copy))}$"):
+        train.sample(copy, "a", 3)
+    train.main(["gpt", "--resume", "--out", str(copy)])  # the advice, as given
+    assert train.sample(copy, "a", 3, temperature=0).startswith("a")
+    with pytest.raises(ValueError, match=r"train one first: attnbook-train gpt --out"):
+        train.sample(copy / "nothing", "a", 3)
+
+
+def test_only_the_latest_checkpoints_are_kept(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "stderr", io.StringIO())
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    run(tmp_path / "three", "--checkpoint-every", "1", steps=5)  # the default: 3
+    run(tmp_path / "one", "--checkpoint-every", "2", "--keep-checkpoints", "1", steps=5)
+    assert [p.name for p in sorted((tmp_path / "three" / "checkpoints").iterdir())] == [
+        "step-00000003", "step-00000004", "step-00000005"]
+    assert [p.name for p in (tmp_path / "one" / "checkpoints").iterdir()] == ["step-00000004"]
+
+
+# The installed command, run as a user runs it.
+
+COMMAND = Path(sys.executable).with_name("attnbook-train")
+
+
+def installed(*args):
+    return subprocess.run([str(COMMAND), *args], capture_output=True, text=True, env=ENV,
+                          timeout=240)
+
+
+def help_of(*args):
+    """The help of `attnbook-train *args --help` on one line, and {option: its help}."""
+    done = installed(*args, "--help")
+    assert done.returncode == 0, done.stderr
+    entries = re.split(r"\n  (?=-)", done.stdout.split("options:")[1])[1:]  # one per option
+    options = {}
+    for entry in entries:
+        flag, _, rest = " ".join(entry.split()).partition(" ")
+        options[flag.rstrip(",")] = re.sub(r"^([A-Z_]+|\{[a-z0-9,]+\}) ", "", rest)
+    return " ".join(done.stdout.split()), options
+
+
+def test_version_and_help_answer_without_loading_torch():
+    script = textwrap.dedent("""
+        import sys
+        from attnbook import train_command
+        for argv in (["--version"], ["--help"], ["gpt", "--help"], ["sample", "--help"]):
+            try:
+                train_command.main(argv)
+            except SystemExit as exit:
+                assert exit.code == 0, exit.code
+        print("torch loaded:", "torch" in sys.modules)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=ENV)
+    assert done.returncode == 0 and done.stdout.strip().endswith("torch loaded: False")
+    version = installed("--version")
+    assert version.stdout == f"attnbook-train {importlib.metadata.version('attnbook')}\n"
+
+
+def test_the_help_names_the_program_and_states_every_default():
+    text, options = help_of("gpt")
+    assert text.startswith("usage: attnbook-train gpt ")
+    for name, default in train_command.DEFAULTS.items():
+        assert options["--" + name.replace("_", "-")].endswith(f"(default {default})"), name
+    sample_text, options = help_of("sample")
+    assert options["--tokens"].endswith("(default 200)") and "(default 0.8)" in options[
+        "--temperature"] and options["--top-k"].endswith("(default 10)")
+    top, _ = help_of()
+    assert top.count("What is trusted") == 1 and "What is trusted" not in text + sample_text
+
+
+def test_a_second_run_into_a_folder_in_use_is_refused_by_its_holder(tmp_path):
+    out = tmp_path / "run"
+    first = subprocess.Popen([str(COMMAND), "gpt", *TINY, "--steps", "100000", "--out", str(out)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / "log.jsonl").exists():  # the lock is taken before the log is begun
+            assert first.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+        second = installed("gpt", *TINY, "--steps", "2", "--overwrite", "--out", str(out))
+        assert second.returncode == 1 and second.stderr == (
+            f"attnbook-train: error: --out {out} is in use by another run (process {first.pid}):"
+            f" wait for it to end, or give another --out\n")
+        assert (out / "log.jsonl").exists() and not (out / "model.pt").exists()  # untouched
+    finally:
+        first.kill()  # a crash: the lock goes with the process
+        first.communicate()
+    again = installed("gpt", *TINY, "--steps", "2", "--overwrite", "--out", str(out))
+    assert again.returncode == 0, again.stderr
+
+
+def test_resuming_a_finished_run_with_no_more_steps_leaves_it_alone(tmp_path):
+    out = tmp_path / "run"
+    done = installed("gpt", *TINY, "--steps", "5", "--checkpoint-every", "2", "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    before = files(out)
+    for steps in ("4", "5"):  # checkpoints at 2 and 4, model.pt at 5
+        again = installed("gpt", "--resume", "--steps", steps, "--out", str(out))
+        assert again.returncode == 1 and again.stderr == (
+            f"attnbook-train: error: --resume: the run in {out} has finished, at step 5: give "
+            f"--steps above 5 to train it further, or another --out\n")
+        assert files(out) == before
+
+
+@pytest.mark.parametrize("kind", ["a file", "impossible"])
+def test_an_unusable_out_is_one_line_naming_it(tmp_path, kind):
+    out = tmp_path / "notes.txt" if kind == "a file" else Path("/proc/attnbook/run")
+    if kind == "a file":
+        out.write_text("mine")
+    elif not Path("/proc").is_dir():
+        pytest.skip("no /proc here")
+    done = installed("gpt", *TINY, "--steps", "1", "--out", str(out))
+    lines = done.stderr.splitlines()
+    assert done.returncode == 1 and len(lines) == 1 and f"--out {out}" in lines[0], done.stderr
+    assert lines[0].startswith("attnbook-train: error: ")
+    if kind == "a file":
+        assert out.read_text() == "mine"

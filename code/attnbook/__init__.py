@@ -19,6 +19,9 @@ Modules, in the order the book builds them:
   masked-language-model head, token masking, and Hugging Face BERT weights.
 - attnbook.gpt (chapters/10-gpt.md): A decoder-only model, GPT: generation with a KV cache,
   GPT-2's weights, and a character tokenizer.
+- attnbook.recipe (chapters/10-gpt.md): The book's one training recipe: AdamW with decay on
+  matrices only, warm-up and cosine decay, clipping, one step, and the batches and held-out loss
+  of a run.
 - attnbook.encdec (chapters/11-encoder-decoder.md): The original Transformer's encoder-decoder,
   with greedy decoding.
 - attnbook.models (chapters/11-encoder-decoder.md): The book's three models, BERT, GPT and the
@@ -46,6 +49,8 @@ Modules, in the order the book builds them:
   numbers glued into the prose, timings, and whether pretrained weights can be downloaded.
 - attnbook.corpus (chapters/a1-conventions.md): The book's training text: a fixed snapshot of
   the Python documentation's topics.
+- attnbook.train_command (chapters/a2-training-at-scale.md): The attnbook-train command line:
+  its options, read without loading PyTorch, and its entry point.
 - attnbook.train (chapters/a2-training-at-scale.md): Training the book's GPT on one or many
   processes: torch.distributed's DDP and FSDP2, launched by torchrun, with distributed
   checkpoints.
@@ -68,6 +73,7 @@ __all__ = [
     "blocks",
     "bert",
     "gpt",
+    "recipe",
     "encdec",
     "models",
     "cost",
@@ -80,6 +86,7 @@ __all__ = [
     "conventions",
     "notebook",
     "corpus",
+    "train_command",
     "train",
     "viz",
     "compile_check",

@@ -274,7 +274,7 @@ def _next_token(logits: torch.Tensor, temperature: float, top_k, generator) -> t
     return torch.multinomial(z.softmax(dim=-1), 1, generator=generator)  # (B, 1)
 
 
-# chapters/10-gpt.md, "Training a character-level GPT"
+# chapters/10-gpt.md, "Characters as tokens"
 class CharTokenizer:
     """Characters as tokens: the vocabulary is the sorted set of the characters of `text`."""
 

@@ -6,16 +6,15 @@ Built and explained in the book's chapter chapters/a2-training-at-scale.md.
 """
 
 __all__ = [
-    "DTYPES",
-    "RUN_OPTIONS",
-    "TRUST",
+    "main",
     "parse_options",
+    "DTYPES",
     "corpus",
     "batch_share",
     "distribute",
     "memory_per_process",
     "train",
-    "main",
+    "run",
     "RUN_FILES",
     "save_checkpoint",
     "load_checkpoint",
@@ -27,7 +26,7 @@ __all__ = [
     "sample",
 ]
 
-# chapters/a2-training-at-scale.md, "The command and its options"
+# chapters/a2-training-at-scale.md, "One global batch, shared out"
 import argparse
 import contextlib
 import dataclasses
@@ -44,10 +43,13 @@ import time
 import warnings
 from pathlib import Path
 
+try:
+    import fcntl  # POSIX: the lock on a run's folder
+except ImportError:  # Windows
+    fcntl = None
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.checkpoint import state_dict as dcp_state
 from torch.distributed.checkpoint.api import CheckpointException
@@ -58,104 +60,20 @@ from torch.nn.parallel import DistributedDataParallel
 from attnbook.conventions import check_instance, check_int, check_real
 from attnbook.corpus import python_topics
 from attnbook.gpt import GPT, CharTokenizer, GPTConfig
+from attnbook.recipe import (
+    Recipe,
+    batch,
+    held_out_loss,
+    held_out_split,
+    learning_rate,
+    make_optimizer,
+    train_step,
+)
+from attnbook.train_command import PROGRAM, RESUMABLE, RUN_OPTIONS
+from attnbook.train_command import main as main  # python -m attnbook.train
+from attnbook.train_command import parse_options as parse_options
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
-# What a checkpoint records of its run and a resumed run must repeat: they fix the model and the
-# course of training (a step's data, its dropout, its update).
-RUN_OPTIONS = ("model", "context", "d_model", "layers", "heads", "dropout", "lr", "seed", "dtype",
-               "global_batch")
-TRUST = ("What is trusted: nothing in --out or --run can run code. --resume reads a checkpoint "
-         "only if every file matches the SHA-256 that its manifest.json lists, and then unpickles "
-         "its .metadata admitting only torch.distributed.checkpoint's metadata types, and tensors "
-         "only with torch.load(weights_only=True); `sample` reads model.pt with "
-         "torch.load(weights_only=True). The hashes catch damage, not forgery: whoever can write "
-         "to the folder can still hand you other weights, so resume and sample your own runs.")
-
-
-def parse_options(argv: list[str] | None = None) -> argparse.Namespace:
-    """The options of `python -m attnbook.train gpt ...` (training) or `... sample ...` (see
-    --help); a bad one exits with a message naming it."""
-    parser = argparse.ArgumentParser(
-        prog="python -m attnbook.train", epilog=TRUST,
-        description="Train the book's character-level GPT on the book's corpus, on one process or, "
-                    "under torchrun, on several (DDP or FSDP2); or continue a prompt with it.")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{gpt,sample}")
-    gpt = commands.add_parser("gpt", help="train the GPT", epilog=TRUST)
-    gpt.set_defaults(model="gpt")
-    _training_options(gpt.add_argument)
-    again = gpt.add_mutually_exclusive_group()
-    again.add_argument("--resume", action="store_true",
-                       help="continue the run in --out from its latest checkpoint (or start it "
-                            "where it has none)")
-    again.add_argument("--overwrite", action="store_true",
-                       help="delete the run in --out (model.pt, log.jsonl, checkpoints/) first")
-    sample = commands.add_parser("sample", help="print a prompt and its continuation by a "
-                                 "trained model", epilog=TRUST)
-    _sample_options(sample.add_argument)
-    options = parser.parse_args(argv)
-    if options.command == "sample":
-        if not options.prompt:
-            sample.error("argument --prompt: must not be empty")
-        return options
-    processes = int(os.environ.get("WORLD_SIZE", "1"))
-    if options.global_batch % processes:
-        gpt.error(f"argument --global-batch: {options.global_batch} sequences cannot be shared "
-                  f"equally by {processes} processes")
-    if options.d_model % options.heads:
-        gpt.error(f"argument --heads: {options.heads} heads do not divide "
-                  f"--d-model {options.d_model}")
-    return options
-
-
-# chapters/a2-training-at-scale.md, "The command and its options"
-def _training_options(add) -> None:
-    add("--steps", type=_number(int, 1), default=200, help="optimizer steps in all (default 200)")
-    add("--global-batch", type=_number(int, 1), default=32,
-        help="sequences per step, over all processes (default 32)")
-    add("--context", type=_number(int, 1), default=64, help="tokens per sequence (default 64)")
-    add("--d-model", type=_number(int, 1), default=64, help="model width (default 64)")
-    add("--layers", type=_number(int, 1), default=2, help="Transformer blocks (default 2)")
-    add("--heads", type=_number(int, 1), default=4, help="attention heads (default 4)")
-    add("--dropout", type=_number(float, 0, 1), default=0.0, help="dropout rate (default 0)")
-    add("--lr", type=_number(float, 0, math.inf, open_low=True), default=3e-3,
-        help="AdamW's learning rate (default 3e-3)")
-    add("--seed", type=_number(int, 0), default=0, help="weights and batch order (default 0)")
-    add("--dtype", choices=sorted(DTYPES), default="float32", help="parameter dtype")
-    add("--strategy", choices=["ddp", "fsdp"], default="ddp",
-        help="under torchrun: replicate (ddp) or shard (fsdp) the model (default ddp)")
-    add("--checkpoint-every", type=_number(int, 1), default=None, metavar="K",
-        help="save a checkpoint every K steps (what --resume continues from)")
-    add("--print-every", type=_number(float, 0), default=10.0, metavar="SECONDS",
-        help="a progress line at most every SECONDS (default 10), and at the first and last step")
-    add("--out", type=Path, required=True,
-        help="the run's folder: model.pt, log.jsonl and checkpoints/; it must not hold another "
-             "run, unless --resume or --overwrite is given")
-
-
-def _sample_options(add) -> None:
-    add("--run", type=Path, required=True, help="a run's folder (the --out of `gpt`)")
-    add("--prompt", required=True, help="the text to continue")
-    add("--tokens", type=_number(int, 0), default=200, help="characters to add (default 200)")
-    add("--temperature", type=_number(float, 0), default=0.0,
-        help="0 (default): the likeliest character each time; above 0: drawn at that temperature")
-    add("--seed", type=_number(int, 0), default=0, help="the draws' seed (default 0)")
-
-
-def _number(kind: type, low: float, high: float = math.inf, open_low: bool = False):
-    """An argparse `type` that reads a `kind` in [low, high] (open at low if open_low)."""
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be {'an integer' if kind is int else 'a number'}"
-                                             f", got {text!r}") from None
-        if not (math.isfinite(value) and (value > low if open_low else value >= low)
-                and value <= high):
-            wanted = (f"{'above' if open_low else 'at least'} {low}" if high == math.inf
-                      else f"in [{low}, {high}]")
-            raise argparse.ArgumentTypeError(f"must be {wanted}, got {text!r}")
-        return value
-    return parse
 
 
 # chapters/a2-training-at-scale.md, "One global batch, shared out"
@@ -173,13 +91,9 @@ def _corpus_text() -> str:
 def batch_share(ids: torch.Tensor, step: int, options: argparse.Namespace, rank: int = 0,
                 processes: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """Process `rank`'s share of global batch `step`: inputs and targets, (B / processes, T)."""
-    generator = torch.Generator().manual_seed(options.seed * 1_000_003 + step)
-    starts = torch.randint(len(ids) - options.context, (options.global_batch,),
-                           generator=generator)  # (B,), the same in every process
+    x, y = batch(ids, step, options.global_batch, options.context, options.seed)  # (B, T) each
     share = options.global_batch // processes
-    mine = starts[rank * share:(rank + 1) * share].tolist()
-    windows = torch.stack([ids[s:s + options.context + 1] for s in mine])  # (B / W, T + 1)
-    return windows[:, :-1], windows[:, 1:]
+    return x[rank * share:(rank + 1) * share], y[rank * share:(rank + 1) * share]
 
 
 # chapters/a2-training-at-scale.md, "What FSDP shards, and when it gathers"
@@ -213,17 +127,23 @@ def train(options: argparse.Namespace, on_step=None) -> None:
     """Train as `options` say (see parse_options); `on_step(step)` is called after each step.
 
     Writes, in options.out: model.pt (what `sample` needs, see load_model), log.jsonl (one line
-    per step: step, loss, tokens_per_second), and every options.checkpoint_every steps a
-    checkpoint under checkpoints/. Raises ValueError, before anything is written, for an
-    options.out that holds another run (without resume or overwrite) and for a checkpoint that
-    is damaged, of other options, or beyond options.steps.
+    per step: step, loss, lr, tokens_per_second, and held_out_loss where measured), and every
+    options.checkpoint_every steps a checkpoint under checkpoints/ (the latest
+    options.keep_checkpoints are kept). Raises ValueError, before anything is written, for an
+    options.out that another run is using, that holds another run (without resume or
+    overwrite), or whose run or checkpoint is damaged, of other options, or beyond options.steps.
     """
     rank, processes, device = _start_processes()
+    lock = None
     try:
+        lock = _lock(options.out, rank)  # released when the run ends, or its process does
         _train(options, on_step, rank, processes, device)
     except BaseException:  # an error, a refusal or Ctrl-C: no collective may wait for the others
         _leave_processes(orderly=False)
         raise
+    finally:
+        if lock is not None:
+            lock.close()
     _leave_processes(orderly=True)
 
 
@@ -237,30 +157,37 @@ def _train(options, on_step, rank: int, processes: int, device: torch.device) ->
                        d_model=options.d_model, num_layers=options.layers,
                        num_heads=options.heads, dropout=options.dropout)
     model = distribute(GPT(config).to(device, DTYPES[options.dtype]), options.strategy)
-    matrices = [p for p in model.parameters() if p.dim() >= 2]  # weight decay on matrices only
-    others = [p for p in model.parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW([{"params": matrices, "weight_decay": 0.1},
-                                   {"params": others, "weight_decay": 0.0}], lr=options.lr)
+    recipe = Recipe(lr=options.lr, warmup=options.warmup, min_lr_ratio=options.min_lr_ratio,
+                    weight_decay=options.weight_decay, clip=options.clip or math.inf)
+    optimizer = make_optimizer(model, recipe)  # chapter 10's recipe, as the chapter trains
     torch.manual_seed(options.seed + 1 + rank)  # each process its own dropout
     start = 0 if latest is None else load_checkpoint(latest, model, optimizer)
+    if latest is not None and rank == 0:
+        print(f"resuming {options.out} from its checkpoint {latest.name} (step {start})",
+              file=sys.stderr, flush=True)
+    train_ids, held_ids = held_out_split(ids)
+    held_x, held_y = (t.to(device) for t in batch(held_ids, 0, 64, options.context, options.seed))
     progress = _Progress(options, start, rank)
     with _open_log(options.out, start, rank) as log:  # rank 0's; None in the others
         for step in range(start + 1, options.steps + 1):
             began = time.perf_counter()
-            x, y = (t.to(device) for t in batch_share(ids, step, options, rank, processes))
-            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())  # this share's mean
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()  # DDP all-reduces, FSDP reduce-scatters the gradients
-            optimizer.step()
-            loss = _mean_over_processes(loss.detach())
+            x, y = (t.to(device) for t in batch_share(train_ids, step, options, rank, processes))
+            lr = learning_rate(recipe, step, options.steps)
+            # DDP all-reduces, FSDP reduce-scatters the gradients in the step's backward
+            loss = _mean_over_processes(train_step(model, optimizer, x, y, lr, recipe.clip))
             seconds = time.perf_counter() - began
+            line = {"step": step, "loss": loss, "lr": lr,
+                    "tokens_per_second": options.global_batch * options.context / seconds}
+            if step % options.eval_every == 0 or step == options.steps:  # every process
+                line["held_out_loss"] = held_out_loss(model, held_x, held_y)
             if log:
-                log.write(json.dumps({"step": step, "loss": loss, "tokens_per_second":
-                                      options.global_batch * options.context / seconds}) + "\n")
+                log.write(json.dumps(line) + "\n")
                 log.flush()
-            progress.step(step, loss, seconds)
+            progress.step(line, seconds)
             if options.checkpoint_every and step % options.checkpoint_every == 0:
                 save_checkpoint(options.out, step, model, optimizer, options)
+                if rank == 0:  # never the one just written
+                    _prune_checkpoints(options.out, options.keep_checkpoints)
             if on_step:
                 on_step(step)
     _save_model(options, model, tokenizer, rank)
@@ -268,34 +195,43 @@ def _train(options, on_step, rank: int, processes: int, device: torch.device) ->
 
 
 # chapters/a2-training-at-scale.md, "The training loop"
-def main(argv: list[str] | None = None) -> None:
-    """`python -m attnbook.train ...` (or `attnbook-train ...`), alone or under torchrun.
+def run(options: argparse.Namespace, argv: list[str]) -> int:
+    """Run the command that `options` (parse_options of `argv`) describe; its exit status.
 
-    A refusal or a damaged file exits with status 1 and one line saying why; Ctrl-C exits with
-    status 130, saying where the last checkpoint is and which command resumes from it."""
-    argv = sys.argv[1:] if argv is None else list(argv)
-    options = parse_options(argv)
+    0 when it succeeds; 1, with one line on stderr, for a refusal, a damaged file or a folder
+    that cannot be used; 130 for Ctrl-C, saying where the last checkpoint is and which command
+    resumes from it."""
     first = int(os.environ.get("RANK", "0")) == 0  # the process that speaks for all
     try:
         if options.command == "sample":
             print(sample(options.run, options.prompt, options.tokens, options.temperature,
-                         options.seed))
+                         options.seed, options.top_k))
         else:
             train(options)
     except KeyboardInterrupt:
         if first:
             print(_interrupted(options, argv), file=sys.stderr, flush=True)
-        raise SystemExit(130) from None
-    except ValueError as error:
+        return 130
+    except (ValueError, OSError) as error:
         if first:
-            print(f"python -m attnbook.train: error: {error}", file=sys.stderr, flush=True)
-        raise SystemExit(1) from None
+            print(f"{PROGRAM}: error: {_why(error, options)}", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+def _why(error: Exception, options: argparse.Namespace) -> str:
+    if not isinstance(error, OSError):
+        return str(error)
+    flag, folder = ("--run", options.run) if options.command == "sample" else ("--out", options.out)
+    where = f" ({error.filename})" if error.filename else ""
+    return (f"cannot use {flag} {folder}: {error.strerror or error}{where}; give a folder you "
+            f"can write to, on a disk with room")
 
 
 def _interrupted(options: argparse.Namespace, argv: list[str]) -> str:
     """What Ctrl-C leaves, and the command that continues from it."""
     again = [a for a in argv if a != "--overwrite"] + ([] if "--resume" in argv else ["--resume"])
-    launcher = ("python -m attnbook.train" if "WORLD_SIZE" not in os.environ
+    launcher = (PROGRAM if "WORLD_SIZE" not in os.environ
                 else "torchrun <the same torchrun options> -m attnbook.train")
     latest = latest_checkpoint(options.out)
     where = ("no checkpoint was written (--checkpoint-every K writes them), so it starts again "
@@ -347,9 +283,36 @@ def _mean_over_processes(value: torch.Tensor) -> float:
 RUN_FILES = ("model.pt", "log.jsonl", "checkpoints")  # what a run writes in its --out
 
 
+def _lock(out: Path, rank: int):
+    """Rank 0 takes an advisory lock on out/.lock, which it holds until the file it returns is
+    closed or its process ends, however it ends; a run into a folder that another run holds is
+    refused, by every process, naming the process that holds it. (No lock where the platform
+    has no fcntl, such as Windows.)"""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file: give a folder (it is created if missing)")
+    held_by = lock = None
+    if rank == 0 and fcntl is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        lock = open(out / ".lock", "a+")
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.seek(0)
+            held_by, lock = lock.read().strip() or "unknown", lock.close()
+        else:
+            lock.truncate(0)
+            lock.write(f"{os.getpid()}\n")
+            lock.flush()
+    if not _in_every_process(held_by is None):
+        raise ValueError(f"--out {out} is in use by another run (process {held_by}): wait for "
+                         f"it to end, or give another --out")
+    return lock
+
+
 def _prepare_out(options: argparse.Namespace, rank: int, processes: int) -> Path | None:
     """Check options.out before anything is written: the checkpoint to resume from (checked
-    against the options), or None; a run already there is refused, or deleted (--overwrite)."""
+    against the options, which take the run's own), or None; a run already there is refused, or
+    deleted (--overwrite)."""
     out, latest = options.out, latest_checkpoint(options.out) if options.resume else None
     found = [name for name in RUN_FILES if (out / name).exists()]
     if latest is not None:
@@ -361,6 +324,9 @@ def _prepare_out(options: argparse.Namespace, rank: int, processes: int) -> Path
         raise ValueError(f"--out {out} already holds a run ({', '.join(found)}): give --resume "
                          f"to continue it, --overwrite to delete it and start afresh, or "
                          f"another --out")
+    if latest is not None and "model.pt" in found and (done := _finished_at(out)) >= options.steps:
+        raise ValueError(f"--resume: the run in {out} has finished, at step {done}: give --steps "
+                         f"above {done} to train it further, or another --out")
     _barrier()  # every process has looked before rank 0 deletes anything
     if rank == 0:
         for name in found if options.overwrite else ():
@@ -372,15 +338,21 @@ def _prepare_out(options: argparse.Namespace, rank: int, processes: int) -> Path
 
 
 def _check_resumable(path: Path, options: argparse.Namespace, processes: int) -> None:
+    """Refuse a checkpoint that this run cannot continue; then set each option that the command
+    line did not give (options.given) to the run's own."""
     manifest = read_manifest(path)
-    recorded = manifest["options"]
-    for name in RUN_OPTIONS:
-        flag = name if name == "model" else "--" + name.replace("_", "-")
-        if recorded.get(name) != getattr(options, name):
-            raise ValueError(f"--resume: the checkpoint {path} was written with {flag} "
-                             f"{recorded.get(name)}, and this run has {flag} "
-                             f"{getattr(options, name)}: resume with the run's own options, or "
-                             f"start afresh with another --out")
+    recorded, flag = manifest["options"], lambda name: "--" + name.replace("_", "-")
+    if missing := [flag(name) for name in RUN_OPTIONS + RESUMABLE if name not in recorded]:
+        raise ValueError(f"--resume: the checkpoint {path} does not record {', '.join(missing)}: "
+                         f"an older attnbook-train wrote it; start afresh with another --out")
+    given = set(getattr(options, "given", RUN_OPTIONS + RESUMABLE)) | {"model"}
+    if differ := [f"{flag(name)} {getattr(options, name)} (the run's: {recorded[name]})"
+                  for name in RUN_OPTIONS if name in given and getattr(options, name) != recorded[name]]:
+        raise ValueError(f"--resume: the run in {options.out} was trained with other options: "
+                         f"{'; '.join(differ)}. Leave them out to resume with the run's own, or "
+                         f"start afresh with another --out")
+    for name in RUN_OPTIONS + RESUMABLE:
+        setattr(options, name, getattr(options, name) if name in given else recorded[name])
     if manifest["processes"] != processes:
         raise ValueError(f"--resume: the checkpoint {path} was written by {manifest['processes']} "
                          f"processes, and this run has {processes}: resume with as many")
@@ -388,6 +360,23 @@ def _check_resumable(path: Path, options: argparse.Namespace, processes: int) ->
         raise ValueError(f"--resume: the latest checkpoint, {path}, is at step "
                          f"{manifest['step']}, beyond --steps {options.steps}: give --steps "
                          f"{manifest['step']} or more, or start afresh with another --out")
+
+
+def _finished_at(out: Path) -> int:
+    """The step of the run whose model.pt is in `out`."""
+    try:
+        return int(torch.load(out / "model.pt", map_location="cpu", weights_only=True)["step"])
+    except Exception as error:  # an UnpicklingError, a missing key, a damaged file
+        raise ValueError(f"{out / 'model.pt'} cannot be read: {_reason(error)}") from None
+
+
+def _in_every_process(ok: bool) -> bool:
+    """Whether `ok` holds in every process: a collective, which every process must call."""
+    if not dist.is_initialized():
+        return ok
+    flag = torch.tensor([int(ok)], device="cuda" if dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
 
 
 # chapters/a2-training-at-scale.md, "The run's folder"
@@ -428,25 +417,27 @@ def _log_lines(path: Path, last_step: int) -> list[str]:
 
 
 class _Progress:
-    """Rank 0's progress on stderr: a line at the first step, at most every
-    options.print_every seconds after it, and at the last; then a summary."""
+    """Rank 0's progress on stderr: a line at the first step, at each held-out loss, at most every
+    options.print_every seconds otherwise, and at the last; then a summary."""
 
     def __init__(self, options: argparse.Namespace, start: int, rank: int) -> None:
         self.quiet, self.start, self.steps = rank != 0, start, options.steps
         self.every, self.tokens = options.print_every, options.global_batch * options.context
         self.began = self.shown = time.perf_counter()
-        self.since, self.seconds, self.total, self.loss = 0, 0.0, 0.0, math.nan
+        self.since, self.seconds, self.total, self.last = 0, 0.0, 0.0, {}
 
-    def step(self, step: int, loss: float, seconds: float) -> None:
-        self.since, self.seconds, self.total, self.loss = (
-            self.since + 1, self.seconds + seconds, self.total + seconds, loss)
+    def step(self, line: dict, seconds: float) -> None:
+        """Count a step's seconds; print its log `line` if it is time to."""
+        self.since, self.seconds, self.total, self.last = (
+            self.since + 1, self.seconds + seconds, self.total + seconds, line)
         now = time.perf_counter()
-        if self.quiet or not (step in (self.start + 1, self.steps) or
-                              now - self.shown >= self.every):
+        if self.quiet or not (line["step"] in (self.start + 1, self.steps) or
+                              "held_out_loss" in line or now - self.shown >= self.every):
             return
-        print(f"step {step}/{self.steps}: loss {loss:.4f}, "
-              f"{self.tokens * self.since / self.seconds:,.0f} tokens/s", file=sys.stderr,
-              flush=True)
+        held = f", held-out loss {line['held_out_loss']:.4f}" if "held_out_loss" in line else ""
+        print(f"step {line['step']}/{self.steps}: loss {line['loss']:.4f}{held}, lr "
+              f"{line['lr']:.2e}, {self.tokens * self.since / self.seconds:,.0f} tokens/s",
+              file=sys.stderr, flush=True)
         self.shown, self.since, self.seconds = now, 0, 0.0
 
     def finish(self, out: Path) -> None:
@@ -456,7 +447,8 @@ class _Progress:
         said = (f"nothing to train: the checkpoint is at step {self.steps}" if not done else
                 f"trained steps {self.start + 1} to {self.steps} in "
                 f"{time.perf_counter() - self.began:.1f} s, "
-                f"{self.tokens * done / self.total:,.0f} tokens/s, final loss {self.loss:.4f}")
+                f"{self.tokens * done / self.total:,.0f} tokens/s, final loss "
+                f"{self.last['loss']:.4f}, held-out loss {self.last['held_out_loss']:.4f}")
         print(f"{said}; wrote {out / 'model.pt'} and {out / 'log.jsonl'}", file=sys.stderr,
               flush=True)
 
@@ -481,7 +473,8 @@ def save_checkpoint(out: Path, step: int, model: nn.Module, optimizer,
     _barrier()
     if _rank() == 0:
         files = {p.name: _sha256(p) for p in sorted(partial.iterdir())}
-        recorded = None if options is None else {n: getattr(options, n) for n in RUN_OPTIONS}
+        recorded = (None if options is None else
+                    {n: getattr(options, n) for n in RUN_OPTIONS + RESUMABLE})
         _write_durably(partial / MANIFEST, json.dumps(
             {"written_by": "attnbook.train", "step": step, "processes": _world(),
              "options": recorded, "files": files}, indent=1))
@@ -517,8 +510,19 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer) -> int:
 
 def latest_checkpoint(out: Path) -> Path | None:
     """The complete checkpoint of the latest step under out/checkpoints, if there is one."""
+    return next(reversed(_checkpoints(out)), None)
+
+
+def _checkpoints(out: Path) -> list[Path]:
+    """The complete checkpoints under out/checkpoints, oldest first."""
     found = [p for p in (out / "checkpoints").glob("step-*") if re.fullmatch(r"step-\d+", p.name)]
-    return max(found, default=None, key=lambda p: int(p.name[5:]))
+    return sorted(found, key=lambda p: int(p.name[5:]))
+
+
+def _prune_checkpoints(out: Path, keep: int) -> None:
+    """Delete all but the latest `keep` complete checkpoints."""
+    for old in _checkpoints(out)[:-keep]:
+        shutil.rmtree(old)
 
 
 def _checkpoint_state(model: nn.Module, optimizer, step: int) -> dict:
@@ -672,7 +676,7 @@ def _save_model(options: argparse.Namespace, model: nn.Module, tokenizer: CharTo
     config = dataclasses.asdict(_unwrapped(model).config)
     saved = {"format": MODEL_FORMAT, "config": config, "vocabulary": "".join(tokenizer.itos),
              "model": weights, "step": options.steps,
-             "options": {name: getattr(options, name) for name in RUN_OPTIONS}}
+             "options": {name: getattr(options, name) for name in RUN_OPTIONS + RESUMABLE}}
     partial = options.out / "model.pt.partial"
     torch.save(saved, partial)
     os.replace(partial, options.out / "model.pt")
@@ -684,8 +688,10 @@ def load_model(run) -> tuple[GPT, CharTokenizer]:
     run = Path(check_instance("run", run, (str, os.PathLike)))
     path = run / "model.pt" if run.is_dir() else run
     if not path.is_file():
-        raise ValueError(f"run={str(run)!r} holds no model.pt: train one first "
-                         f"(python -m attnbook.train gpt --out {run})")
+        started = run.is_dir() and any((run / name).exists() for name in RUN_FILES)
+        advice = (f"its training did not finish; finish it with {PROGRAM} gpt --resume --out "
+                  f"{run}" if started else f"train one first: {PROGRAM} gpt --out {run}")
+        raise ValueError(f"run={str(run)!r} holds no model.pt: {advice}")
     try:
         saved = torch.load(path, map_location="cpu", weights_only=True)
         if not (isinstance(saved, dict) and saved.get("format") == MODEL_FORMAT):
@@ -698,9 +704,11 @@ def load_model(run) -> tuple[GPT, CharTokenizer]:
     return model.eval(), tokenizer
 
 
-def sample(run, prompt: str, tokens: int = 200, temperature: float = 0.0, seed: int = 0) -> str:
-    """`prompt` and `tokens` characters more, written by the model of a run (load_model): the
-    likeliest each time at temperature 0, else drawn at `temperature`, seeded by `seed`."""
+def sample(run, prompt: str, tokens: int = 200, temperature: float = 0.8, seed: int = 0,
+           top_k: int | None = 10) -> str:
+    """`prompt` and `tokens` characters more, written by the model of a run (load_model), as
+    chapter 10 samples: drawn at `temperature` among the `top_k` likeliest (None: among all),
+    seeded by `seed`; the likeliest each time at temperature 0."""
     check_int("len(prompt)", len(check_instance("prompt", prompt, str)), minimum=1)
     tokens, seed = check_int("tokens", tokens, minimum=0), check_int("seed", seed, minimum=0)
     temperature = check_real("temperature", temperature, 0.0)
@@ -708,7 +716,7 @@ def sample(run, prompt: str, tokens: int = 200, temperature: float = 0.0, seed: 
     if unknown := sorted(set(prompt) - set(tokenizer.itos)):
         raise ValueError(f"prompt holds characters the model has never seen: {unknown[:10]}")
     idx = tokenizer.encode(prompt)[None].to(model.tok_emb.weight.device)  # (1, T)
-    out = model.generate(idx, tokens, temperature=temperature,
+    out = model.generate(idx, tokens, temperature=temperature, top_k=top_k,
                          generator=torch.Generator().manual_seed(seed))
     return tokenizer.decode(out[0])
 

@@ -1,0 +1,175 @@
+# Do not edit: tools/tangle.py generates this file from chapters/a2-training-at-scale.md.
+"""The attnbook-train command line: its options, read without loading PyTorch, and its entry point.
+
+Built and explained in the book's chapter chapters/a2-training-at-scale.md.
+"""
+
+__all__ = [
+    "PROGRAM",
+    "RUN_OPTIONS",
+    "RESUMABLE",
+    "TRUST",
+    "parse_options",
+    "DEFAULTS",
+    "main",
+]
+
+# chapters/a2-training-at-scale.md, "The command and its options"
+import argparse
+import math
+import os
+import sys
+from importlib import metadata
+from pathlib import Path
+
+PROGRAM = "attnbook-train"
+# What fixes the model and the course of training (a step's data, its dropout, its update): a
+# checkpoint records them, and a resumed run takes them from it (a different one is refused).
+RUN_OPTIONS = ("model", "context", "d_model", "layers", "heads", "dropout", "lr", "warmup",
+               "min_lr_ratio", "weight_decay", "clip", "seed", "dtype", "global_batch")
+# What a resumed run also takes from its checkpoint, unless given again: these may change.
+RESUMABLE = ("steps", "checkpoint_every", "keep_checkpoints", "eval_every", "strategy")
+TRUST = ("What is trusted: nothing in --out or --run can run code. --resume reads a checkpoint "
+         "only if every file matches the SHA-256 that its manifest.json lists, and then unpickles "
+         "its .metadata admitting only torch.distributed.checkpoint's metadata types, and tensors "
+         "only with torch.load(weights_only=True); `sample` reads model.pt with "
+         "torch.load(weights_only=True). The hashes catch damage, not forgery: whoever can write "
+         "to the folder can still hand you other weights, so resume and sample your own runs.")
+
+
+def parse_options(argv: list[str] | None = None) -> argparse.Namespace:
+    """The options of `attnbook-train gpt ...` (training) or `... sample ...` (see --help); a bad
+    one exits with a message naming it. For `gpt`, `options.given` lists the options of
+    RUN_OPTIONS and RESUMABLE given on the command line: the others hold their defaults, which a
+    resumed run replaces by its checkpoint's."""
+    parser = argparse.ArgumentParser(
+        prog=PROGRAM, epilog=TRUST,
+        description="Train the book's character-level GPT (chapter 10) on the book's corpus, on "
+                    "one process or, under torchrun, on several (DDP or FSDP2); or continue a "
+                    "prompt with it.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{gpt,sample}")
+    gpt = commands.add_parser("gpt", help="train the GPT")
+    gpt.set_defaults(model="gpt")
+    _training_options(gpt.add_argument)
+    again = gpt.add_mutually_exclusive_group()
+    again.add_argument("--resume", action="store_true",
+                       help="continue the run in --out from its latest checkpoint, with the "
+                            "run's own options (or start it where it has none)")
+    again.add_argument("--overwrite", action="store_true",
+                       help="delete the run in --out (model.pt, log.jsonl, checkpoints/) first")
+    sample = commands.add_parser("sample", help="print a prompt and its continuation by a "
+                                 "trained model")
+    _sample_options(sample.add_argument)
+    options = parser.parse_args(argv)
+    if options.command == "sample":
+        if not options.prompt:
+            sample.error("argument --prompt: must not be empty")
+        return options
+    options.given = [name for name in DEFAULTS if getattr(options, name) is not None]
+    for name, default in DEFAULTS.items():
+        if getattr(options, name) is None:
+            setattr(options, name, default)
+    processes = int(os.environ.get("WORLD_SIZE", "1"))
+    if options.global_batch % processes:
+        gpt.error(f"argument --global-batch: {options.global_batch} sequences cannot be shared "
+                  f"equally by {processes} processes")
+    if options.d_model % options.heads:
+        gpt.error(f"argument --heads: {options.heads} heads do not divide "
+                  f"--d-model {options.d_model}")
+    return options
+
+
+def _version() -> str:
+    try:
+        return metadata.version("attnbook")
+    except metadata.PackageNotFoundError:  # a source tree that pip never installed
+        return "(not installed)"
+
+
+# chapters/a2-training-at-scale.md, "The command and its options"
+DEFAULTS = {"steps": 500, "global_batch": 32, "context": 64, "d_model": 128, "layers": 2,
+            "heads": 4, "dropout": 0.0, "lr": 6e-3, "warmup": 30, "min_lr_ratio": 0.1,
+            "weight_decay": 0.1, "clip": 1.0, "seed": 0, "dtype": "float32", "strategy": "ddp",
+            "checkpoint_every": 0, "keep_checkpoints": 3, "eval_every": 50}  # chapter 10's run
+
+
+def _training_options(add) -> None:
+    def option(flag: str, text: str, **kwargs) -> None:  # default None: we know what was given
+        default = DEFAULTS[flag[2:].replace("-", "_")]
+        add(flag, default=None, help=f"{text} (default {default})", **kwargs)
+
+    option("--steps", "optimizer steps in all", type=_number(int, 1))
+    option("--global-batch", "sequences per step, over all processes", type=_number(int, 1))
+    option("--context", "tokens per sequence", type=_number(int, 1))
+    option("--d-model", "model width", type=_number(int, 1))
+    option("--layers", "Transformer blocks", type=_number(int, 1))
+    option("--heads", "attention heads", type=_number(int, 1))
+    option("--dropout", "dropout rate", type=_number(float, 0, 1))
+    option("--lr", "the peak learning rate", type=_number(float, 0, open_low=True))
+    option("--warmup", "steps of linear warm-up to --lr", type=_number(int, 0))
+    option("--min-lr-ratio", "where the cosine decay ends, as a share of --lr",
+           type=_number(float, 0, 1))
+    option("--weight-decay", "AdamW's weight decay, on weight matrices only",
+           type=_number(float, 0))
+    option("--clip", "the gradient's largest norm; 0: no clipping", type=_number(float, 0))
+    option("--seed", "weights and batch order", type=_number(int, 0))
+    option("--dtype", "parameter dtype", choices=["float32", "float64"])
+    option("--strategy", "under torchrun: replicate (ddp) or shard (fsdp) the model",
+           choices=["ddp", "fsdp"])
+    option("--checkpoint-every", "save a checkpoint every K steps, what --resume continues "
+           "from; 0: none", type=_number(int, 0), metavar="K")
+    option("--keep-checkpoints", "keep the latest N checkpoints, delete older ones",
+           type=_number(int, 1), metavar="N")
+    option("--eval-every", "the loss on held-out text every K steps and at the last",
+           type=_number(int, 1), metavar="K")
+    add("--print-every", type=_number(float, 0), default=10.0, metavar="SECONDS",
+        help="a progress line at most every SECONDS, and at the first and last step (default 10)")
+    add("--out", type=Path, required=True,
+        help="the run's folder: model.pt, log.jsonl and checkpoints/; it must not hold another "
+             "run, unless --resume or --overwrite is given")
+
+
+def _sample_options(add) -> None:
+    add("--run", type=Path, required=True, help="a run's folder (the --out of `gpt`)")
+    add("--prompt", required=True, help="the text to continue")
+    add("--tokens", type=_number(int, 0), default=200, help="characters to add (default 200)")
+    add("--temperature", type=_number(float, 0), default=0.8,
+        help="characters are drawn at this temperature (default 0.8); 0: the likeliest each time")
+    add("--top-k", type=_number(int, 1), default=10,
+        help="drawn among the K likeliest characters only (default 10)")
+    add("--seed", type=_number(int, 0), default=0, help="the draws' seed (default 0)")
+
+
+def _number(kind: type, low: float, high: float = math.inf, open_low: bool = False):
+    """An argparse `type` that reads a `kind` in [low, high] (open at low if open_low)."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {'an integer' if kind is int else 'a number'}"
+                                             f", got {text!r}") from None
+        if not (math.isfinite(value) and (value > low if open_low else value >= low)
+                and value <= high):
+            wanted = (f"{'above' if open_low else 'at least'} {low}" if high == math.inf
+                      else f"in [{low}, {high}]")
+            raise argparse.ArgumentTypeError(f"must be {wanted}, got {text!r}")
+        return value
+    return parse
+
+
+# chapters/a2-training-at-scale.md, "The training loop"
+def main(argv: list[str] | None = None) -> None:
+    """`attnbook-train ...` (or `python -m attnbook.train ...`), alone or under torchrun: reads
+    the options (--help, --version and a bad option end here, before PyTorch loads), then runs
+    the command with attnbook.train.run and exits with its status if that is not 0."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    options = parse_options(argv)
+    from attnbook import train  # PyTorch loads here
+
+    if status := train.run(options, argv):
+        raise SystemExit(status)
+
+
+if __name__ == "__main__":  # python -m attnbook.train_command
+    main()
