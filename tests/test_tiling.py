@@ -519,3 +519,22 @@ def test_gpus_and_the_roofline():
 def test_bad_traffic_and_roofline_inputs(call, error, message):
     with pytest.raises(error, match=message):
         call()
+
+
+@pytest.mark.parametrize("name,key", [
+    ("Tesla T4", "T4"), ("NVIDIA T4", "T4"), ("nvidia t4", "T4"),
+    ("NVIDIA A100-SXM4-80GB", "A100"), ("NVIDIA A100 80GB HBM2e", "A100"),
+    ("NVIDIA H100 80GB HBM3", "H100"), ("NVIDIA H100-SXM5-80GB", "H100"),
+    ("NVIDIA H200", "H200"), ("NVIDIA H200 141GB HBM3e", "H200"),
+    ("NVIDIA T400", None), ("NVIDIA T400 4GB", None), ("NVIDIA RTX A1000", None),
+    ("NVIDIA RTX A1000 6GB Laptop GPU", None), ("NVIDIA GH200 480GB", None),
+    ("Tesla T40", None), ("NVIDIA H1000", None), ("NVIDIA XA100", None),
+])
+def test_find_gpu_matches_whole_model_names(name, key):
+    """Issue 37: a key inside a longer model name ("T400", "RTX A1000") is another GPU, whose
+    peaks are not the key's (4x to 25x off): refused, naming the GPU."""
+    if key is None:
+        with pytest.raises(ValueError, match=f"got device_name='{name}'"):
+            find_gpu(name)
+    else:
+        assert find_gpu(name) is GPUS[key]

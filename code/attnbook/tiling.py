@@ -253,11 +253,13 @@ GPUS = {
 
 # chapters/14-traffic-and-roofline.md, "The roofline: which side binds"
 def find_gpu(device_name: str) -> GPUSpec:
-    """The entry of GPUS whose key `device_name` contains, such as
-    find_gpu(torch.cuda.get_device_name()) on "NVIDIA A100-SXM4-80GB" or "Tesla T4"."""
+    """The entry of GPUS whose key is one of the words of `device_name`, such as
+    find_gpu(torch.cuda.get_device_name()) on "NVIDIA A100-SXM4-80GB" or "Tesla T4"; a word
+    that only contains a key, as "T400" contains "T4" and "A1000" "A100", is another GPU."""
     check_instance("device_name", device_name, str)
+    words = "".join(c if c.isalnum() else " " for c in device_name.upper()).split()
     for key, spec in GPUS.items():
-        if key in device_name.upper():
+        if key in words:
             other = [board for board in BOARDS if board in device_name.upper()
                      and board not in spec.name.upper()]  # another board: other peaks
             if other:
