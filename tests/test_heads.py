@@ -777,3 +777,31 @@ def test_the_triton_backend_takes_what_its_kernel_does_not(d_model, heads, dtype
     out = _backend_layer("triton", d_model, heads, dtype)(x, is_causal=is_causal)
     expected = _backend_layer("explicit", d_model, heads, dtype)(x, is_causal=is_causal)
     torch.testing.assert_close(out, expected)
+
+
+@torch.no_grad()
+def test_a_cache_refuses_storage_that_append_cannot_write_apart():
+    """Issue 37's attack on heads: keys and values in one tensor made every value overwrite its
+    key silently; an expanded (stride 0) storage failed inside torch at the first append."""
+    storage = torch.zeros(2, 2, 8, 4)
+    with pytest.raises(ValueError, match="keys and values are the same memory"):
+        LayerCache(storage, storage)
+    with pytest.raises(ValueError, match=r"keys has stride 0 \(an expanded tensor"):
+        LayerCache(torch.zeros(1, 2, 8, 4).expand(2, -1, -1, -1), storage)
+    with pytest.raises(ValueError, match="values has stride 0"):
+        LayerCache(storage, torch.zeros(2, 2, 8, 1).expand(-1, -1, -1, 4))
+    both = torch.zeros(2, 2, 2, 8, 4)  # one tensor, two halves: apart, as chapter 4 does
+    cache = LayerCache(*both)
+    k, v = torch.randn(2, 2, 3, 4), torch.randn(2, 2, 3, 4)
+    keys, values = cache.append(k, v)
+    assert torch.equal(keys, k) and torch.equal(values, v)
+    LayerCache(torch.zeros(1, 2, 8, 4).expand(1, -1, -1, -1), storage[:1])  # size 1: no sharing
+
+
+@pytest.mark.parametrize("heads", [np.int64(1), np.array(1), torch.tensor(1), None, 1.0,
+                                   torch.zeros(1, 2, dtype=torch.long), "01", b"\x01"])
+def test_mask_heads_names_heads_that_are_not_a_sequence(heads):
+    layer = MultiHeadAttention(8, 2)
+    with pytest.raises(TypeError, match="heads must be a sequence of head indices, got heads="):
+        mask_heads(layer, heads)
+    assert layer.out_proj.weight.ne(0).all()  # nothing silenced

@@ -33,6 +33,7 @@ from attnbook.conventions import (
     check_probability,
     check_scale,
     check_tensor,
+    check_writable,
     compute_dtype,
 )
 
@@ -253,6 +254,17 @@ def _check_tokens(name: str, t, weight: torch.Tensor, batch: int | None = None) 
                         shape=(batch, None, weight.shape[1]))  # (B, L, d_model)
 
 
+def _projected_dtype(weight: torch.Tensor) -> torch.dtype:
+    """The dtype of what nn.Linear with `weight` gives: autocast's, when autocast is on for its
+    device (and the weight is not float64, which autocast leaves), else the weight's."""
+    try:
+        if torch.is_autocast_enabled(weight.device.type) and weight.dtype != torch.float64:
+            return torch.get_autocast_dtype(weight.device.type)
+    except RuntimeError:  # a device with no autocast at all, such as meta
+        pass
+    return weight.dtype
+
+
 # chapters/03-heads.md, "Checking against PyTorch's MultiheadAttention"
 def from_torch(module: nn.MultiheadAttention) -> MultiHeadAttention:
     """A MultiHeadAttention with the weights, device, dtype and mode of `module`. The book's layer
@@ -302,6 +314,9 @@ class LayerCache:
             raise ValueError(f"values must have the batch, heads, capacity, dtype and device of "
                              f"keys, {tuple(keys.shape[:3])} {keys.dtype} {keys.device}, got "
                              f"{tuple(values.shape[:3])} {values.dtype} {values.device}")
+        check_writable("keys", keys), check_writable("values", values)
+        if keys.numel() and not keys.is_meta and keys.data_ptr() == values.data_ptr():
+            raise ValueError("keys and values are the same memory: give each its own storage")
         self.length = 0
 
     @property
@@ -350,17 +365,6 @@ def _check_cache(cache: LayerCache, layer: MultiHeadAttention, x: torch.Tensor) 
     _check_fits(cache, x.shape[1], x.requires_grad or w.requires_grad)
 
 
-def _projected_dtype(weight: torch.Tensor) -> torch.dtype:
-    """The dtype of what nn.Linear with `weight` gives: autocast's, when autocast is on for its
-    device (and the weight is not float64, which autocast leaves), else the weight's."""
-    try:
-        if torch.is_autocast_enabled(weight.device.type) and weight.dtype != torch.float64:
-            return torch.get_autocast_dtype(weight.device.type)
-    except RuntimeError:  # a device with no autocast at all, such as meta
-        pass
-    return weight.dtype
-
-
 # chapters/04-heads-at-work.md, "Which heads can go"
 def head_gate_grad(attn: MultiHeadAttention) -> torch.Tensor:
     """The gradient of the last backward pass's loss with respect to a gate g_h on each head's
@@ -379,7 +383,8 @@ def mask_heads(attn: MultiHeadAttention, heads) -> MultiHeadAttention:
     """Silence `heads` (indices from 0 to num_heads - 1) of `attn`, in place: zero their blocks
     of columns of out_proj.weight, so their outputs never reach the layer's output."""
     check_instance("attn", attn, MultiHeadAttention)
-    if isinstance(heads, (int, str)) or (isinstance(heads, torch.Tensor) and heads.dim() != 1):
+    if isinstance(heads, (str, bytes)) or not hasattr(heads, "__iter__") \
+            or getattr(heads, "ndim", 1) != 1:  # an int, None, a 0-d or 2-d array or tensor
         raise TypeError(f"heads must be a sequence of head indices, got heads={heads!r}")
     heads = [check_int("heads", h, 0, attn.num_heads - 1) for h in heads]
     hs = attn.head_dim
