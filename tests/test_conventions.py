@@ -264,3 +264,47 @@ def test_token_ids_on_the_meta_device_are_refused_by_name():
     # error ("cannot be called on meta tensors") would name no argument.
     with pytest.raises(ValueError, match="ids must hold values, got a tensor on the meta device"):
         c.check_token_ids("ids", torch.zeros(2, 3, dtype=torch.long, device="meta"), 5)
+
+
+def test_a_device_this_machine_lacks_is_refused(monkeypatch):
+    """Issue 37's attack on conventions: "mps" (or "xpu") on a machine without it, and a GPU
+    index past the last one, passed check_device and failed later, deep inside PyTorch."""
+    for kind, backend in (("mps", torch.backends.mps), ("xpu", getattr(torch, "xpu", None))):
+        if backend is not None and not backend.is_available():
+            with pytest.raises(ValueError, match=f"device='{kind}', but this machine has no "
+                                                 f"{kind} device"):
+                c.check_device("device", kind)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert c.check_device("device", "cuda:1") == torch.device("cuda", 1)
+    with pytest.raises(ValueError, match=r"device='cuda:2', but this machine has 2 cuda device"):
+        c.check_device("device", "cuda:2")
+    assert c.check_device("device", "meta") == torch.device("meta")
+
+
+@pytest.mark.parametrize("device", ["cpu", "cpu:0", torch.device("cpu", 0)])
+def test_cpu_and_cpu_0_are_one_device(device):
+    """torch.device("cpu:0") != torch.device("cpu"), yet a CPU tensor is on both: the checks
+    refused a tensor on the very device they asked for ("must be on device cpu:0, got cpu")."""
+    x = torch.zeros(2, 3)
+    assert c.check_tensor("x", x, device=device) is x
+    mask = torch.ones(3, dtype=torch.bool)
+    assert c.check_mask("mask", mask, (2, 3), device) is mask
+    with pytest.raises(ValueError, match="x must be on device meta, got x on cpu"):
+        c.check_tensor("x", x, device="meta")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_is_the_current_gpu():
+    x = torch.zeros(2, device="cuda")  # on cuda:<current>
+    assert c.check_tensor("x", x, device="cuda") is x
+    assert c.check_tensor("x", x, device=f"cuda:{torch.cuda.current_device()}") is x
+
+
+def test_check_writable_refuses_shared_elements():
+    x = torch.zeros(2, 3)
+    assert c.check_writable("x", x) is x and c.check_writable("x", x.T) is not None
+    assert c.check_writable("x", torch.zeros(1, 3).expand(1, 3)).shape == (1, 3)  # size 1
+    with pytest.raises(ValueError, match=r"keys has stride 0 \(an expanded tensor, strides "
+                                         r"\(0, 1\)\)"):
+        c.check_writable("keys", torch.zeros(3).expand(2, 3))

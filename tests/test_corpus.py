@@ -3,6 +3,7 @@
 import gzip
 import hashlib
 import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -28,3 +29,30 @@ def test_the_checksum_is_that_of_the_file(monkeypatch):
     monkeypatch.setattr(corpus, "SNAPSHOT_SHA256", "0" * 64)
     with pytest.raises(RuntimeError, match="is damaged: its SHA-256 is [0-9a-f]{64}"):
         corpus.python_topics()
+
+
+def _damaged(data: bytes, how: str) -> bytes:
+    if how == "truncated":
+        return data[:len(data) // 2]
+    if how == "empty":
+        return b""
+    if how == "not gzip":
+        return b"{" + data[1:]
+    flipped = bytearray(data)  # a bit of the compressed stream, or of the CRC at the end
+    flipped[len(data) // 2 if how == "flipped byte" else -6] ^= 0x10
+    return bytes(flipped)
+
+
+@pytest.mark.parametrize("how", ["truncated", "empty", "not gzip", "flipped byte", "flipped crc"])
+def test_a_damaged_file_gives_the_promised_runtime_error(how, tmp_path, monkeypatch):
+    """Issue 37: a truncated or bit-flipped .gz raised EOFError or zlib.error, naming neither the
+    file nor the damage; read_snapshot promises a RuntimeError."""
+    original = (corpus.resources.files("attnbook") / "data" / corpus.SNAPSHOT).read_bytes()
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / corpus.SNAPSHOT).write_bytes(_damaged(original, how))
+    monkeypatch.setattr(corpus, "resources", SimpleNamespace(files=lambda package: tmp_path))
+    with pytest.raises(RuntimeError, match=rf"{corpus.SNAPSHOT} is damaged: (it is not a whole "
+                                           r"gzip file \(\w+: .+\)|its SHA-256 is [0-9a-f]{64})"):
+        corpus.read_snapshot()
+    (tmp_path / "data" / corpus.SNAPSHOT).write_bytes(original)  # the same path, undamaged
+    assert corpus.read_snapshot()["topics"] == corpus.python_topics()

@@ -148,6 +148,48 @@ def close(actual, expected, dtype, what="output", scale_tol: float = 1.0):
     torch.testing.assert_close(actual, expected.double(), **tol, msg=lambda m: f"{what}: {m}")
 
 
+def gradient_floors(q, k, v, do, mask, scale, dtype):
+    """For dQ, dK and dV of safe_attention, how far rounding alone may move each element in a
+    kernel that computes in float32 and rounds P, dS and its results to `dtype`. Each is the
+    backward formula on absolute values (float64), which bounds a sum's rounding however much
+    it cancels (a true gradient of 0 is still rounded): float32's epsilon times it, with P
+    widened by the error of exp(s - logsumexp), times the square root of the reductions'
+    length, plus `dtype`'s epsilon times it."""
+    q, k, v, do = (as64(t) for t in (q, k, v, do))
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    alive = mask.any(-1, keepdim=True)
+    scores = q @ k.transpose(-1, -2) * scale  # (..., Lq, Lk)
+    masked = scores.masked_fill(~mask, -math.inf).masked_fill(~alive, 0.0)
+    p = torch.softmax(masked, dim=-1) * alive
+    lse = torch.logsumexp(masked, dim=-1, keepdim=True)
+
+    def sizes(p_size):  # dS = P (dP - delta), dP = dO V^T, delta = rowsum(dO O): term sizes
+        ds = p_size * (do.abs() @ v.abs().transpose(-1, -2)
+                       + (do * (p @ v)).abs().sum(-1, keepdim=True))
+        return (abs(scale) * ds @ k.abs(), abs(scale) * ds.transpose(-1, -2) @ q.abs(),
+                p_size.transpose(-1, -2) @ do.abs())
+
+    computing = sizes(p * (1 + scores.abs() + lse.abs()))
+    storing = sizes(p)
+    # a reduction's rounding grows as the square root of its length, here at most Lq + Lk + D
+    length = math.sqrt(q.shape[-2] + k.shape[-2] + q.shape[-1])
+    eps32, eps = torch.finfo(torch.float32).eps, torch.finfo(dtype).eps
+    return [eps32 * length * c + eps * r for c, r in zip(computing, storing)]
+
+
+def assert_gradient_close(name, got, want, pytorch, floor):
+    """FlashAttention's rule for a kernel's gradient (its tests compare with PyTorch at the
+    kernel's precision): |got - want| <= 2 (max|pytorch - want| + floor), elementwise, `want`
+    in float64 and `floor` from gradient_floors. A fixed tolerance fails where the true
+    gradient is 0 and its rounding is not (one key: dK = 0, from 31 x 128 products)."""
+    got, pytorch = (t.detach().cpu().double() for t in (got, pytorch))
+    rounding = (pytorch - want).abs().max()
+    allowed = 2 * (rounding + floor)
+    assert ((got - want).abs() <= allowed).all(), (
+        f"{name}: off by {(got - want).abs().max():.3g}, more than twice PyTorch's "
+        f"{rounding:.3g} plus the rounding floor")
+
+
 def check_dead_rows_are_zero(out, alive, what="output"):
     out = torch.as_tensor(np.asarray(out)) if isinstance(out, np.ndarray) else out.detach().cpu()
     dead = out[~alive.expand(out.shape[:-1])]
@@ -500,6 +542,13 @@ def test_block_schedule_visits_exactly_the_needed_tiles(lq, lk, block_size, caus
          transposed=False, seed=0)
 @example(batch=1, h=1, lq=64, lk=64, d=64, dtype=torch.float32, causal=True, scale=None,
          transposed=True, seed=1)
+# one key: the true dK is exactly 0, and the kernel's is float32 rounding of Lq x 128 products
+# (issue 37: Hypothesis 6.100 drew the first's sizes, at 4.4e-5 over a fixed 4e-5; the
+# second is 7.5e-5 off on this machine)
+@example(batch=1, h=1, lq=31, lk=1, d=128, dtype=torch.float32, causal=False, scale=1.0,
+         transposed=False, seed=22)
+@example(batch=1, h=1, lq=70, lk=1, d=128, dtype=torch.float32, causal=False, scale=1.5,
+         transposed=False, seed=5)
 def test_triton_kernel_matches_torch(batch, h, lq, lk, d, dtype, causal, scale, transposed,
                                      seed):
     gen = torch.Generator().manual_seed(seed)
@@ -520,10 +569,13 @@ def test_triton_kernel_matches_torch(batch, h, lq, lk, d, dtype, causal, scale, 
     q64, k64, v64 = (as64(t).requires_grad_() for t in (q, k, v))
     exact = torch.autograd.grad(safe_attention(q64, k64, v64, mask, scale), (q64, k64, v64),
                                 as64(do))
-    for name, got, want in zip(("dq", "dk", "dv"), grads, exact):
-        size = max(1.0, want.abs().max().item())
-        close(got / size, want / size, dtype, name, 2.0)
+    # PyTorch on the same (rounded) inputs, computing in float32 as the kernel does
+    same = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    pytorch = torch.autograd.grad(safe_attention(*same, mask.to(DEVICE), scale), same, do.float())
+    floors = gradient_floors(q, k, v, do, mask, scale, dtype)
+    for name, got, want, pt, floor in zip(("dq", "dk", "dv"), grads, exact, pytorch, floors):
         assert not got.isnan().any()
+        assert_gradient_close(name, got, want, pt, floor)
 
 
 @needs_triton

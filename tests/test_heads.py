@@ -699,3 +699,109 @@ def test_from_torch_of_a_sequence_first_layer_gives_its_output_on_the_same_tenso
     torch.testing.assert_close(ours(x, is_causal=True), module(x, x, x, attn_mask=causal)[0])
     with pytest.raises(ValueError, match="x"):
         ours(x[0])  # (B, d_model): refused by the layer's own check, naming x
+
+
+# Issue 37: what one backend accepts, every backend accepts, with the explicit backend's answer --
+
+
+BACKENDS = ["explicit", "sdpa", "triton"]
+
+
+def _backend_layer(backend, d_model=32, heads=2, dtype=torch.float32):
+    if backend == "triton":
+        pytest.importorskip("triton", reason="Triton (the triton extra) has wheels for Linux only")
+    torch.manual_seed(0)
+    return MultiHeadAttention(d_model, heads, backend=backend).to(dtype).eval()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("layer_dtype,cache_dtype", [(DOUBLE, torch.float32),
+                                                     (torch.float32, DOUBLE),
+                                                     (torch.float32, torch.float16)])
+@torch.no_grad()
+def test_a_cache_of_another_dtype_is_refused_on_every_backend(backend, layer_dtype, cache_dtype):
+    layer = _backend_layer(backend, dtype=layer_dtype)
+    cache = LayerCache(*torch.zeros(2, 1, 2, 8, 16, dtype=cache_dtype))
+    with pytest.raises(ValueError, match=rf"cache holds {cache_dtype}.* {layer_dtype}"):
+        layer(torch.randn(1, 3, 32, dtype=layer_dtype), is_causal=True, cache=cache)
+    assert cache.length == 0 and not cache.keys.any()  # refused before any work
+
+
+@torch.no_grad()
+def test_a_cache_in_autocasts_dtype_is_accepted_under_autocast():
+    layer = _backend_layer("sdpa")
+    x = torch.randn(1, 3, 32)
+    cache = LayerCache(*torch.zeros(2, 1, 2, 8, 16, dtype=torch.bfloat16))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = layer(x, is_causal=True, cache=cache)
+        with pytest.raises(ValueError, match="cache holds torch.float32"):
+            layer(x, cache=LayerCache(*torch.zeros(2, 1, 2, 8, 16)))
+    torch.testing.assert_close(out.float(), layer(x, is_causal=True), atol=0.05, rtol=0.05)
+
+
+MASKS = {"0-d True": torch.tensor(True), "0-d False": torch.tensor(False),
+         "(Lk,)": torch.tensor([True, False, True, True, False, True]),
+         "(Lk,) none": torch.zeros(6, dtype=torch.bool), "(1,)": torch.tensor([False]),
+         "(Lq, 1)": torch.tensor([[True], [False], [True], [True]]),
+         "(B, 1, Lq, Lk)": torch.rand(2, 1, 4, 6, generator=torch.Generator().manual_seed(1)) < 0.5}
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "triton"])
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("name", MASKS)
+def test_every_backend_takes_every_mask_check_mask_takes(backend, is_causal, name):
+    x, context = torch.randn(2, 4, 32), torch.randn(2, 6, 32)
+    layer, reference = _backend_layer(backend), _backend_layer("explicit")
+    out = layer(x, context, mask=MASKS[name], is_causal=is_causal)
+    torch.testing.assert_close(out, reference(x, context, mask=MASKS[name], is_causal=is_causal))
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "triton"])
+@pytest.mark.parametrize("x_shape,context_shape", [((0, 4, 32), None), ((1, 0, 32), None),
+                                                   ((1, 4, 32), (1, 0, 32)),
+                                                   ((0, 4, 32), (0, 6, 32))])
+def test_empty_inputs_give_the_explicit_backends_result(backend, x_shape, context_shape):
+    x = torch.randn(x_shape)
+    context = None if context_shape is None else torch.randn(context_shape)
+    out = _backend_layer(backend)(x, context)
+    torch.testing.assert_close(out, _backend_layer("explicit")(x, context))
+    assert out.shape == x.shape
+
+
+@pytest.mark.parametrize("d_model,heads,dtype", [(32, 2, DOUBLE), (16, 2, torch.float32),
+                                                 (96, 2, torch.float32)])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_the_triton_backend_takes_what_its_kernel_does_not(d_model, heads, dtype, is_causal):
+    # float64, and head sizes 8 and 48, which the kernel refuses: the backend hands them to SDPA
+    x = torch.randn(2, 5, d_model, dtype=dtype)
+    out = _backend_layer("triton", d_model, heads, dtype)(x, is_causal=is_causal)
+    expected = _backend_layer("explicit", d_model, heads, dtype)(x, is_causal=is_causal)
+    torch.testing.assert_close(out, expected)
+
+
+@torch.no_grad()
+def test_a_cache_refuses_storage_that_append_cannot_write_apart():
+    """Issue 37's attack on heads: keys and values in one tensor made every value overwrite its
+    key silently; an expanded (stride 0) storage failed inside torch at the first append."""
+    storage = torch.zeros(2, 2, 8, 4)
+    with pytest.raises(ValueError, match="keys and values are the same memory"):
+        LayerCache(storage, storage)
+    with pytest.raises(ValueError, match=r"keys has stride 0 \(an expanded tensor"):
+        LayerCache(torch.zeros(1, 2, 8, 4).expand(2, -1, -1, -1), storage)
+    with pytest.raises(ValueError, match="values has stride 0"):
+        LayerCache(storage, torch.zeros(2, 2, 8, 1).expand(-1, -1, -1, 4))
+    both = torch.zeros(2, 2, 2, 8, 4)  # one tensor, two halves: apart, as chapter 4 does
+    cache = LayerCache(*both)
+    k, v = torch.randn(2, 2, 3, 4), torch.randn(2, 2, 3, 4)
+    keys, values = cache.append(k, v)
+    assert torch.equal(keys, k) and torch.equal(values, v)
+    LayerCache(torch.zeros(1, 2, 8, 4).expand(1, -1, -1, -1), storage[:1])  # size 1: no sharing
+
+
+@pytest.mark.parametrize("heads", [np.int64(1), np.array(1), torch.tensor(1), None, 1.0,
+                                   torch.zeros(1, 2, dtype=torch.long), "01", b"\x01"])
+def test_mask_heads_names_heads_that_are_not_a_sequence(heads):
+    layer = MultiHeadAttention(8, 2)
+    with pytest.raises(TypeError, match="heads must be a sequence of head indices, got heads="):
+        mask_heads(layer, heads)
+    assert layer.out_proj.weight.ne(0).all()  # nothing silenced

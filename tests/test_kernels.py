@@ -430,3 +430,41 @@ def test_gpu_session_script_is_valid_bash():
     result = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert os.access(script, os.X_OK)
+
+
+SPELLINGS = ["1", "true", "TRUE", "True", "on", "ON", "yes", "YES", "Yes", "y", "Y",
+             "0", "false", "off", "no", "n", "", " 1", "1 ", "2", "t", "enable"]
+
+
+@pytest.mark.parametrize("value", SPELLINGS)
+def test_use_triton_interpreter_reads_the_variable_as_triton_does(value, monkeypatch):
+    """Issue 37: TRITON_INTERPRET=yes made Triton interpret while use_triton_interpreter()
+    said False. The reference is the installed Triton's own reader of boolean variables."""
+    from triton._C.libtriton import getenv_bool
+
+    from attnbook.triton_mode import use_triton_interpreter
+
+    monkeypatch.setenv("TRITON_INTERPRET", value)
+    assert use_triton_interpreter() == getenv_bool("TRITON_INTERPRET", False)
+    assert os.environ["TRITON_INTERPRET"] == value  # a choice already made is kept
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(kernel="backward"), ValueError, r"kernel must be one of \['dkdv', 'dq', 'forward'\], "
+                                          r"got kernel='backward'"),
+    (dict(element_size=8), ValueError, r"element_size must be one of \[2, 4\], got element_size=8"),
+    (dict(element_size=1, capability=80), ValueError, "element_size=1"),
+    (dict(head_dim=96), ValueError, r"head_dim must be one of \[16, 32, 64, 128\], got head_dim=96"),
+    (dict(head_dim=8, capability=80), ValueError, "head_dim=8"),  # was the d <= 64 entry
+    (dict(head_dim=256, capability=90), ValueError, "head_dim=256"),  # was the 128 entry
+    (dict(head_dim=64.0), TypeError, "head_dim"),
+    (dict(capability=-1), ValueError, "capability"),
+    (dict(capability="80"), TypeError, "capability"),
+])
+def test_launch_settings_name_what_they_have_no_entry_for(kwargs, error, match):
+    """Issue 37: a bare KeyError (or, on a GPU, another head size's settings) before."""
+    from attnbook.kernels import launch_settings
+
+    args = dict(kernel="forward", element_size=2, head_dim=64, capability=None) | kwargs
+    with pytest.raises(error, match=match):
+        launch_settings(**args)

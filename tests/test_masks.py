@@ -303,3 +303,17 @@ def test_masks_check_lengths_with_the_conventions():
     from attnbook import conventions
 
     assert attnbook.masks.check_int is conventions.check_int  # not an int check of its own
+
+
+@pytest.mark.parametrize("lengths,error,match", [
+    ({0: 3, 1: 2}, TypeError, r"lengths must be a sequence or 1-D tensor of ints, got \{0: 3"),
+    ({3, 1}, TypeError, r"lengths must be a sequence or 1-D tensor of ints, got \{"),
+    (frozenset({2}), TypeError, "lengths must be a sequence"),
+    (np.array([[1, 2]]), ValueError, r"lengths must be 1-D, got shape \(1, 2\)"),
+    (np.array(3), ValueError, r"lengths must be 1-D, got shape \(\)"),
+])
+def test_padding_mask_refuses_lengths_without_an_order(lengths, error, match):
+    """Issue 37's attack on masks: a dict's keys ({0: 3, 1: 2} gave lengths 0 and 1) and a
+    set's arbitrary order were read silently as lengths; a 2-D array named lengths[0]."""
+    with pytest.raises(error, match=match):
+        padding_mask(lengths)

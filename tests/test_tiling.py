@@ -519,3 +519,52 @@ def test_gpus_and_the_roofline():
 def test_bad_traffic_and_roofline_inputs(call, error, message):
     with pytest.raises(error, match=message):
         call()
+
+
+@pytest.mark.parametrize("name,key", [
+    ("Tesla T4", "T4"), ("NVIDIA T4", "T4"), ("nvidia t4", "T4"),
+    ("NVIDIA A100-SXM4-80GB", "A100"), ("NVIDIA A100 80GB HBM2e", "A100"),
+    ("NVIDIA H100 80GB HBM3", "H100"), ("NVIDIA H100-SXM5-80GB", "H100"),
+    ("NVIDIA H200", "H200"), ("NVIDIA H200 141GB HBM3e", "H200"),
+    ("NVIDIA T400", None), ("NVIDIA T400 4GB", None), ("NVIDIA RTX A1000", None),
+    ("NVIDIA RTX A1000 6GB Laptop GPU", None), ("NVIDIA GH200 480GB", None),
+    ("Tesla T40", None), ("NVIDIA H1000", None), ("NVIDIA XA100", None),
+])
+def test_find_gpu_matches_whole_model_names(name, key):
+    """Issue 37: a key inside a longer model name ("T400", "RTX A1000") is another GPU, whose
+    peaks are not the key's (4x to 25x off): refused, naming the GPU."""
+    if key is None:
+        with pytest.raises(ValueError, match=f"got device_name='{name}'"):
+            find_gpu(name)
+    else:
+        assert find_gpu(name) is GPUS[key]
+
+
+@pytest.mark.parametrize("m,l,error,match", [
+    (np.zeros(3), np.zeros(2), ValueError, r"m must have shape \(2,\), block's rows, got shape \(3,\)"),
+    (np.zeros(2), np.zeros((2, 1)), ValueError, r"l must have shape \(2,\), block's rows"),
+    (np.zeros(2), "a", TypeError, "l must hold real numbers"),
+    (np.zeros(2, complex), np.zeros(2), TypeError, "m must hold real numbers"),
+])
+def test_online_softmax_update_names_a_running_state_that_does_not_fit(m, l, error, match):
+    """Issue 37's attack on tiling: numpy's broadcasting error or a UFuncTypeError before."""
+    with pytest.raises(error, match=match):
+        online_softmax_update(m, l, np.zeros((2, 3)))
+
+
+@pytest.mark.parametrize("field,value,error", [
+    ("bandwidth", float("nan"), ValueError), ("bandwidth", 0.0, ValueError),
+    ("fp16_flops", -1.0, ValueError), ("fp32_flops", float("inf"), ValueError),
+    ("bandwidth", "320e9", TypeError), ("name", None, TypeError), ("source", 3, TypeError),
+])
+def test_a_gpu_spec_with_impossible_peaks_is_refused(field, value, error):
+    """Issue 37's attack on tiling: a NaN bandwidth gave roofline_seconds a finite 1.0 and a
+    zero one a ZeroDivisionError; a spec is checked when made or replaced."""
+    with pytest.raises(error, match=field):
+        dataclasses.replace(GPUS["T4"], **{field: value})
+    assert dataclasses.replace(GPUS["T4"], bandwidth=1e12).bandwidth == 1e12
+
+
+def test_find_gpu_refuses_a_name_of_two_gpus():
+    with pytest.raises(ValueError, match="names A100 and H100: name one GPU"):
+        find_gpu("NVIDIA A100 H100")

@@ -9,6 +9,7 @@ __all__ = [
     "check_token_ids",
     "check_tensor",
     "check_mask",
+    "check_writable",
 ]
 
 # chapters/a1-conventions.md, "One way to check an argument"
@@ -40,7 +41,28 @@ def check_device(name: str, device) -> torch.device:
                          f"got {name}={device!r}") from None
     if found.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"{name}={device!r}, but this machine has no CUDA GPU")
+    # torch.cuda, torch.xpu, ...; MPS says whether it is there in torch.backends
+    backend = torch.backends.mps if found.type == "mps" else getattr(torch, found.type, None)
+    if hasattr(backend, "is_available") and not backend.is_available():
+        raise ValueError(f"{name}={device!r}, but this machine has no {found.type} device")
+    count = getattr(backend, "device_count", None) if found.type != "mps" else None
+    if found.index is not None and count is not None and found.index >= count():
+        raise ValueError(f"{name}={device!r}, but this machine has {count()} {found.type} "
+                         f"device(s), numbered from 0")
     return found
+
+
+def _same_device(actual: torch.device, wanted) -> bool:
+    """Whether a tensor on `actual` is on `wanted`: "cuda" is the current GPU, and "cpu:0" is
+    "cpu" (PyTorch has one CPU device; a CPU tensor's device has no index)."""
+    wanted = torch.device(wanted)
+    if actual.type != wanted.type:
+        return False
+    if actual.type == "cuda" and None in (actual.index, wanted.index):
+        current = torch.cuda.current_device()
+        actual, wanted = (torch.device("cuda", current if d.index is None else d.index)
+                          for d in (actual, wanted))
+    return actual.index is None or wanted.index is None or actual.index == wanted.index
 
 
 def check_token_ids(name: str, ids, vocab_size: int, shape: tuple[int | None, ...] | None = None,
@@ -76,7 +98,7 @@ def _check_shape_and_device(name: str, x: torch.Tensor, shape, device) -> None:
                               or any(s not in (None, n) for s, n in zip(shape, x.shape))):
         wanted = ", ".join("*" if s is None else str(s) for s in shape)
         raise ValueError(f"{name} must have shape ({wanted}), got shape {tuple(x.shape)}")
-    if device is not None and x.device != torch.device(device):
+    if device is not None and not _same_device(x.device, device):
         raise ValueError(f"{name} must be on device {device}, got {name} on {x.device}")
 
 
@@ -112,6 +134,16 @@ def check_mask(name: str, mask, shape: tuple[int, ...], device: torch.device | N
     if mask.dim() > len(shape) or any(m not in (1, s) for m, s in pairs):
         raise ValueError(f"{name} of shape {tuple(mask.shape)} does not broadcast to "
                          f"{tuple(shape)}")
-    if device is not None and mask.device != torch.device(device):
+    if device is not None and not _same_device(mask.device, device):
         raise ValueError(f"{name} must be on device {device}, got {name} on {mask.device}")
     return mask
+
+
+def check_writable(name: str, x: torch.Tensor) -> torch.Tensor:
+    """`x`, a tensor that an in-place write can fill: no two of its elements share memory, as
+    they do along a dimension of stride 0 (an expanded tensor)."""
+    for stride, size in zip(x.stride(), x.shape):  # a loop, not any(): no generator to run
+        if stride == 0 and size > 1:
+            raise ValueError(f"{name} has stride 0 (an expanded tensor, strides {x.stride()}): "
+                             "allocate it with torch.zeros, or clone() it")
+    return x

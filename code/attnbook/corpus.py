@@ -15,6 +15,7 @@ __all__ = [
 import gzip
 import hashlib
 import json
+import zlib
 from importlib import resources
 
 SNAPSHOT = "python-3.11.7-topics.json.gz"
@@ -24,12 +25,18 @@ SNAPSHOT_SHA256 = "38ba2ac4b3d58f22f028ae47bef4b35d5b884f860c23411ad241d9484fc4d
 def read_snapshot() -> dict:
     """The corpus file: its `source`, its `license` and its `topics` (appendix A).
 
-    Raises RuntimeError when the file's SHA-256 is not SNAPSHOT_SHA256.
+    Raises RuntimeError, naming the file, when it is not a whole gzip file (truncated, or a
+    byte changed) or its text's SHA-256 is not SNAPSHOT_SHA256.
     """
-    raw = gzip.decompress((resources.files("attnbook") / "data" / SNAPSHOT).read_bytes())
+    path = resources.files("attnbook") / "data" / SNAPSHOT
+    try:
+        raw = gzip.decompress(path.read_bytes())
+    except (EOFError, OSError, zlib.error) as error:  # cut short; a bad header, CRC or stream
+        raise RuntimeError(f"{path} is damaged: it is not a whole gzip file "
+                           f"({type(error).__name__}: {error})") from None
     digest = hashlib.sha256(raw).hexdigest()
     if digest != SNAPSHOT_SHA256:
-        raise RuntimeError(f"{SNAPSHOT} is damaged: its SHA-256 is {digest}, "
+        raise RuntimeError(f"{path} is damaged: its SHA-256 is {digest}, "
                            f"expected {SNAPSHOT_SHA256}")
     return json.loads(raw)
 

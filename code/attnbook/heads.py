@@ -33,6 +33,7 @@ from attnbook.conventions import (
     check_probability,
     check_scale,
     check_tensor,
+    check_writable,
     compute_dtype,
 )
 
@@ -132,7 +133,9 @@ def _fast_attention(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     _count_cpu_sdpa_flops()
     if is_causal and lq == 1:  # one query, the last position: it may see every key
         is_causal = False
-    if backend == "triton" and mask is None and dropout_p == 0.0:
+    if mask is not None and mask.dim() < 2:  # a 0-d or (Lk,) mask, as (1, 1) or (1, Lk)
+        mask = mask[(None,) * (2 - mask.dim())]
+    if backend == "triton" and mask is None and dropout_p == 0.0 and _kernel_takes(q, k, v):
         from attnbook.kernels import flash_attention  # imports Triton, only when asked for
 
         group = q.shape[1] // k.shape[1]  # the kernel has no shared heads: repeat them
@@ -148,6 +151,16 @@ def _fast_attention(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask | ~seen, dropout_p=dropout_p,
                                          enable_gqa=shared)
     return out.masked_fill(~seen, 0.0)  # the rows that saw nothing: zeros, as in attend
+
+
+def _kernel_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether chapter 15's kernel computes this call: no empty tensor, a head size of 16, 32,
+    64 or 128 for q, k and v, and float16, float32 or (on a GPU that has it) bfloat16."""
+    dtypes = (torch.float16, torch.float32)
+    if q.device.type == "cuda" and torch.cuda.get_device_capability(q.device) >= (8, 0):
+        dtypes += (torch.bfloat16,)
+    return (min(q.numel(), k.numel()) > 0 and q.dtype in dtypes
+            and q.shape[-1] in (16, 32, 64, 128) and v.shape[-1] == q.shape[-1])
 
 
 # chapters/03-heads.md, "The module"
@@ -241,6 +254,17 @@ def _check_tokens(name: str, t, weight: torch.Tensor, batch: int | None = None) 
                         shape=(batch, None, weight.shape[1]))  # (B, L, d_model)
 
 
+def _projected_dtype(weight: torch.Tensor) -> torch.dtype:
+    """The dtype of what nn.Linear with `weight` gives: autocast's, when autocast is on for its
+    device (and the weight is not float64, which autocast leaves), else the weight's."""
+    try:
+        if torch.is_autocast_enabled(weight.device.type) and weight.dtype != torch.float64:
+            return torch.get_autocast_dtype(weight.device.type)
+    except RuntimeError:  # a device with no autocast at all, such as meta
+        pass
+    return weight.dtype
+
+
 # chapters/03-heads.md, "Checking against PyTorch's MultiheadAttention"
 def from_torch(module: nn.MultiheadAttention) -> MultiHeadAttention:
     """A MultiHeadAttention with the weights, device, dtype and mode of `module`. The book's layer
@@ -290,6 +314,9 @@ class LayerCache:
             raise ValueError(f"values must have the batch, heads, capacity, dtype and device of "
                              f"keys, {tuple(keys.shape[:3])} {keys.dtype} {keys.device}, got "
                              f"{tuple(values.shape[:3])} {values.dtype} {values.device}")
+        check_writable("keys", keys), check_writable("values", values)
+        if keys.numel() and not keys.is_meta and keys.data_ptr() == values.data_ptr():
+            raise ValueError("keys and values are the same memory: give each its own storage")
         self.length = 0
 
     @property
@@ -332,6 +359,9 @@ def _check_cache(cache: LayerCache, layer: MultiHeadAttention, x: torch.Tensor) 
     for name in ("keys", "values"):
         check_tensor(f"cache.{name}", getattr(cache, name), 4, device=w.device,
                      shape=(b, hkv, None, hs))
+    if cache.keys.dtype != _projected_dtype(w):  # else written rounded, or refused by SDPA
+        raise ValueError(f"cache holds {cache.keys.dtype}, but the layer's keys and values are "
+                         f"{_projected_dtype(w)}: allocate the cache in the layer's dtype")
     _check_fits(cache, x.shape[1], x.requires_grad or w.requires_grad)
 
 
@@ -353,7 +383,8 @@ def mask_heads(attn: MultiHeadAttention, heads) -> MultiHeadAttention:
     """Silence `heads` (indices from 0 to num_heads - 1) of `attn`, in place: zero their blocks
     of columns of out_proj.weight, so their outputs never reach the layer's output."""
     check_instance("attn", attn, MultiHeadAttention)
-    if isinstance(heads, (int, str)) or (isinstance(heads, torch.Tensor) and heads.dim() != 1):
+    if isinstance(heads, (str, bytes)) or not hasattr(heads, "__iter__") \
+            or getattr(heads, "ndim", 1) != 1:  # an int, None, a 0-d or 2-d array or tensor
         raise TypeError(f"heads must be a sequence of head indices, got heads={heads!r}")
     heads = [check_int("heads", h, 0, attn.num_heads - 1) for h in heads]
     hs = attn.head_dim

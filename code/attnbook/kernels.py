@@ -23,7 +23,14 @@ import triton  # compiled, or interpreted after use_triton_interpreter() without
 import triton.language as tl
 
 # flash_attention's checks (chapter 16)
-from attnbook.conventions import check_bool, check_real, check_scale, check_tensor  # noqa: F401
+from attnbook.conventions import (  # noqa: F401
+    check_bool,
+    check_choice,
+    check_int,
+    check_real,
+    check_scale,
+    check_tensor,
+)
 
 
 # chapters/15-flash-attention-triton.md, "The Triton programming model"
@@ -196,6 +203,18 @@ def launch_settings(kernel: str, element_size: int, head_dim: int,
     """Chapter 15's candidate launch settings (BLOCK_M, BLOCK_N, num_warps, num_stages) of
     `kernel`, the default first: LAUNCH's for 2-byte dtypes on a GPU of compute capability 7.5
     to 9.0 (given as 75 to 90); else, and in the interpreter (None), TILE_ROWS' square tile."""
+    check_choice("kernel", kernel, ("forward", "dkdv", "dq"))
+    for name, value, known in (("element_size", element_size, (2, 4)),
+                               ("head_dim", head_dim, (16, 32, 64, 128))):
+        if check_int(name, value) not in known:
+            raise ValueError(f"{name} must be one of {list(known)}, got {name}={value!r}")
+    capability = None if capability is None else check_int("capability", capability, 0)
+    return _launch_settings(kernel, element_size, head_dim, capability)
+
+
+def _launch_settings(kernel: str, element_size: int, head_dim: int,
+                     capability: int | None) -> list[tuple[int, int, int, int]]:
+    # launch_settings' choice, for arguments already checked (by it, or by flash_attention)
     if capability is not None and element_size == 2 and 75 <= capability <= 90:
         generation = 90 if capability == 90 else 80 if capability >= 80 else 75
         return LAUNCH[generation, kernel][64 if head_dim <= 64 else 128]
@@ -218,7 +237,7 @@ def _launch(kernel, name: str, q, k, causal: bool, *args) -> None:
     # One program per tile of rows (of keys for dK, dV, else of queries), for every (batch,
     # head), with the settings of launch_settings; large problems on a GPU autotune among them.
     capability = None if INTERPRETED else _capability(q.device)
-    settings = launch_settings(name, q.element_size(), q.shape[-1], capability)
+    settings = _launch_settings(name, q.element_size(), q.shape[-1], capability)
     length, axis = (k.shape[2], "BLOCK_N") if name == "dkdv" else (q.shape[2], "BLOCK_M")
 
     def grid(meta):

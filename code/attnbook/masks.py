@@ -12,7 +12,7 @@ __all__ = [
 
 # chapters/06-masks.md, "The causal mask"
 import contextlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence, Set
 from typing import Literal
 
 import torch
@@ -40,10 +40,11 @@ def padding_mask(lengths: Sequence[int] | torch.Tensor, max_len: int | None = No
 
 
 def _check_lengths(lengths) -> list[int]:
-    if isinstance(lengths, torch.Tensor) and lengths.ndim != 1:
+    if getattr(lengths, "ndim", 1) != 1:  # a tensor or an array
         raise ValueError(f"lengths must be 1-D, got shape {tuple(lengths.shape)}")
     lengths = lengths.tolist() if isinstance(lengths, torch.Tensor) else lengths
-    if isinstance(lengths, (str, bytes)) or not isinstance(lengths, Iterable):
+    if isinstance(lengths, (str, bytes, Set, Mapping)) or not isinstance(lengths, Iterable):
+        # a set has no order, and a dict's keys are not its lengths
         raise TypeError(f"lengths must be a sequence or 1-D tensor of ints, got {lengths!r}")
     return [check_int(f"lengths[{i}]", n, 0) for i, n in enumerate(lengths)]
 

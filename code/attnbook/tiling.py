@@ -25,12 +25,13 @@ from dataclasses import dataclass  # noqa: F401 (GPUSpec, chapter 14)
 import numpy as np
 
 from attnbook.attention import check_qkv, divide_or_zero
-from attnbook.basic_checks import (  # noqa: F401 (check_choice, check_real: chapter 14)
+from attnbook.basic_checks import (  # noqa: F401 (check_choice, check_positive, check_real: ch. 14)
     check_array,
     check_bool,
     check_choice,
     check_instance,
     check_int,
+    check_positive,
     check_real,
     check_scale,
     compute_dtype,
@@ -42,7 +43,17 @@ def online_softmax_update(m, l, block) -> tuple[np.ndarray, np.ndarray]:
     at -inf and 0): then l = sum(exp(x - m)) over every score seen. float16 sums in float32."""
     block = check_array("block", block, min_ndim=1)
     block = block.astype(compute_dtype(block.dtype), copy=False)
-    m_new, shift, alpha = _new_max(np.asarray(m, block.dtype), block)
+    m, l = check_array("m", m), check_array("l", l)
+    for name, x in (("m", m), ("l", l)):  # one running value per row of the block
+        if x.shape != block.shape[:-1]:
+            raise ValueError(f"{name} must have shape {block.shape[:-1]}, block's rows, got "
+                             f"shape {x.shape}")
+    return _fold(m.astype(block.dtype, copy=False), l.astype(block.dtype, copy=False), block)
+
+
+def _fold(m: np.ndarray, l: np.ndarray, block: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """online_softmax_update's computation, on arguments already checked."""
+    m_new, shift, alpha = _new_max(m, block)
     return m_new, alpha * l + np.exp(block - shift[..., None]).sum(axis=-1)
 
 
@@ -63,7 +74,7 @@ def online_softmax(x, block_size: int = 64) -> np.ndarray:
     m = np.full(x.shape[:-1], -np.inf, work)  # (...,) running max
     l = np.zeros(x.shape[:-1], work)  # (...,) running sum of exp(x - m)
     for start in range(0, x.shape[-1], block_size):
-        m, l = online_softmax_update(m, l, x[..., start:start + block_size])
+        m, l = _fold(m, l, x[..., start:start + block_size].astype(work, copy=False))
     exps = np.exp(x.astype(work) - np.where(np.isneginf(m), 0.0, m)[..., None])  # (..., n)
     return divide_or_zero(exps, l[..., None]).astype(x.dtype, copy=False)
 
@@ -236,6 +247,12 @@ class GPUSpec:
     fp32_flops: float
     source: str  # the datasheet: its key in the book's bibliography
 
+    def __post_init__(self) -> None:  # a made or replaced spec: peaks above 0 (roofline divides)
+        for field in ("name", "source"):
+            check_instance(field, getattr(self, field), str)
+        for field in ("bandwidth", "fp16_flops", "fp32_flops"):
+            check_positive(field, getattr(self, field))
+
     def peak_flops(self, itemsize: int = 2) -> float:
         """FLOP/s for elements of `itemsize` bytes: 2 (float16, bfloat16) or 4 (float32)."""
         if check_int("itemsize", itemsize) not in (2, 4):
@@ -253,11 +270,15 @@ GPUS = {
 
 # chapters/14-traffic-and-roofline.md, "The roofline: which side binds"
 def find_gpu(device_name: str) -> GPUSpec:
-    """The entry of GPUS whose key `device_name` contains, such as
-    find_gpu(torch.cuda.get_device_name()) on "NVIDIA A100-SXM4-80GB" or "Tesla T4"."""
+    """The entry of GPUS whose key is one of the words of `device_name`, such as
+    find_gpu(torch.cuda.get_device_name()) on "NVIDIA A100-SXM4-80GB" or "Tesla T4"; a word
+    that only contains a key, as "T400" contains "T4" and "A1000" "A100", is another GPU."""
     check_instance("device_name", device_name, str)
+    words = "".join(c if c.isalnum() else " " for c in device_name.upper()).split()
+    if len(named := [key for key in GPUS if key in words]) > 1:
+        raise ValueError(f"device_name={device_name!r} names {' and '.join(named)}: name one GPU")
     for key, spec in GPUS.items():
-        if key in device_name.upper():
+        if key in words:
             other = [board for board in BOARDS if board in device_name.upper()
                      and board not in spec.name.upper()]  # another board: other peaks
             if other:

@@ -13,6 +13,10 @@ __all__ = [
 import os
 import sys
 
+# What Triton (3.7's getenv_bool) reads as true in TRITON_INTERPRET, in any case; any other
+# value, the empty string and " 1" included, means compiled kernels.
+_TRUE = ("1", "true", "on", "yes", "y")
+
 
 def use_triton_interpreter() -> bool:
     """Ask for Triton's CPU interpreter (TRITON_INTERPRET=1) on a machine without a GPU, unless
@@ -27,4 +31,4 @@ def use_triton_interpreter() -> bool:
                                "kernels need its interpreter: call use_triton_interpreter() "
                                "before anything imports triton, or set TRITON_INTERPRET=1")
         os.environ["TRITON_INTERPRET"] = "1"
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on")
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in _TRUE

@@ -25,15 +25,16 @@ import torch
 from attnbook.conventions import check_array, check_instance, check_int, check_real
 
 
-def explorer_weights(tokens, weights, atol: float = 1e-3) -> np.ndarray:
+def explorer_weights(tokens, weights, atol: float | None = None) -> np.ndarray:
     """`weights` of shape (T, T), (heads, T, T) or (layers, heads, T, T) as a float64 array of
     shape (layers, heads, T, T) (appendix C), checked against `tokens`, T strings: finite,
-    non-negative, every row summing to 1 within `atol` or all zero (no allowed key)."""
+    non-negative, every row summing to 1 within `atol` or all zero (no allowed key). `atol`
+    defaults to what the weights' dtype allows: 4 of its epsilons, and 1e-3 at least."""
     check_instance("tokens", tokens, (list, tuple))
     for i, token in enumerate(tokens):
         check_instance(f"tokens[{i}]", token, str)
     T = check_int("len(tokens)", len(tokens), minimum=1)
-    atol = check_real("atol", atol, 0, 0.5)
+    atol = _rounding_atol(weights) if atol is None else check_real("atol", atol, 0, 0.5)
     if isinstance(weights, torch.Tensor):
         weights = weights.detach().cpu().double()
     w = check_array("weights", weights, min_ndim=2).astype(np.float64)
@@ -48,6 +49,20 @@ def explorer_weights(tokens, weights, atol: float = 1e-3) -> np.ndarray:
                          f" all zero), got weights[{', '.join(map(str, where))}, :] summing to "
                          f"{float(sums[where]):.4g}")
     return w.reshape((1,) * (4 - w.ndim) + w.shape)
+
+
+def _rounding_atol(weights) -> float:
+    """How far from 1 a row of `weights` may sum: each weight rounded to their dtype moves the
+    sum by up to half an epsilon of itself, so eps / 2 in all; 4 eps leaves room for a softmax
+    summed in that dtype (bfloat16: 0.03; float16: 0.004), and 1e-3 for the wider dtypes."""
+    dtype = getattr(weights, "dtype", None)
+    if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
+        eps = torch.finfo(dtype).eps
+    elif isinstance(weights, np.ndarray) and np.issubdtype(dtype, np.floating):
+        eps = float(np.finfo(dtype).eps)
+    else:  # lists, integers: nothing rounded
+        eps = 0.0
+    return max(1e-3, 4 * eps)
 
 
 # chapters/a3-pictures.md, "The page"
