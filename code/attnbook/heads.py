@@ -33,7 +33,7 @@ from attnbook.conventions import (
     check_probability,
     check_scale,
     check_tensor,
-    check_writable,
+    check_writable,  # noqa: F401 (chapter 4's LayerCache)
     compute_dtype,
 )
 
@@ -359,9 +359,9 @@ def _check_cache(cache: LayerCache, layer: MultiHeadAttention, x: torch.Tensor) 
     for name in ("keys", "values"):
         check_tensor(f"cache.{name}", getattr(cache, name), 4, device=w.device,
                      shape=(b, hkv, None, hs))
-    if cache.keys.dtype != _projected_dtype(w):  # else written rounded, or refused by SDPA
+    if cache.keys.dtype != _projected_dtype(w):  # noqa: F821 (chapter 3's; rounded, or refused)
         raise ValueError(f"cache holds {cache.keys.dtype}, but the layer's keys and values are "
-                         f"{_projected_dtype(w)}: allocate the cache in the layer's dtype")
+                         f"{_projected_dtype(w)}: allocate the cache in the layer's dtype")  # noqa: F821
     _check_fits(cache, x.shape[1], x.requires_grad or w.requires_grad)
 
 

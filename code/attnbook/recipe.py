@@ -16,14 +16,19 @@ __all__ = [
 ]
 
 # chapters/10-gpt.md, "The training recipe"
-import math
+import math  # noqa: F811 (notebook)
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
+import torch.nn.functional as F  # noqa: F811 (notebook)
 from torch import nn
 
-from attnbook.conventions import check_instance, check_int, check_probability, check_real
+from attnbook.conventions import (  # noqa: F811 (notebook)
+    check_instance,
+    check_int,
+    check_probability,
+    check_real,
+)
 
 
 @dataclass(frozen=True)

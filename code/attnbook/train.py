@@ -27,13 +27,13 @@ __all__ = [
 ]
 
 # chapters/a2-training-at-scale.md, "One global batch, shared out"
-import argparse
-import contextlib
+import argparse  # noqa: F811 (notebook)
+import contextlib  # noqa: F811 (notebook)
 import dataclasses
 import hashlib
 import json
-import math
-import os
+import math  # noqa: F811 (notebook)
+import os  # noqa: F811 (notebook)
 import pickle
 import re
 import shlex
@@ -41,7 +41,7 @@ import shutil
 import sys
 import time
 import warnings
-from pathlib import Path
+from pathlib import Path  # noqa: F811 (notebook)
 
 try:
     import fcntl  # POSIX: the lock on a run's folder
@@ -69,9 +69,9 @@ from attnbook.recipe import (
     make_optimizer,
     train_step,
 )
-from attnbook.train_command import PROGRAM, RESUMABLE, RUN_OPTIONS
+from attnbook.train_command import PROGRAM, RESUMABLE, RUN_OPTIONS  # noqa: F811 (notebook)
 from attnbook.train_command import main as main  # python -m attnbook.train
-from attnbook.train_command import parse_options as parse_options
+from attnbook.train_command import parse_options as parse_options  # noqa: F811 (notebook)
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 

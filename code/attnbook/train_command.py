@@ -159,7 +159,7 @@ def _number(kind: type, low: float, high: float = math.inf, open_low: bool = Fal
 
 
 # chapters/a2-training-at-scale.md, "The training loop"
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> None:  # noqa: F811 (notebook)
     """`attnbook-train ...` (or `python -m attnbook.train ...`), alone or under torchrun: reads
     the options (--help, --version and a bad option end here, before PyTorch loads), then runs
     the command with attnbook.train.run and exits with its status if that is not 0."""
