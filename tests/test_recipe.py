@@ -78,7 +78,7 @@ def test_train_step_is_adamw_with_decay_on_matrices_and_clipping(clip):
     for lr in [1e-2, 3e-3, 5e-3]:
         x, y = torch.randint(11, (3, 8), generator=generator), torch.randint(11, (3, 8),
                                                                              generator=generator)
-        loss = train_step(ours, optimizer, x, y, lr, clip)
+        loss, norm_before = train_step(ours, optimizer, x, y, lr, clip)
         for group in reference.param_groups:
             group["lr"] = lr
         expected = F.cross_entropy(theirs(x).reshape(-1, 11), y.reshape(-1))
@@ -87,8 +87,9 @@ def test_train_step_is_adamw_with_decay_on_matrices_and_clipping(clip):
         norm = torch.nn.utils.clip_grad_norm_(theirs.parameters(), clip)
         assert (norm > clip) == (clip < 1)  # the case clips, or it does not
         reference.step()
-        assert not loss.requires_grad
+        assert not loss.requires_grad and not norm_before.requires_grad
         torch.testing.assert_close(loss, expected.detach(), rtol=1e-12, atol=0)
+        torch.testing.assert_close(norm_before, norm, rtol=1e-12, atol=0)
         for a, b in zip(ours.parameters(), theirs.parameters()):
             torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-15)
 
@@ -110,8 +111,8 @@ def test_a_nan_weight_gives_a_nan_loss_not_a_finite_one():
     with torch.no_grad():
         model.tok_emb.weight[3, 0] = math.nan
     x = torch.full((2, 8), 3)
-    loss = train_step(model, make_optimizer(model, Recipe()), x, x, 1e-3, 1.0)
-    assert loss.isnan()
+    loss, norm = train_step(model, make_optimizer(model, Recipe()), x, x, 1e-3, 1.0)
+    assert loss.isnan() and norm.isnan()
     assert math.isnan(held_out_loss(model, x, x))
 
 
@@ -119,8 +120,7 @@ def test_batch_is_windows_at_seeded_places_with_targets_one_token_on():
     ids = torch.arange(1000) * 7
     x, y = batch(ids, step=4, size=5, context=9, seed=2)
     assert x.shape == y.shape == (5, 9) and x.dtype == torch.int64
-    starts = torch.randint(1000 - 9, (5,), generator=torch.Generator().manual_seed(2 * 1_000_003
-                                                                                    + 4))
+    starts = torch.randint(1000 - 9, (5,), generator=torch.Generator().manual_seed(2 * 1_000_003 + 4))
     for row, start in zip(x, starts.tolist()):
         assert torch.equal(row, ids[start:start + 9])
     assert torch.equal(x[:, 1:], y[:, :-1])
@@ -175,3 +175,46 @@ def test_recipe_is_frozen_and_clip_may_be_infinite():
     with pytest.raises(AttributeError):
         recipe.lr = 1.0
     assert Recipe().clip == 1.0 and recipe.clip == math.inf
+
+
+@pytest.mark.parametrize("lr, clip, name", [(0.0, 1.0, "lr"), (math.nan, 1.0, "lr"),
+                                            (math.inf, 1.0, "lr"), (1e-3, -1.0, "clip"),
+                                            (1e-3, math.nan, "clip"), (1e-3, 0.0, "clip")])
+def test_train_step_refuses_a_bad_rate_or_clip_before_touching_the_model(lr, clip, name):
+    model = tiny_gpt()
+    before = copy.deepcopy(model.state_dict())
+    x = torch.zeros(1, 8, dtype=torch.long)
+    with pytest.raises(ValueError, match=name):
+        train_step(model, make_optimizer(model, Recipe()), x, x, lr, clip)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_held_out_loss_restores_the_mode_when_the_model_raises():
+    model = tiny_gpt(dropout=0.5).train()
+    too_long = torch.zeros(1, 9, dtype=torch.long)  # the context is 8
+    with pytest.raises(ValueError):
+        held_out_loss(model, too_long, too_long)
+    assert model.training
+
+
+@pytest.mark.parametrize("args, error, name", [
+    ((torch.arange(10), 1, 2, 10), ValueError, "context"),  # no window of 11 in 10 ids
+    ((torch.arange(10), 1, 2, 0), ValueError, "context"),
+    ((torch.arange(10), 1, 0, 3), ValueError, "size"),
+    ((torch.arange(10), -1, 2, 3), ValueError, "step"),
+    ((torch.arange(10), 1.0, 2, 3), TypeError, "step"),
+    ((torch.arange(10), 1, 2, 3, -1), ValueError, "seed"),
+    ((torch.arange(10).reshape(2, 5), 1, 2, 3), TypeError, "ids"),
+    ((list(range(10)), 1, 2, 3), TypeError, "ids"),
+])
+def test_batch_refuses_what_gives_no_windows_by_name(args, error, name):
+    with pytest.raises(error, match=name):
+        batch(*args)
+
+
+@pytest.mark.parametrize("call", [lambda: learning_rate(None, 1, 5),
+                                  lambda: make_optimizer(torch.nn.Linear(1, 1), None),
+                                  lambda: held_out_split(torch.tensor(5), 1, 2)])
+def test_a_missing_recipe_or_a_0d_text_is_named(call):
+    with pytest.raises((TypeError, ValueError), match="recipe|ids"):
+        call()

@@ -51,13 +51,18 @@ class Recipe:
             raise ValueError(f"betas must be a pair, got betas={self.betas!r}")
         for i, beta in enumerate(self.betas):
             check_real(f"betas[{i}]", beta, 0.0, 1.0, open_high=True)
-        if self.clip != math.inf:
-            check_real("clip", self.clip, 0.0, open_low=True)
+        _check_clip(self.clip)
+
+
+def _check_clip(clip) -> float:
+    """A gradient's largest norm: a number above 0, or math.inf for no clipping."""
+    return clip if clip == math.inf else check_real("clip", clip, 0.0, open_low=True)
 
 
 def make_optimizer(model: nn.Module, recipe: Recipe) -> torch.optim.AdamW:
     """AdamW over `model`'s trainable parameters, decaying the matrices (ndim >= 2) only."""
-    params = [p for p in model.parameters() if p.requires_grad]
+    params, recipe = [p for p in model.parameters() if p.requires_grad], check_instance(
+        "recipe", recipe, Recipe)
     groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": recipe.weight_decay},
               {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=recipe.lr, betas=recipe.betas)
@@ -66,7 +71,7 @@ def make_optimizer(model: nn.Module, recipe: Recipe) -> torch.optim.AdamW:
 def learning_rate(recipe: Recipe, step: int, steps: int) -> float:
     """The learning rate of `step` (1 to `steps`): up in a line over recipe.warmup steps, then
     down along half a cosine towards recipe.min_lr_ratio * recipe.lr at the end of the run."""
-    steps = check_int("steps", steps, minimum=1)
+    recipe, steps = check_instance("recipe", recipe, Recipe), check_int("steps", steps, minimum=1)
     step = check_int("step", step, minimum=1, maximum=steps)
     if step <= recipe.warmup:
         return recipe.lr * step / recipe.warmup
@@ -77,25 +82,30 @@ def learning_rate(recipe: Recipe, step: int, steps: int) -> float:
 
 # chapters/10-gpt.md, "The training recipe"
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor,
-               y: torch.Tensor, lr: float, clip: float = math.inf) -> torch.Tensor:
+               y: torch.Tensor, lr: float,
+               clip: float = math.inf) -> tuple[torch.Tensor, torch.Tensor]:
     """One update on next-token targets y for inputs x, (B, T) each, at learning rate `lr`, the
-    gradient clipped to norm `clip`: the batch's mean loss, detached and not read."""
+    gradient clipped to norm `clip`: the batch's mean loss and the gradient's norm before
+    clipping, 0-d tensors, detached and not read."""
+    lr, clip = check_real("lr", lr, 0.0, open_low=True), _check_clip(clip)
     for group in optimizer.param_groups:
         group["lr"] = lr
     loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())  # (B * T, V) against (B * T,)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
-    if clip != math.inf:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)  # inf: scales by 1
     optimizer.step()
-    return loss.detach()
+    return loss.detach(), norm.detach()
 
 
 def batch(ids: torch.Tensor, step: int, size: int, context: int,
           seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Batch `step` of a run seeded `seed`: `size` windows of `ids`, inputs and targets (size,
     context) each, the targets one token on; the same on every machine."""
-    generator = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    ids = _check_ids(ids)
+    context = check_int("context", context, minimum=1, maximum=len(ids) - 1)
+    size, step = check_int("size", size, minimum=1), check_int("step", step, minimum=0)
+    generator = torch.Generator().manual_seed(check_int("seed", seed, 0) * 1_000_003 + step)
     starts = torch.randint(len(ids) - context, (size,), generator=generator)  # (size,)
     windows = torch.stack([ids[s:s + context + 1] for s in starts.tolist()])  # (size, context + 1)
     return windows[:, :-1], windows[:, 1:]
@@ -105,17 +115,24 @@ def held_out_split(ids: torch.Tensor, block: int = 4096,
                    every: int = 10) -> tuple[torch.Tensor, torch.Tensor]:
     """(training ids, held-out ids): every `every`-th block of `block` ids is held out, so that
     both parts sample the whole text."""
-    blocks = ids.split(check_int("block", block, minimum=1))
+    blocks = _check_ids(ids).split(check_int("block", block, minimum=1))
     if len(blocks) < check_int("every", every, minimum=2):
         raise ValueError(f"ids must hold at least {every} blocks of {block}, got {len(ids)} ids")
     held = [b for i, b in enumerate(blocks) if i % every == every - 1]
     return torch.cat([b for i, b in enumerate(blocks) if i % every != every - 1]), torch.cat(held)
 
 
+def _check_ids(ids) -> torch.Tensor:
+    if isinstance(ids, torch.Tensor) and ids.dim() == 1 and not ids.is_floating_point():
+        return ids
+    raise TypeError(f"ids must be a 1-D tensor of token ids, got {type(ids).__name__} {ids!r:.40}")
+
+
 @torch.no_grad()
 def held_out_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
     """The mean next-token loss on (x, y) in eval mode; the model is left in the mode it had."""
     was_training = model.training
-    loss = F.cross_entropy(model.eval()(x).flatten(0, 1), y.flatten())
-    model.train(was_training)
-    return loss.item()
+    try:
+        return F.cross_entropy(model.eval()(x).flatten(0, 1), y.flatten()).item()
+    finally:
+        model.train(was_training)

@@ -69,7 +69,12 @@ from attnbook.recipe import (
     make_optimizer,
     train_step,
 )
-from attnbook.train_command import PROGRAM, RESUMABLE, RUN_OPTIONS  # noqa: F811 (notebook)
+from attnbook.train_command import (  # noqa: F811 (notebook)
+    PROGRAM,
+    RESUMABLE,
+    RUN_OPTIONS,
+    check_run_options,
+)
 from attnbook.train_command import main as main  # python -m attnbook.train
 from attnbook.train_command import parse_options as parse_options  # noqa: F811 (notebook)
 
@@ -148,10 +153,11 @@ def train(options: argparse.Namespace, on_step=None) -> None:
 
 
 def _train(options, on_step, rank: int, processes: int, device: torch.device) -> None:
-    latest = _prepare_out(options, rank, processes)  # refuses, or says what to resume from
     text = _corpus_text()
     tokenizer = CharTokenizer(text)
     ids = tokenizer.encode(text)
+    train_ids, held_ids = held_out_split(ids)
+    latest = _prepare_out(options, rank, processes, len(held_ids))  # refuses, or says from where
     torch.manual_seed(options.seed)  # the same initial weights in every process
     config = GPTConfig(vocab_size=tokenizer.vocab_size, context_length=options.context,
                        d_model=options.d_model, num_layers=options.layers,
@@ -162,21 +168,21 @@ def _train(options, on_step, rank: int, processes: int, device: torch.device) ->
     optimizer = make_optimizer(model, recipe)  # chapter 10's recipe, as the chapter trains
     torch.manual_seed(options.seed + 1 + rank)  # each process its own dropout
     start = 0 if latest is None else load_checkpoint(latest, model, optimizer)
-    if latest is not None and rank == 0:
-        print(f"resuming {options.out} from its checkpoint {latest.name} (step {start})",
-              file=sys.stderr, flush=True)
-    train_ids, held_ids = held_out_split(ids)
     held_x, held_y = (t.to(device) for t in batch(held_ids, 0, 64, options.context, options.seed))
     progress = _Progress(options, start, rank)
     with _open_log(options.out, start, rank) as log:  # rank 0's; None in the others
+        if latest is not None and rank == 0:
+            print(f"resuming {options.out} from its checkpoint {latest.name} (step {start})",
+                  file=sys.stderr, flush=True)
         for step in range(start + 1, options.steps + 1):
             began = time.perf_counter()
             x, y = (t.to(device) for t in batch_share(train_ids, step, options, rank, processes))
             lr = learning_rate(recipe, step, options.steps)
             # DDP all-reduces, FSDP reduce-scatters the gradients in the step's backward
-            loss = _mean_over_processes(train_step(model, optimizer, x, y, lr, recipe.clip))
+            loss, norm = train_step(model, optimizer, x, y, lr, recipe.clip)
+            loss, norm = _mean_over_processes(loss), norm.item()  # the norm: every process's
             seconds = time.perf_counter() - began
-            line = {"step": step, "loss": loss, "lr": lr,
+            line = {"step": step, "loss": loss, "grad_norm": norm, "lr": lr,
                     "tokens_per_second": options.global_batch * options.context / seconds}
             if step % options.eval_every == 0 or step == options.steps:  # every process
                 line["held_out_loss"] = held_out_loss(model, held_x, held_y)
@@ -222,20 +228,24 @@ def run(options: argparse.Namespace, argv: list[str]) -> int:
 def _why(error: Exception, options: argparse.Namespace) -> str:
     if not isinstance(error, OSError):
         return str(error)
-    flag, folder = ("--run", options.run) if options.command == "sample" else ("--out", options.out)
     where = f" ({error.filename})" if error.filename else ""
-    return (f"cannot use {flag} {folder}: {error.strerror or error}{where}; give a folder you "
+    if options.command == "sample":
+        return f"cannot read --run {options.run}: {error.strerror or error}{where}"
+    return (f"cannot use --out {options.out}: {error.strerror or error}{where}; give a folder you "
             f"can write to, on a disk with room")
 
 
 def _interrupted(options: argparse.Namespace, argv: list[str]) -> str:
-    """What Ctrl-C leaves, and the command that continues from it."""
-    again = [a for a in argv if a != "--overwrite"] + ([] if "--resume" in argv else ["--resume"])
+    """What Ctrl-C leaves, and the command that continues from it (which reads the run's own
+    options from the folder)."""
+    if options.command == "sample":
+        return "stopped by Ctrl-C"
+    again = ["gpt", "--resume", "--out", str(options.out)]
     launcher = (PROGRAM if "WORLD_SIZE" not in os.environ
                 else "torchrun <the same torchrun options> -m attnbook.train")
     latest = latest_checkpoint(options.out)
     where = ("no checkpoint was written (--checkpoint-every K writes them), so it starts again "
-             "from step 1" if latest is None else
+             "from step 1, with the run's options" if latest is None else
              f"the last checkpoint is {latest} (step {int(latest.name[5:])})")
     return (f"stopped by Ctrl-C: {where}. To resume:\n  {launcher} {shlex.join(again)}")
 
@@ -280,7 +290,7 @@ def _mean_over_processes(value: torch.Tensor) -> float:
 
 
 # chapters/a2-training-at-scale.md, "The run's folder"
-RUN_FILES = ("model.pt", "log.jsonl", "checkpoints")  # what a run writes in its --out
+RUN_FILES = ("model.pt", "log.jsonl", "checkpoints", "run.json")  # what a run writes in --out
 
 
 def _lock(out: Path, rank: int):
@@ -309,10 +319,12 @@ def _lock(out: Path, rank: int):
     return lock
 
 
-def _prepare_out(options: argparse.Namespace, rank: int, processes: int) -> Path | None:
-    """Check options.out before anything is written: the checkpoint to resume from (checked
-    against the options, which take the run's own), or None; a run already there is refused, or
-    deleted (--overwrite)."""
+def _prepare_out(options: argparse.Namespace, rank: int, processes: int,
+                 held_out: int) -> Path | None:
+    """Check options.out before anything is written: the checkpoint to resume from, or None; a
+    resumed run takes the run's options (from the checkpoint, or from run.json before the first
+    one); a run already there is refused, or deleted (--overwrite). `held_out`: the length of the
+    held-out text, which --context must fit."""
     out, latest = options.out, latest_checkpoint(options.out) if options.resume else None
     found = [name for name in RUN_FILES if (out / name).exists()]
     if latest is not None:
@@ -320,6 +332,8 @@ def _prepare_out(options: argparse.Namespace, rank: int, processes: int) -> Path
     elif options.resume and "model.pt" in found:
         raise ValueError(f"--resume: {out} holds a finished run (model.pt) and no checkpoint to "
                          f"resume from; give another --out, or --overwrite to train it again")
+    elif options.resume and "run.json" in found:  # stopped before its first checkpoint
+        _take_run_options(_read_json(out / "run.json"), out / "run.json", options)
     elif found and not (options.resume or options.overwrite):
         raise ValueError(f"--out {out} already holds a run ({', '.join(found)}): give --resume "
                          f"to continue it, --overwrite to delete it and start afresh, or "
@@ -327,32 +341,28 @@ def _prepare_out(options: argparse.Namespace, rank: int, processes: int) -> Path
     if latest is not None and "model.pt" in found and (done := _finished_at(out)) >= options.steps:
         raise ValueError(f"--resume: the run in {out} has finished, at step {done}: give --steps "
                          f"above {done} to train it further, or another --out")
+    if options.context >= held_out:
+        raise ValueError(f"--context {options.context} is not shorter than the held-out text "
+                         f"({held_out} characters): give a shorter --context")
+    if rank == 0 and getattr(options, "run_steps", options.steps) != options.steps:
+        print(f"note: --steps {options.steps}, where the run had {options.run_steps}: the learning "
+              f"rate follows a {options.steps}-step schedule from here on, so the result is that "
+              f"of neither uninterrupted run", file=sys.stderr, flush=True)
     _barrier()  # every process has looked before rank 0 deletes anything
     if rank == 0:
         for name in found if options.overwrite else ():
             path = out / name
             shutil.rmtree(path) if path.is_dir() else path.unlink()
         out.mkdir(parents=True, exist_ok=True)
+        _write_durably(out / "run.json", json.dumps(_run_options(options), indent=1))
     _barrier()
     return latest
 
 
 def _check_resumable(path: Path, options: argparse.Namespace, processes: int) -> None:
-    """Refuse a checkpoint that this run cannot continue; then set each option that the command
-    line did not give (options.given) to the run's own."""
+    """Refuse a checkpoint that this run cannot continue; else take the run's options."""
     manifest = read_manifest(path)
-    recorded, flag = manifest["options"], lambda name: "--" + name.replace("_", "-")
-    if missing := [flag(name) for name in RUN_OPTIONS + RESUMABLE if name not in recorded]:
-        raise ValueError(f"--resume: the checkpoint {path} does not record {', '.join(missing)}: "
-                         f"an older attnbook-train wrote it; start afresh with another --out")
-    given = set(getattr(options, "given", RUN_OPTIONS + RESUMABLE)) | {"model"}
-    if differ := [f"{flag(name)} {getattr(options, name)} (the run's: {recorded[name]})"
-                  for name in RUN_OPTIONS if name in given and getattr(options, name) != recorded[name]]:
-        raise ValueError(f"--resume: the run in {options.out} was trained with other options: "
-                         f"{'; '.join(differ)}. Leave them out to resume with the run's own, or "
-                         f"start afresh with another --out")
-    for name in RUN_OPTIONS + RESUMABLE:
-        setattr(options, name, getattr(options, name) if name in given else recorded[name])
+    _take_run_options(manifest["options"], path, options)
     if manifest["processes"] != processes:
         raise ValueError(f"--resume: the checkpoint {path} was written by {manifest['processes']} "
                          f"processes, and this run has {processes}: resume with as many")
@@ -360,6 +370,37 @@ def _check_resumable(path: Path, options: argparse.Namespace, processes: int) ->
         raise ValueError(f"--resume: the latest checkpoint, {path}, is at step "
                          f"{manifest['step']}, beyond --steps {options.steps}: give --steps "
                          f"{manifest['step']} or more, or start afresh with another --out")
+
+
+def _take_run_options(recorded: dict, where: Path, options: argparse.Namespace) -> None:
+    """Set each option that the command line did not give (options.given) to the run's own, as
+    `where` records them; refuse options given that differ, and records that are not sound."""
+    flag = lambda name: "--" + name.replace("_", "-")  # noqa: E731
+    if wrong := check_run_options(recorded):
+        raise ValueError(f"--resume: {where} records no sound {', '.join(map(flag, wrong))} "
+                         f"(damaged, or written by an older attnbook-train): start afresh with "
+                         f"another --out")
+    given = set(getattr(options, "given", RUN_OPTIONS + RESUMABLE)) | {"model"}
+    if differ := [f"{flag(name)} {getattr(options, name)} (the run's: {recorded[name]})"
+                  for name in RUN_OPTIONS if name in given and getattr(options, name) != recorded[name]]:
+        raise ValueError(f"--resume: the run in {options.out} was trained with other options: "
+                         f"{'; '.join(differ)}. Leave them out to resume with the run's own, or "
+                         f"start afresh with another --out")
+    options.run_steps = recorded["steps"]  # said once every check has passed (_prepare_out)
+    for name in RUN_OPTIONS + RESUMABLE:
+        setattr(options, name, getattr(options, name) if name in given else recorded[name])
+
+
+def _run_options(options: argparse.Namespace) -> dict:
+    """What a checkpoint and run.json record of a run: RUN_OPTIONS and RESUMABLE."""
+    return {name: getattr(options, name) for name in RUN_OPTIONS + RESUMABLE}
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as error:  # a JSONDecodeError or a UnicodeDecodeError
+        raise ValueError(f"{path} is damaged ({error}): start afresh with another --out") from None
 
 
 def _finished_at(out: Path) -> int:
@@ -388,8 +429,9 @@ def _open_log(out: Path, start: int, rank: int):
     if rank != 0:
         return contextlib.nullcontext()
     path, partial = out / "log.jsonl", out / "log.jsonl.partial"
+    lines = _log_lines(path, start) if start else []  # refused here, before anything is written
     with partial.open("w") as kept:
-        kept.writelines(_log_lines(path, start) if start else [])
+        kept.writelines(lines)
         kept.flush()
         os.fsync(kept.fileno())
     os.replace(partial, path)
@@ -473,11 +515,10 @@ def save_checkpoint(out: Path, step: int, model: nn.Module, optimizer,
     _barrier()
     if _rank() == 0:
         files = {p.name: _sha256(p) for p in sorted(partial.iterdir())}
-        recorded = (None if options is None else
-                    {n: getattr(options, n) for n in RUN_OPTIONS + RESUMABLE})
+        manifest = {"written_by": "attnbook.train", "step": step, "processes": _world(),
+                    "options": None if options is None else _run_options(options), "files": files}
         _write_durably(partial / MANIFEST, json.dumps(
-            {"written_by": "attnbook.train", "step": step, "processes": _world(),
-             "options": recorded, "files": files}, indent=1))
+            {**manifest, "sha256": _manifest_digest(manifest)}, indent=1))
         shutil.rmtree(path, ignore_errors=True)
         partial.rename(path)  # complete: only now can a run resume from it
     _barrier()
@@ -549,10 +590,13 @@ def read_manifest(path: Path) -> dict:
     except (OSError, ValueError) as error:  # a JSONDecodeError or a UnicodeDecodeError
         raise ValueError(f"checkpoint {path}: its {MANIFEST} is damaged ({error})") from None
     fields = {"written_by": str, "step": int, "processes": int, "options": (dict, type(None)),
-              "files": dict}
+              "files": dict, "sha256": str}
     if not (isinstance(manifest, dict) and manifest.get("written_by") == "attnbook.train" and
             all(isinstance(manifest.get(k), kind) for k, kind in fields.items())):
         raise ValueError(f"checkpoint {path}: its {MANIFEST} is not attnbook.train's")
+    if manifest.pop("sha256") != _manifest_digest(manifest):
+        raise ValueError(f"checkpoint {path} is damaged: its {MANIFEST} does not match its own "
+                         f"SHA-256")
     manifest["options"] = manifest["options"] or {}
     present = sorted(p.name for p in path.iterdir() if p.name != MANIFEST)
     if present != sorted(manifest["files"]):
@@ -623,6 +667,11 @@ def _reraise_interrupt(error: BaseException) -> None:
     failures = error.failures.values() if isinstance(error, CheckpointException) else ()
     if any(isinstance(failure[0], KeyboardInterrupt) for failure in failures):
         raise KeyboardInterrupt from None
+
+
+def _manifest_digest(manifest: dict) -> str:
+    """The SHA-256 of a manifest's fields, which the manifest records beside them."""
+    return hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()
 
 
 def _sha256(path: Path) -> str:
@@ -700,7 +749,8 @@ def load_model(run) -> tuple[GPT, CharTokenizer]:
         model = GPT(GPTConfig(**saved["config"]))
         model.to(next(iter(saved["model"].values())).dtype).load_state_dict(saved["model"])
     except Exception as error:  # an UnpicklingError, a wrong type or size, a missing key
-        raise ValueError(f"{path} cannot be read as a model: {_reason(error)}") from None
+        raise ValueError(f"{path} cannot be read as a model (damaged, or not attnbook-train's "
+                         f"model.pt): {_reason(error)}") from None
     return model.eval(), tokenizer
 
 

@@ -10,6 +10,7 @@ __all__ = [
     "RESUMABLE",
     "TRUST",
     "parse_options",
+    "check_run_options",
     "DEFAULTS",
     "main",
 ]
@@ -70,14 +71,35 @@ def parse_options(argv: list[str] | None = None) -> argparse.Namespace:
     for name, default in DEFAULTS.items():
         if getattr(options, name) is None:
             setattr(options, name, default)
-    processes = int(os.environ.get("WORLD_SIZE", "1"))
-    if options.global_batch % processes:
+    processes = os.environ.get("WORLD_SIZE", "1")
+    if not processes.isdigit() or int(processes) < 1:
+        gpt.error(f"WORLD_SIZE={processes!r} (set by torchrun) must be a positive integer")
+    if options.global_batch % (processes := int(processes)):
         gpt.error(f"argument --global-batch: {options.global_batch} sequences cannot be shared "
                   f"equally by {processes} processes")
     if options.d_model % options.heads:
         gpt.error(f"argument --heads: {options.heads} heads do not divide "
                   f"--d-model {options.d_model}")
     return options
+
+
+def check_run_options(recorded: dict) -> list[str]:
+    """What is wrong with a run's recorded options (RUN_OPTIONS and RESUMABLE, read back from a
+    checkpoint or run.json), judged by the command line's own rules: [] if nothing."""
+    wrong = [name for name in RUN_OPTIONS + RESUMABLE if name not in recorded]
+    for name, rule in _RULES.items():
+        value = recorded.get(name)
+        if name not in wrong and not (value in rule if isinstance(rule, list) else
+                                      type(value) in (int, float) and _read(rule, value)):
+            wrong.append(name)
+    return sorted(set(wrong) | ({"model"} if recorded.get("model") != "gpt" else set()))
+
+
+def _read(rule, value) -> bool:
+    try:
+        return rule(repr(value)) == value
+    except argparse.ArgumentTypeError:
+        return False
 
 
 def _version() -> str:
@@ -96,8 +118,9 @@ DEFAULTS = {"steps": 500, "global_batch": 32, "context": 64, "d_model": 128, "la
 
 def _training_options(add) -> None:
     def option(flag: str, text: str, **kwargs) -> None:  # default None: we know what was given
-        default = DEFAULTS[flag[2:].replace("-", "_")]
-        add(flag, default=None, help=f"{text} (default {default})", **kwargs)
+        name = flag[2:].replace("-", "_")
+        _RULES[name] = kwargs.get("choices") or kwargs["type"]  # also for check_run_options
+        add(flag, default=None, help=f"{text} (default {DEFAULTS[name]})", **kwargs)
 
     option("--steps", "optimizer steps in all", type=_number(int, 1))
     option("--global-batch", "sequences per step, over all processes", type=_number(int, 1))
@@ -125,13 +148,13 @@ def _training_options(add) -> None:
            type=_number(int, 1), metavar="K")
     add("--print-every", type=_number(float, 0), default=10.0, metavar="SECONDS",
         help="a progress line at most every SECONDS, and at the first and last step (default 10)")
-    add("--out", type=Path, required=True,
+    add("--out", type=_folder, required=True,
         help="the run's folder: model.pt, log.jsonl and checkpoints/; it must not hold another "
              "run, unless --resume or --overwrite is given")
 
 
 def _sample_options(add) -> None:
-    add("--run", type=Path, required=True, help="a run's folder (the --out of `gpt`)")
+    add("--run", type=_folder, required=True, help="a run's folder (the --out of `gpt`)")
     add("--prompt", required=True, help="the text to continue")
     add("--tokens", type=_number(int, 0), default=200, help="characters to add (default 200)")
     add("--temperature", type=_number(float, 0), default=0.8,
@@ -139,6 +162,15 @@ def _sample_options(add) -> None:
     add("--top-k", type=_number(int, 1), default=10,
         help="drawn among the K likeliest characters only (default 10)")
     add("--seed", type=_number(int, 0), default=0, help="the draws' seed (default 0)")
+
+
+_RULES: dict = {}  # each training option's reader (or its choices), filled by _training_options
+
+
+def _folder(text: str) -> Path:
+    if not text:
+        raise argparse.ArgumentTypeError("must name a folder, got ''")
+    return Path(text)
 
 
 def _number(kind: type, low: float, high: float = math.inf, open_low: bool = False):
@@ -165,8 +197,11 @@ def main(argv: list[str] | None = None) -> None:  # noqa: F811 (notebook)
     the command with attnbook.train.run and exits with its status if that is not 0."""
     argv = sys.argv[1:] if argv is None else list(argv)
     options = parse_options(argv)
-    from attnbook import train  # PyTorch loads here
-
+    try:
+        from attnbook import train  # PyTorch loads here
+    except KeyboardInterrupt:
+        print(f"{PROGRAM}: stopped by Ctrl-C before it began", file=sys.stderr)
+        raise SystemExit(130) from None
     if status := train.run(options, argv):
         raise SystemExit(status)
 
