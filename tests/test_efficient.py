@@ -466,3 +466,35 @@ def test_elu_feature_map_checks_x():
     for bad in ("a", torch.tensor([1, 2])):
         with pytest.raises(TypeError, match="x"):
             elu_feature_map(bad)
+
+
+# --- causal linear attention in chunks (issue 45) -------------------------------------------
+
+
+@pytest.mark.parametrize("lq,lk,chunk", [(37, 37, 8), (37, 37, 1), (37, 37, 100), (5, 37, 8),
+                                         (37, 5, 4), (64, 64, 16)])
+def test_chunked_causal_linear_attention_matches_the_definition(lq, lk, chunk):
+    q, k, v = randn(2, 3, lq, 6, seed=4), randn(2, 3, lk, 6, seed=5), randn(2, 3, lk, 5, seed=6)
+    out = linear_attention(q, k, v, True, chunk_size=chunk)
+    torch.testing.assert_close(out, linear_reference(q, k, v, True), rtol=1e-12, atol=1e-12)
+    phi = torch.relu  # zeros in the features: a chunk's rows may be all zero, as in the formula
+    torch.testing.assert_close(linear_attention(q, k, v, True, phi, 1e-3, chunk),
+                               linear_reference(q, k, v, True, 1e-3, phi), rtol=1e-12, atol=1e-12)
+
+
+def test_chunked_causal_linear_attention_keeps_no_state_per_position():
+    from torch.profiler import ProfilerActivity, profile
+
+    n, d = 1024, 32
+    q, k, v = (randn(1, 1, n, d, seed=s, dtype=torch.float32) for s in range(3))
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        linear_attention(q, k, v, True)  # chunks of 64 by default
+    largest = max(event.cpu_memory_usage for event in prof.events())  # bytes of one allocation
+    assert 0 < largest <= n * d * 4  # the output's size; a state per position is n * d * d * 4
+
+
+def test_linear_attention_checks_chunk_size():
+    q = randn(1, 4, 3)
+    for bad, error in ((0, ValueError), (2.5, TypeError)):
+        with pytest.raises(error, match="chunk_size"):
+            linear_attention(q, q, q, True, chunk_size=bad)

@@ -145,15 +145,15 @@ def _check_qkv_any(q, k, v) -> tuple[torch.Tensor, ...]:
 
 # chapters/17-efficient-attention.md, "Linear attention"
 def linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
-                     feature_map=None, eps: float = 1e-6) -> torch.Tensor:
+                     feature_map=None, eps: float = 1e-6, chunk_size: int = 64) -> torch.Tensor:
     """Linear attention (Katharopoulos et al. 2020): output i = phi(q_i) S / (phi(q_i) . z + eps),
     S = sum_j phi(k_j) v_j^T and z = sum_j phi(k_j) over the keys i may see: all, or with
-    `causal` j <= i + Lk - Lq. q (..., Lq, D), k (..., Lk, D), v (..., Lk, Dv) -> (..., Lq, Dv);
-    phi defaults to elu(x) + 1."""
+    `causal` j <= i + Lk - Lq, then in chunks of `chunk_size` keys (memory O(N D + D Dv)).
+    q (..., Lq, D), k (..., Lk, D), v (..., Lk, Dv) -> (..., Lq, Dv); phi defaults to elu + 1."""
     q, k, v = _check_qkv_any(q, k, v)
     causal, eps = check_bool("causal", causal), check_positive("eps", eps)
     phi = elu_feature_map if feature_map is None else check_callable("feature_map", feature_map)
-    work = compute_dtype(q.dtype)
+    chunk_size, work = check_int("chunk_size", chunk_size, 1), compute_dtype(q.dtype)
     fq, fk, v = phi(q.to(work)), phi(k.to(work)), v.to(work)  # (..., Lq, D'), (..., Lk, D')
     for name, x, fx in (("q", q, fq), ("k", k, fk)):  # D' features per row, none negative
         check_tensor(f"feature_map({name})", fx, shape=(*x.shape[:-1], None))
@@ -162,14 +162,28 @@ def linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: 
     if not causal:
         state = fk.transpose(-2, -1) @ v  # (..., D, Dv): one state for every query
         return (fq @ state / (fq @ fk.sum(dim=-2)[..., None] + eps)).to(q.dtype)
-    states = torch.cumsum(fk[..., :, None] * v[..., None, :], dim=-3)  # (..., Lk, D, Dv)
-    norms = torch.cumsum(fk, dim=-2)  # (..., Lk, D): z after each key
-    (lq, lk), blind = (q.shape[-2], k.shape[-2]), max(0, q.shape[-2] - k.shape[-2])
-    seen = lq - blind  # the first `blind` queries see no key; the others end at the last keys
-    fq = fq[..., blind:, :]  # (..., seen, D)
-    num = (fq[..., None, :] @ states[..., lk - seen:, :, :]).squeeze(-2)  # (..., seen, Dv)
-    den = (fq * norms[..., lk - seen:, :]).sum(dim=-1, keepdim=True)  # (..., seen, 1)
-    return F.pad(num / (den + eps), (0, 0, blind, 0)).to(q.dtype)  # no key: zeros
+    return _causal_linear(fq, fk, v, eps, chunk_size).to(q.dtype)
+
+
+# chapters/17-efficient-attention.md, "Linear attention"
+def _causal_linear(fq, fk, v, eps: float, chunk: int) -> torch.Tensor:
+    """Causal linear attention on features fq (..., Lq, D), fk (..., Lk, D), chunk by chunk."""
+    (lq, lk), dv = (fq.shape[-2], fk.shape[-2]), v.shape[-1]
+    blind = max(0, lq - lk)  # queries before the first key: zeros
+    start = lk - (lq - blind)  # the first key position that has a query
+    state = fk[..., :start, :].transpose(-2, -1) @ v[..., :start, :]  # (..., D, Dv)
+    norm = fk[..., :start, :].sum(dim=-2)  # (..., D): z of the keys before every query
+    outs = [fq.new_zeros(*fq.shape[:-2], blind, dv)]
+    for c0 in range(start, lk, chunk):
+        c1 = min(c0 + chunk, lk)  # keys c0..c1-1 and the queries at those positions
+        qc = fq[..., c0 - start + blind:c1 - start + blind, :]  # (..., c, D)
+        kc, vc = fk[..., c0:c1, :], v[..., c0:c1, :]  # (..., c, D), (..., c, Dv)
+        sim = (qc @ kc.transpose(-2, -1)).tril()  # (..., c, c): causal inside the chunk
+        num = sim @ vc + qc @ state  # (..., c, Dv)
+        den = sim.sum(dim=-1, keepdim=True) + qc @ norm[..., None]  # (..., c, 1)
+        outs.append(num / (den + eps))
+        state, norm = state + kc.transpose(-2, -1) @ vc, norm + kc.sum(dim=-2)
+    return torch.cat(outs, dim=-2)  # (..., Lq, Dv)
 
 
 # chapters/17-efficient-attention.md, "FAVOR+: random features for the softmax"
