@@ -498,3 +498,76 @@ def test_linear_attention_checks_chunk_size():
     for bad, error in ((0, ValueError), (2.5, TypeError)):
         with pytest.raises(error, match="chunk_size"):
             linear_attention(q, q, q, True, chunk_size=bad)
+
+
+# --- block-sparse attention from a tile layout (issue 45) -----------------------------------
+
+
+@pytest.mark.parametrize("lq,lk,block", [(23, 23, 4), (10, 23, 4), (23, 10, 3), (1, 9, 4),
+                                         (9, 1, 2), (16, 16, 16)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_block_sparse_attention_from_a_layout_equals_attend(lq, lk, block, causal):
+    q, k, v = randn(2, 3, lq, 4, seed=1), randn(2, 3, lk, 4, seed=2), randn(2, 3, lk, 5, seed=3)
+    nq, nk = -(-lq // block), -(-lk // block)
+    layout = torch.rand(nq, nk, generator=torch.Generator().manual_seed(lq + lk)) < 0.5
+    layout[0, 0] = True
+    dense = block_sparse_mask(layout, block, lq, lk)
+    if causal:
+        dense = dense & causal_mask(lq, lk)
+    out = block_sparse_attention(q, k, v, layout=layout, block_size=block, causal=causal)
+    torch.testing.assert_close(out, attend(q, k, v, dense)[0], rtol=1e-12, atol=1e-12)
+    empty = torch.zeros(nq, nk, dtype=torch.bool)  # no tile: every query gets zeros
+    assert torch.equal(block_sparse_attention(q, k, v, layout=empty, block_size=block),
+                       torch.zeros(2, 3, lq, 5, dtype=torch.float64))
+
+
+def test_block_sparse_attention_from_a_layout_computes_its_tiles_only():
+    from torch.profiler import ProfilerActivity, profile
+    from torch.utils.flop_counter import FlopCounterMode
+
+    n, b, d = 2048, 64, 32
+    q, k, v = (randn(1, 1, n, d, seed=s, dtype=torch.float32) for s in range(3))
+    layout = sliding_window_mask(n // b, n // b, 3)  # 3 tiles per block row, fewer in the first
+    tiles = int(layout.sum())
+    with FlopCounterMode(display=False) as flops:
+        block_sparse_attention(q, k, v, layout=layout, block_size=b, causal=True)
+    assert flops.get_total_flops() == tiles * 2 * b * b * (d + d)  # scores and output, per tile
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        block_sparse_attention(q, k, v, layout=layout, block_size=b, causal=True)
+    largest = max(event.cpu_memory_usage for event in prof.events())
+    assert largest <= tiles * b * b * 4  # the tiles' scores; a dense score matrix is n * n * 4
+
+
+def test_block_sparse_attention_from_a_layout_float16_nan_and_gradients():
+    q, k, v = (randn(1, 2, 12, 4, seed=s) for s in range(3))
+    layout = torch.tensor([[True, False, False], [True, True, False], [False, True, True]])
+    dense = block_sparse_mask(layout, 4) & causal_mask(12)
+    half = block_sparse_attention(q.half(), k.half(), v.half(), layout=layout, block_size=4,
+                                  causal=True)
+    assert half.dtype == torch.float16
+    torch.testing.assert_close(half.double(), attend(q, k, v, dense)[0], atol=2e-3, rtol=2e-3)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    ours = torch.autograd.grad(block_sparse_attention(*leaves, layout=layout, block_size=4,
+                                                      causal=True).square().sum(), leaves)
+    reference = torch.autograd.grad(attend(*leaves, dense)[0].square().sum(), leaves)
+    for a, b in zip(ours, reference):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    k[0, 0, 5, 0] = math.nan  # key 5 sits in tile 1: the queries of block rows 1 and 2 see it
+    out = block_sparse_attention(q, k, v, layout=layout, block_size=4, causal=True)
+    assert out[0, 0, 5:].isnan().all() and not out[0, 0, :5].isnan().any()
+    assert not out[0, 1].isnan().any()
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(), ValueError, "either mask or layout"),
+    (dict(mask=torch.ones(8, 8, dtype=torch.bool), layout=torch.ones(2, 2, dtype=torch.bool)),
+     ValueError, "either mask or layout"),
+    (dict(layout=torch.ones(2, 3, dtype=torch.bool)), ValueError, r"layout.*\(2, 2\)"),
+    (dict(layout=torch.ones(2, dtype=torch.bool)), ValueError, r"layout must have shape"),
+    (dict(layout=torch.ones(2, 2)), TypeError, "layout must be a torch.bool"),
+    (dict(layout=torch.ones(2, 2, dtype=torch.bool), causal=1), TypeError, "causal"),
+])
+def test_block_sparse_attention_layout_arguments_are_checked(kwargs, error, match):
+    q = randn(1, 2, 8, 3)
+    with pytest.raises(error, match=match):
+        block_sparse_attention(q, q, q, block_size=4, **kwargs)

@@ -39,7 +39,6 @@ from attnbook.conventions import (
     check_tensor,
     compute_dtype,
 )
-from attnbook.heads import attend
 
 
 def sliding_window_mask(lq: int, lk: int, window: int,
@@ -100,29 +99,64 @@ def _check_mask_2d(mask) -> torch.Tensor:
 
 
 # chapters/17-efficient-attention.md, "Skipping the tiles a mask leaves empty"
-def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-                           block_size: int = 64) -> torch.Tensor:
-    """heads.attend(q, k, v, mask)'s output (B, H, Lq, dv), computing only the tiles where `mask`
-    allows a key. The mask broadcasts to (B, H, Lq, Lk), as attend's: (Lq, Lk), (1, Lk),
-    (Lq, 1), (B, 1, Lq, Lk)...; a tile is computed if any batch element or head needs it."""
+def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           mask: torch.Tensor | None = None, block_size: int = 64, *,
+                           layout: torch.Tensor | None = None, causal: bool = False) -> torch.Tensor:
+    """Attention (B, H, Lq, dv) computing only the block_size x block_size tiles of the scores
+    that the bool `layout` (ceil(Lq / block_size), ceil(Lk / block_size)) marks; all their entries
+    may attend (with `causal`, j <= i + Lk - Lq). Or, given a bool `mask` that broadcasts to
+    (B, H, Lq, Lk) instead, heads.attend(q, k, v, mask)'s output, its layout found by tile_layout,
+    which reads the whole mask. A query with no allowed key gets zeros."""
     q = check_tensor("q", q, 4)
     k = check_tensor("k", k, 4, dtype=q.dtype, device=q.device, shape=(*q.shape[:2], None, None))
     v = check_tensor("v", v, 4, dtype=q.dtype, device=q.device, shape=(*k.shape[:3], None))
     (b, h, lq, _), lk = q.shape, check_int("k.shape[2]", k.shape[2], 1)  # a key, as in attend
-    mask = check_mask("mask", mask, (b, h, lq, lk), q.device)
-    mask = mask.reshape((1,) * (4 - mask.dim()) + mask.shape).expand(-1, -1, lq, lk)  # 4 axes
-    layout = tile_layout(mask.flatten(0, 1).any(dim=0), block_size)  # (nq, nk)
-    out, bs = q.new_zeros(b, h, lq, v.shape[-1]), block_size  # (B, H, Lq, dv)
-    for i, row in enumerate(layout):
-        tiles = row.nonzero().flatten().tolist()
-        if not tiles:
-            continue  # these queries see no key: zeros
-        keys = torch.cat([torch.arange(j * bs, min(j * bs + bs, lk), device=q.device)
-                          for j in tiles])  # the columns of the non-empty tiles
-        rows = slice(i * bs, i * bs + bs)
-        out[:, :, rows] = attend(q[:, :, rows], k[:, :, keys], v[:, :, keys],
-                                 mask[:, :, rows][..., keys])[0]  # (B, H, bq, dv)
-    return out
+    bs, causal = check_int("block_size", block_size, 1), check_bool("causal", causal)
+    tiles = (-(-lq // bs), -(-lk // bs))  # (nq, nk)
+    if (mask is None) == (layout is None):
+        raise ValueError(f"give either mask or layout, got mask={type(mask).__name__}, "
+                         f"layout={type(layout).__name__}")
+    if layout is not None:
+        layout = check_mask("layout", layout, tiles, q.device)
+        if layout.shape != tiles:
+            raise ValueError(f"layout must have shape {tiles}, got shape {tuple(layout.shape)}")
+    else:
+        mask = check_mask("mask", mask, (b, h, lq, lk), q.device)
+        mask = mask.reshape((1,) * (4 - mask.dim()) + mask.shape).expand(-1, -1, lq, lk)
+        layout = tile_layout(mask.flatten(0, 1).any(dim=0), bs)  # reads all Lq x Lk entries
+    work = compute_dtype(q.dtype)
+    return _block_sparse(q.to(work), k.to(work), v.to(work), layout, bs, mask, causal).to(q.dtype)
+
+
+# chapters/17-efficient-attention.md, "Skipping the tiles a mask leaves empty"
+def _tiles(x: torch.Tensor, b: int, n: int) -> torch.Tensor:
+    """(B, H, L, E) -> (B, H, n, b, E): blocks of b positions, the last padded with zeros."""
+    return F.pad(x, (0, 0, 0, n * b - x.shape[2])).unflatten(2, (n, b))
+
+
+def _block_sparse(q, k, v, layout, b: int, mask, causal: bool) -> torch.Tensor:
+    (lq, lk), (nq, nk) = (q.shape[2], k.shape[2]), layout.shape
+    rows, cols = layout.nonzero(as_tuple=True)  # (T,) each: the tiles to compute
+    q = q / math.sqrt(q.shape[-1])  # the softmax's scale, once per query rather than per score
+    qt, kt, vt = (_tiles(x, b, n)[:, :, i] for x, n, i in ((q, nq, rows), (k, nk, cols),
+                                                            (v, nk, cols)))  # (B, H, T, b, .)
+    qpos = rows[:, None, None] * b + torch.arange(b, device=q.device)[:, None]  # (T, b, 1)
+    kpos = cols[:, None, None] * b + torch.arange(b, device=q.device)  # (T, 1, b)
+    allowed = (qpos < lq) & (kpos < lk)  # (T, b, b): inside the matrix
+    if causal:
+        allowed = allowed & (kpos <= qpos + lk - lq)  # bottom-right, as causal_mask
+    if mask is not None:  # (B', H', Lq, Lk) -> its entries in the tiles, (B', H', T, b, b)
+        padded = F.pad(mask, (0, nk * b - lk, 0, nq * b - lq)).unflatten(3, (nk, b))
+        allowed = allowed & padded.unflatten(2, (nq, b))[:, :, rows, :, cols].permute(1, 2, 0, 3, 4)
+    s = (qt @ kt.transpose(-2, -1)).masked_fill_(~allowed, -math.inf)  # (B, H, T, b, b)
+    tile_top = s.detach().amax(dim=-1)  # (B, H, T, b); below, each query's max over its tiles
+    top = tile_top.new_full((*q.shape[:2], nq, b), -math.inf).scatter_reduce(
+        2, rows[:, None].expand(tile_top.shape), tile_top, "amax")  # (B, H, nq, b)
+    p = torch.exp(s - top.masked_fill(top == -math.inf, 0.0)[:, :, rows, :, None])  # (B,H,T,b,b)
+    num = q.new_zeros(*q.shape[:2], nq, b, v.shape[-1]).index_add(2, rows, p @ vt)
+    den = q.new_zeros(*q.shape[:2], nq, b, 1).index_add(2, rows, p.sum(dim=-1, keepdim=True))
+    out = num / den.clamp(min=torch.finfo(den.dtype).tiny)  # no key: 0 / tiny = 0
+    return out.flatten(2, 3)[:, :, :lq]  # (B, H, Lq, dv)
 
 
 # chapters/17-efficient-attention.md, "Linear attention"
