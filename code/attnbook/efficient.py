@@ -101,7 +101,8 @@ def _check_mask_2d(mask) -> torch.Tensor:
 # chapters/17-efficient-attention.md, "Skipping the tiles a mask leaves empty"
 def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            mask: torch.Tensor | None = None, block_size: int = 64, *,
-                           layout: torch.Tensor | None = None, causal: bool = False) -> torch.Tensor:
+                           layout: torch.Tensor | None = None,
+                           causal: bool = False) -> torch.Tensor:
     """Attention (B, H, Lq, dv) computing only the block_size x block_size tiles of the scores
     that the bool `layout` (ceil(Lq / block_size), ceil(Lk / block_size)) marks; all their entries
     may attend (with `causal`, j <= i + Lk - Lq). Or, given a bool `mask` that broadcasts to
@@ -129,17 +130,12 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 # chapters/17-efficient-attention.md, "Skipping the tiles a mask leaves empty"
-def _tiles(x: torch.Tensor, b: int, n: int) -> torch.Tensor:
-    """(B, H, L, E) -> (B, H, n, b, E): blocks of b positions, the last padded with zeros."""
-    return F.pad(x, (0, 0, 0, n * b - x.shape[2])).unflatten(2, (n, b))
-
-
 def _block_sparse(q, k, v, layout, b: int, mask, causal: bool) -> torch.Tensor:
     (lq, lk), (nq, nk) = (q.shape[2], k.shape[2]), layout.shape
     rows, cols = layout.nonzero(as_tuple=True)  # (T,) each: the tiles to compute
     q = q / math.sqrt(q.shape[-1])  # the softmax's scale, once per query rather than per score
-    qt, kt, vt = (_tiles(x, b, n)[:, :, i] for x, n, i in ((q, nq, rows), (k, nk, cols),
-                                                            (v, nk, cols)))  # (B, H, T, b, .)
+    qt, kt, vt = (F.pad(x, (0, 0, 0, n * b - x.shape[2])).unflatten(2, (n, b))[:, :, i]
+                  for x, n, i in ((q, nq, rows), (k, nk, cols), (v, nk, cols)))  # (B, H, T, b, .)
     qpos = rows[:, None, None] * b + torch.arange(b, device=q.device)[:, None]  # (T, b, 1)
     kpos = cols[:, None, None] * b + torch.arange(b, device=q.device)  # (T, 1, b)
     allowed = (qpos < lq) & (kpos < lk)  # (T, b, b): inside the matrix
