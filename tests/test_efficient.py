@@ -563,7 +563,7 @@ def test_block_sparse_attention_from_a_layout_float16_nan_and_gradients():
     (dict(mask=torch.ones(8, 8, dtype=torch.bool), layout=torch.ones(2, 2, dtype=torch.bool)),
      ValueError, "either mask or layout"),
     (dict(layout=torch.ones(2, 3, dtype=torch.bool)), ValueError, r"layout.*\(2, 2\)"),
-    (dict(layout=torch.ones(2, dtype=torch.bool)), ValueError, r"layout must have shape"),
+    (dict(layout=torch.ones(3, dtype=torch.bool)), ValueError, r"layout of shape \(3,\)"),
     (dict(layout=torch.ones(2, 2)), TypeError, "layout must be a torch.bool"),
     (dict(layout=torch.ones(2, 2, dtype=torch.bool), causal=1), TypeError, "causal"),
 ])
@@ -571,3 +571,85 @@ def test_block_sparse_attention_layout_arguments_are_checked(kwargs, error, matc
     q = randn(1, 2, 8, 3)
     with pytest.raises(error, match=match):
         block_sparse_attention(q, q, q, block_size=4, **kwargs)
+
+
+def test_block_sparse_attention_layout_broadcasts_as_a_mask_does():
+    q, k, v = randn(1, 2, 12, 4), randn(1, 2, 12, 4, seed=1), randn(1, 2, 12, 3, seed=2)
+    row = torch.tensor([True, False, True])  # the same key tiles for every block of queries
+    out = block_sparse_attention(q, k, v, layout=row, block_size=4)
+    torch.testing.assert_close(out, attend(q, k, v, block_sparse_mask(row.expand(3, 3), 4))[0],
+                               rtol=1e-12, atol=1e-12)
+
+
+# --- the test models, in the package (issue 45) ---------------------------------------------
+
+
+def _mixer_reference(mixer, x):
+    """Mixer's output from its weights, each kind through this file's or PyTorch's reference."""
+    B, T, C = x.shape
+    q, k, v = (t.view(B, T, mixer.h, C // mixer.h).transpose(1, 2)
+               for t in (x @ mixer.qkv.weight.T).chunk(3, dim=-1))
+    if mixer.kind == "softmax":
+        y = attend(q, k, v, causal_mask(T))[0]
+    elif mixer.kind == "window":
+        y = attend(q, k, v, window_loop(T, T, mixer.window))[0]
+    elif mixer.kind == "linear":
+        y = linear_reference(q, k, v, causal=True)
+    else:
+        y = retention_reference(q * (C // mixer.h) ** -0.5, k, v, mixer.gamma)
+    y = y.transpose(1, 2).reshape(B * T, C)
+    if mixer.kind == "retention":
+        y = F.group_norm(y, mixer.h, mixer.norm.weight, mixer.norm.bias, mixer.norm.eps)
+    return (y @ mixer.out.weight.T).view(B, T, C)
+
+
+@pytest.mark.parametrize("kind", ["softmax", "window", "linear", "retention"])
+def test_mixer_matches_its_references(kind):
+    from attnbook.efficient import Mixer
+
+    torch.manual_seed(0)
+    mixer = Mixer(16, 4, kind, window=3).double()
+    x = randn(2, 11, 16, seed=5)
+    with torch.no_grad():
+        torch.testing.assert_close(mixer(x), _mixer_reference(mixer, x), rtol=1e-10, atol=1e-10)
+
+
+def test_tiny_lm_shapes_causality_and_arguments():
+    from attnbook.efficient import MIXERS, Mixer, TinyLM
+
+    for kind in MIXERS:
+        torch.manual_seed(0)
+        model = TinyLM(20, 10, kind, window=3).double()
+        idx = torch.randint(0, 20, (2, 7), generator=torch.Generator().manual_seed(1))
+        logits = model(idx)
+        assert logits.shape == (2, 7, 20)
+        changed = idx.clone()
+        changed[:, 4] = (changed[:, 4] + 1) % 20  # a later token cannot change earlier outputs
+        torch.testing.assert_close(model(changed)[:, :4], logits[:, :4], rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"idx\.shape\[1\]"):
+        TinyLM(20, 10)(torch.zeros(1, 11, dtype=torch.long))
+    for call, error, match in [(lambda: Mixer(10, 4), ValueError, "d_model=10"),
+                               (lambda: Mixer(8, 2, "rnn"), ValueError, "kind"),
+                               (lambda: Mixer(8, 2, window=0), ValueError, "window"),
+                               (lambda: TinyLM(0, 4), ValueError, "vocab")]:
+        with pytest.raises(error, match=match):
+            call()
+
+
+def test_recall_batch_answers_are_the_values_of_the_keys_asked():
+    from attnbook.efficient import recall_batch
+
+    x, y, asked = recall_batch(torch.Generator().manual_seed(0), 16, keys=6, values=5, pairs=4,
+                               asked=3)
+    assert x.shape == (16, 7) and y.shape == (16, 3) and asked == slice(4, None)
+    for row, answers in zip(x.tolist(), y.tolist()):
+        pairs = {token // 5: token % 5 for token in row[:4]}  # key -> value
+        assert len(pairs) == 4  # distinct keys
+        assert [pairs[token - 6 * 5] for token in row[4:]] == answers
+    for kwargs, error, match in [(dict(pairs=7, keys=6), ValueError, "pairs"),
+                                 (dict(size=0), ValueError, "size"),
+                                 (dict(values=1.5), TypeError, "values")]:
+        with pytest.raises(error, match=match):
+            recall_batch(torch.Generator(), **kwargs)
+    with pytest.raises(TypeError, match="generator"):
+        recall_batch(0)

@@ -1,6 +1,7 @@
 # Do not edit: tools/tangle.py generates this file from chapters/17-efficient-attention.md.
 """Beyond quadratic attention: sliding-window, global and block-sparse masks with tile skipping,
-linear attention, FAVOR+ random features and retention.
+linear attention, FAVOR+ random features, retention, and the small models and recall task that
+compare them.
 
 Built and explained in the book's chapter chapters/17-efficient-attention.md.
 """
@@ -18,6 +19,10 @@ __all__ = [
     "performer_attention",
     "retention",
     "retention_step",
+    "MIXERS",
+    "Mixer",
+    "TinyLM",
+    "recall_batch",
 ]
 
 # chapters/17-efficient-attention.md, "Sparse masks: a window, global tokens, blocks"
@@ -25,6 +30,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from attnbook.conventions import (
     check_bool,
@@ -84,18 +90,14 @@ def block_sparse_mask(layout: torch.Tensor, block_size: int, lq: int | None = No
 def tile_layout(mask: torch.Tensor, block_size: int = 64) -> torch.Tensor:
     """The tiles of `mask` (Lq, Lk) that hold an allowed entry: a bool tensor
     (ceil(Lq / block_size), ceil(Lk / block_size)). The other tiles need not be computed."""
-    block_size, mask = check_int("block_size", block_size, 1), _check_mask_2d(mask)
+    block_size = check_int("block_size", block_size, 1)
+    mask = check_mask("mask", mask, tuple(getattr(mask, "shape", ())))
+    if mask.dim() != 2:
+        raise ValueError(f"mask must have shape (Lq, Lk), got shape {tuple(mask.shape)}")
     (lq, lk), b = mask.shape, block_size
     nq, nk = -(-lq // b), -(-lk // b)
     padded = F.pad(mask, (0, nk * b - lk, 0, nq * b - lq))  # pads with False
     return padded.view(nq, b, nk, b).any(dim=3).any(dim=1)  # (nq, nk)
-
-
-def _check_mask_2d(mask) -> torch.Tensor:
-    mask = check_mask("mask", mask, tuple(getattr(mask, "shape", ())))
-    if mask.dim() != 2:
-        raise ValueError(f"mask must have shape (Lq, Lk), got shape {tuple(mask.shape)}")
-    return mask
 
 
 # chapters/17-efficient-attention.md, "Skipping the tiles a mask leaves empty"
@@ -103,11 +105,10 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            mask: torch.Tensor | None = None, block_size: int = 64, *,
                            layout: torch.Tensor | None = None,
                            causal: bool = False) -> torch.Tensor:
-    """Attention (B, H, Lq, dv) computing only the block_size x block_size tiles of the scores
-    that the bool `layout` (ceil(Lq / block_size), ceil(Lk / block_size)) marks; all their entries
-    may attend (with `causal`, j <= i + Lk - Lq). Or, given a bool `mask` that broadcasts to
-    (B, H, Lq, Lk) instead, heads.attend(q, k, v, mask)'s output, its layout found by tile_layout,
-    which reads the whole mask. A query with no allowed key gets zeros."""
+    """Attention (B, H, Lq, dv) computing only the block_size x block_size tiles that the bool
+    `layout` (ceil(Lq / block_size), ceil(Lk / block_size)) marks, all their entries allowed
+    (with `causal`, j <= i + Lk - Lq); or heads.attend(q, k, v, mask)'s output for a bool `mask`
+    (B, H, Lq, Lk), whose layout tile_layout finds. A query with no allowed key gets zeros."""
     q = check_tensor("q", q, 4)
     k = check_tensor("k", k, 4, dtype=q.dtype, device=q.device, shape=(*q.shape[:2], None, None))
     v = check_tensor("v", v, 4, dtype=q.dtype, device=q.device, shape=(*k.shape[:3], None))
@@ -118,9 +119,7 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         raise ValueError(f"give either mask or layout, got mask={type(mask).__name__}, "
                          f"layout={type(layout).__name__}")
     if layout is not None:
-        layout = check_mask("layout", layout, tiles, q.device)
-        if layout.shape != tiles:
-            raise ValueError(f"layout must have shape {tiles}, got shape {tuple(layout.shape)}")
+        layout = check_mask("layout", layout, tiles, q.device).expand(tiles)  # as a mask does
     else:
         mask = check_mask("mask", mask, (b, h, lq, lk), q.device)
         mask = mask.reshape((1,) * (4 - mask.dim()) + mask.shape).expand(-1, -1, lq, lk)
@@ -347,3 +346,74 @@ def retention_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gamma,
     g = _check_gamma(gamma, q.shape[1], q.device).to(work)[None, :, None, None]  # (1, H, 1, 1)
     out, state = _retention_step(q.to(work), k.to(work), v.to(work), g, state)
     return out.to(q.dtype), state
+
+
+# chapters/17-efficient-attention.md, "What each costs in quality"
+MIXERS = ("softmax", "window", "linear", "retention")
+
+
+class Mixer(nn.Module):
+    """Chapter 17's causal token mixers with multi-head attention's projections, (B, T, d_model)
+    -> (B, T, d_model): `kind` one of MIXERS, "window" seeing the last `window` positions."""
+
+    def __init__(self, d_model: int, num_heads: int, kind: str = "softmax", window: int = 8):
+        super().__init__()
+        self.h, self.kind = check_int("num_heads", num_heads, 1), check_choice("kind", kind, MIXERS)
+        self.window = check_int("window", window, 1)
+        if check_int("d_model", d_model, 1) % num_heads:
+            raise ValueError(f"d_model={d_model} is not divisible by num_heads={num_heads}")
+        self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
+        self.out = nn.Linear(d_model, d_model, bias=False)
+        self.norm = nn.GroupNorm(num_heads, d_model) if kind == "retention" else nn.Identity()
+        self.register_buffer("gamma", 1 - 2.0 ** (-5 - torch.arange(num_heads)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, d_model)
+        B, T, C = x.shape
+        q, k, v = (t.unflatten(-1, (self.h, -1)).transpose(1, 2)  # (B, nh, T, hs)
+                   for t in self.qkv(x).chunk(3, dim=-1))
+        if self.kind in ("softmax", "window"):  # the causal mask is a window of T
+            mask = sliding_window_mask(T, T, T if self.kind == "softmax" else self.window, x.device)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        elif self.kind == "linear":
+            y = linear_attention(q, k, v, causal=True)
+        else:
+            y = retention(q * (C // self.h) ** -0.5, k, v, self.gamma, "chunkwise")
+        return self.out(self.norm(y.transpose(1, 2).reshape(B * T, C)).view(B, T, C))
+
+
+class TinyLM(nn.Module):
+    """Chapter 17's test model: embeddings, one pre-norm block (a Mixer of `kind` and an MLP)
+    and a linear read-out, (B, T) token ids, T <= `length` -> (B, T, vocab) logits."""
+
+    def __init__(self, vocab: int, length: int, kind: str = "softmax", window: int = 8,
+                 d_model: int = 32, num_heads: int = 4):
+        super().__init__()
+        vocab, length = check_int("vocab", vocab, 1), check_int("length", length, 1)
+        self.tok, self.pos = nn.Embedding(vocab, d_model), nn.Embedding(length, d_model)
+        self.norm1, self.norm2, self.norm_f = (nn.LayerNorm(d_model) for _ in range(3))
+        self.mix = Mixer(d_model, num_heads, kind, window)  # created third: fixes its init
+        self.mlp = nn.Sequential(nn.Linear(d_model, 2 * d_model), nn.GELU(),
+                                 nn.Linear(2 * d_model, d_model))
+        self.head = nn.Linear(d_model, vocab)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:  # (B, T) -> (B, T, vocab)
+        T = check_int("idx.shape[1]", idx.shape[1], 1, self.pos.num_embeddings)  # <= length
+        x = self.tok(idx) + self.pos(torch.arange(T, device=idx.device))
+        x = x + self.mix(self.norm1(x))
+        return self.head(self.norm_f(x + self.mlp(self.norm2(x))))
+
+
+# chapters/17-efficient-attention.md, "Recall at a distance"
+def recall_batch(generator: torch.Generator, size: int = 64, keys: int = 12, values: int = 8,
+                 pairs: int = 12, asked: int = 8) -> tuple[torch.Tensor, torch.Tensor, slice]:
+    """Chapter 17's recall task: `pairs` tokens `key * values + value` (distinct keys), `asked`
+    questions `keys * values + key` -> tokens (size, pairs + asked), answers (size, asked), slice."""
+    generator = check_instance("generator", generator, torch.Generator)
+    size, values, asked = (check_int(n, x, 1) for n, x in zip(("size", "values", "asked"),
+                                                                (size, values, asked)))
+    pairs = check_int("pairs", pairs, 1, check_int("keys", keys, 1))  # at most one per key
+    key = torch.argsort(torch.rand(size, keys, generator=generator), dim=1)[:, :pairs]  # (B, P)
+    value = torch.randint(0, values, (size, pairs), generator=generator)  # (B, P)
+    pick = torch.randint(0, pairs, (size, asked), generator=generator)  # (B, A): pairs asked
+    x = torch.cat([key * values + value, keys * values + key.gather(1, pick)], dim=1)
+    return x, value.gather(1, pick), slice(pairs, None)  # answers at the questions only
