@@ -653,3 +653,14 @@ def test_recall_batch_answers_are_the_values_of_the_keys_asked():
             recall_batch(torch.Generator(), **kwargs)
     with pytest.raises(TypeError, match="generator"):
         recall_batch(0)
+
+
+@pytest.mark.parametrize("kind", ["softmax", "window", "linear", "retention"])
+def test_tiny_lm_compiles_whole(kind):
+    from attnbook.efficient import TinyLM
+
+    torch.manual_seed(0)
+    model = TinyLM(20, 16, kind, window=3)
+    idx = torch.randint(0, 20, (2, 16), generator=torch.Generator().manual_seed(1))
+    compiled = torch.compile(model, fullgraph=True, backend="eager")  # no graph break
+    torch.testing.assert_close(compiled(idx), model(idx))

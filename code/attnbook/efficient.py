@@ -374,10 +374,10 @@ class Mixer(nn.Module):
         if self.kind in ("softmax", "window"):  # the causal mask is a window of T
             mask = sliding_window_mask(T, T, T if self.kind == "softmax" else self.window, x.device)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        elif self.kind == "linear":
-            y = linear_attention(q, k, v, causal=True)
-        else:
-            y = retention(q * (C // self.h) ** -0.5, k, v, self.gamma, "chunkwise")
+        elif self.kind == "linear":  # the cores: no check reads a tensor's value
+            y = _causal_linear(F.elu(q) + 1, F.elu(k) + 1, v, 1e-6, 64)
+        else:  # retention in its parallel form, as RetNet trains
+            y = _retention_parallel(q * (C // self.h) ** -0.5, k, v, self.gamma[:, None, None])
         return self.out(self.norm(y.transpose(1, 2).reshape(B * T, C)).view(B, T, C))
 
 
