@@ -466,3 +466,201 @@ def test_elu_feature_map_checks_x():
     for bad in ("a", torch.tensor([1, 2])):
         with pytest.raises(TypeError, match="x"):
             elu_feature_map(bad)
+
+
+# --- causal linear attention in chunks (issue 45) -------------------------------------------
+
+
+@pytest.mark.parametrize("lq,lk,chunk", [(37, 37, 8), (37, 37, 1), (37, 37, 100), (5, 37, 8),
+                                         (37, 5, 4), (64, 64, 16)])
+def test_chunked_causal_linear_attention_matches_the_definition(lq, lk, chunk):
+    q, k, v = randn(2, 3, lq, 6, seed=4), randn(2, 3, lk, 6, seed=5), randn(2, 3, lk, 5, seed=6)
+    out = linear_attention(q, k, v, True, chunk_size=chunk)
+    torch.testing.assert_close(out, linear_reference(q, k, v, True), rtol=1e-12, atol=1e-12)
+    phi = torch.relu  # zeros in the features: a chunk's rows may be all zero, as in the formula
+    torch.testing.assert_close(linear_attention(q, k, v, True, phi, 1e-3, chunk),
+                               linear_reference(q, k, v, True, 1e-3, phi), rtol=1e-12, atol=1e-12)
+
+
+def test_chunked_causal_linear_attention_keeps_no_state_per_position():
+    from torch.profiler import ProfilerActivity, profile
+
+    n, d = 1024, 32
+    q, k, v = (randn(1, 1, n, d, seed=s, dtype=torch.float32) for s in range(3))
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        linear_attention(q, k, v, True)  # chunks of 64 by default
+    largest = max(event.cpu_memory_usage for event in prof.events())  # bytes of one allocation
+    assert 0 < largest <= n * d * 4  # the output's size; a state per position is n * d * d * 4
+
+
+def test_linear_attention_checks_chunk_size():
+    q = randn(1, 4, 3)
+    for bad, error in ((0, ValueError), (2.5, TypeError)):
+        with pytest.raises(error, match="chunk_size"):
+            linear_attention(q, q, q, True, chunk_size=bad)
+
+
+# --- block-sparse attention from a tile layout (issue 45) -----------------------------------
+
+
+@pytest.mark.parametrize("lq,lk,block", [(23, 23, 4), (10, 23, 4), (23, 10, 3), (1, 9, 4),
+                                         (9, 1, 2), (16, 16, 16)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_block_sparse_attention_from_a_layout_equals_attend(lq, lk, block, causal):
+    q, k, v = randn(2, 3, lq, 4, seed=1), randn(2, 3, lk, 4, seed=2), randn(2, 3, lk, 5, seed=3)
+    nq, nk = -(-lq // block), -(-lk // block)
+    layout = torch.rand(nq, nk, generator=torch.Generator().manual_seed(lq + lk)) < 0.5
+    layout[0, 0] = True
+    dense = block_sparse_mask(layout, block, lq, lk)
+    if causal:
+        dense = dense & causal_mask(lq, lk)
+    out = block_sparse_attention(q, k, v, layout=layout, block_size=block, causal=causal)
+    torch.testing.assert_close(out, attend(q, k, v, dense)[0], rtol=1e-12, atol=1e-12)
+    empty = torch.zeros(nq, nk, dtype=torch.bool)  # no tile: every query gets zeros
+    assert torch.equal(block_sparse_attention(q, k, v, layout=empty, block_size=block),
+                       torch.zeros(2, 3, lq, 5, dtype=torch.float64))
+
+
+def test_block_sparse_attention_from_a_layout_computes_its_tiles_only():
+    from torch.profiler import ProfilerActivity, profile
+    from torch.utils.flop_counter import FlopCounterMode
+
+    n, b, d = 2048, 64, 32
+    q, k, v = (randn(1, 1, n, d, seed=s, dtype=torch.float32) for s in range(3))
+    layout = sliding_window_mask(n // b, n // b, 3)  # 3 tiles per block row, fewer in the first
+    tiles = int(layout.sum())
+    with FlopCounterMode(display=False) as flops:
+        block_sparse_attention(q, k, v, layout=layout, block_size=b, causal=True)
+    assert flops.get_total_flops() == tiles * 2 * b * b * (d + d)  # scores and output, per tile
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        block_sparse_attention(q, k, v, layout=layout, block_size=b, causal=True)
+    largest = max(event.cpu_memory_usage for event in prof.events())
+    assert largest <= tiles * b * b * 4  # the tiles' scores; a dense score matrix is n * n * 4
+
+
+def test_block_sparse_attention_from_a_layout_float16_nan_and_gradients():
+    q, k, v = (randn(1, 2, 12, 4, seed=s) for s in range(3))
+    layout = torch.tensor([[True, False, False], [True, True, False], [False, True, True]])
+    dense = block_sparse_mask(layout, 4) & causal_mask(12)
+    half = block_sparse_attention(q.half(), k.half(), v.half(), layout=layout, block_size=4,
+                                  causal=True)
+    assert half.dtype == torch.float16
+    torch.testing.assert_close(half.double(), attend(q, k, v, dense)[0], atol=2e-3, rtol=2e-3)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    ours = torch.autograd.grad(block_sparse_attention(*leaves, layout=layout, block_size=4,
+                                                      causal=True).square().sum(), leaves)
+    reference = torch.autograd.grad(attend(*leaves, dense)[0].square().sum(), leaves)
+    for a, b in zip(ours, reference):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    k[0, 0, 5, 0] = math.nan  # key 5 sits in tile 1: the queries of block rows 1 and 2 see it
+    out = block_sparse_attention(q, k, v, layout=layout, block_size=4, causal=True)
+    assert out[0, 0, 5:].isnan().all() and not out[0, 0, :5].isnan().any()
+    assert not out[0, 1].isnan().any()
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(), ValueError, "either mask or layout"),
+    (dict(mask=torch.ones(8, 8, dtype=torch.bool), layout=torch.ones(2, 2, dtype=torch.bool)),
+     ValueError, "either mask or layout"),
+    (dict(layout=torch.ones(2, 3, dtype=torch.bool)), ValueError, r"layout.*\(2, 2\)"),
+    (dict(layout=torch.ones(3, dtype=torch.bool)), ValueError, r"layout of shape \(3,\)"),
+    (dict(layout=torch.ones(2, 2)), TypeError, "layout must be a torch.bool"),
+    (dict(layout=torch.ones(2, 2, dtype=torch.bool), causal=1), TypeError, "causal"),
+])
+def test_block_sparse_attention_layout_arguments_are_checked(kwargs, error, match):
+    q = randn(1, 2, 8, 3)
+    with pytest.raises(error, match=match):
+        block_sparse_attention(q, q, q, block_size=4, **kwargs)
+
+
+def test_block_sparse_attention_layout_broadcasts_as_a_mask_does():
+    q, k, v = randn(1, 2, 12, 4), randn(1, 2, 12, 4, seed=1), randn(1, 2, 12, 3, seed=2)
+    row = torch.tensor([True, False, True])  # the same key tiles for every block of queries
+    out = block_sparse_attention(q, k, v, layout=row, block_size=4)
+    torch.testing.assert_close(out, attend(q, k, v, block_sparse_mask(row.expand(3, 3), 4))[0],
+                               rtol=1e-12, atol=1e-12)
+
+
+# --- the test models, in the package (issue 45) ---------------------------------------------
+
+
+def _mixer_reference(mixer, x):
+    """Mixer's output from its weights, each kind through this file's or PyTorch's reference."""
+    B, T, C = x.shape
+    q, k, v = (t.view(B, T, mixer.h, C // mixer.h).transpose(1, 2)
+               for t in (x @ mixer.qkv.weight.T).chunk(3, dim=-1))
+    if mixer.kind == "softmax":
+        y = attend(q, k, v, causal_mask(T))[0]
+    elif mixer.kind == "window":
+        y = attend(q, k, v, window_loop(T, T, mixer.window))[0]
+    elif mixer.kind == "linear":
+        y = linear_reference(q, k, v, causal=True)
+    else:
+        y = retention_reference(q * (C // mixer.h) ** -0.5, k, v, mixer.gamma)
+    y = y.transpose(1, 2).reshape(B * T, C)
+    if mixer.kind == "retention":
+        y = F.group_norm(y, mixer.h, mixer.norm.weight, mixer.norm.bias, mixer.norm.eps)
+    return (y @ mixer.out.weight.T).view(B, T, C)
+
+
+@pytest.mark.parametrize("kind", ["softmax", "window", "linear", "retention"])
+def test_mixer_matches_its_references(kind):
+    from attnbook.efficient import Mixer
+
+    torch.manual_seed(0)
+    mixer = Mixer(16, 4, kind, window=3).double()
+    x = randn(2, 11, 16, seed=5)
+    with torch.no_grad():
+        torch.testing.assert_close(mixer(x), _mixer_reference(mixer, x), rtol=1e-10, atol=1e-10)
+
+
+def test_tiny_lm_shapes_causality_and_arguments():
+    from attnbook.efficient import MIXERS, Mixer, TinyLM
+
+    for kind in MIXERS:
+        torch.manual_seed(0)
+        model = TinyLM(20, 10, kind, window=3).double()
+        idx = torch.randint(0, 20, (2, 7), generator=torch.Generator().manual_seed(1))
+        logits = model(idx)
+        assert logits.shape == (2, 7, 20)
+        changed = idx.clone()
+        changed[:, 4] = (changed[:, 4] + 1) % 20  # a later token cannot change earlier outputs
+        torch.testing.assert_close(model(changed)[:, :4], logits[:, :4], rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"idx\.shape\[1\]"):
+        TinyLM(20, 10)(torch.zeros(1, 11, dtype=torch.long))
+    for call, error, match in [(lambda: Mixer(10, 4), ValueError, "d_model=10"),
+                               (lambda: Mixer(8, 2, "rnn"), ValueError, "kind"),
+                               (lambda: Mixer(8, 2, window=0), ValueError, "window"),
+                               (lambda: TinyLM(0, 4), ValueError, "vocab")]:
+        with pytest.raises(error, match=match):
+            call()
+
+
+def test_recall_batch_answers_are_the_values_of_the_keys_asked():
+    from attnbook.efficient import recall_batch
+
+    x, y, asked = recall_batch(torch.Generator().manual_seed(0), 16, keys=6, values=5, pairs=4,
+                               asked=3)
+    assert x.shape == (16, 7) and y.shape == (16, 3) and asked == slice(4, None)
+    for row, answers in zip(x.tolist(), y.tolist()):
+        pairs = {token // 5: token % 5 for token in row[:4]}  # key -> value
+        assert len(pairs) == 4  # distinct keys
+        assert [pairs[token - 6 * 5] for token in row[4:]] == answers
+    for kwargs, error, match in [(dict(pairs=7, keys=6), ValueError, "pairs"),
+                                 (dict(size=0), ValueError, "size"),
+                                 (dict(values=1.5), TypeError, "values")]:
+        with pytest.raises(error, match=match):
+            recall_batch(torch.Generator(), **kwargs)
+    with pytest.raises(TypeError, match="generator"):
+        recall_batch(0)
+
+
+@pytest.mark.parametrize("kind", ["softmax", "window", "linear", "retention"])
+def test_tiny_lm_compiles_whole(kind):
+    from attnbook.efficient import TinyLM
+
+    torch.manual_seed(0)
+    model = TinyLM(20, 16, kind, window=3)
+    idx = torch.randint(0, 20, (2, 16), generator=torch.Generator().manual_seed(1))
+    compiled = torch.compile(model, fullgraph=True, backend="eager")  # no graph break
+    torch.testing.assert_close(compiled(idx), model(idx))

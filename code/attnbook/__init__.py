@@ -37,7 +37,7 @@ Modules, in the order the book builds them:
   forward and backward kernels, and flash_attention for PyTorch tensors.
 - attnbook.efficient (chapters/17-efficient-attention.md): Beyond quadratic attention:
   sliding-window, global and block-sparse masks with tile skipping, linear attention, FAVOR+
-  random features and retention.
+  random features, retention, and the small models and recall task that compare them.
 - attnbook.vit (chapters/18-vision-transformer.md): The Vision Transformer: images cut into
   patches, a class token and learned positions, on the book's Transformer blocks.
 - attnbook.basic_checks (chapters/a1-conventions.md): The argument checks that need only Python

@@ -1,6 +1,7 @@
 # Do not edit: tools/tangle.py generates this file from chapters/17-efficient-attention.md.
 """Beyond quadratic attention: sliding-window, global and block-sparse masks with tile skipping,
-linear attention, FAVOR+ random features and retention.
+linear attention, FAVOR+ random features, retention, and the small models and recall task that
+compare them.
 
 Built and explained in the book's chapter chapters/17-efficient-attention.md.
 """
@@ -18,6 +19,10 @@ __all__ = [
     "performer_attention",
     "retention",
     "retention_step",
+    "MIXERS",
+    "Mixer",
+    "TinyLM",
+    "recall_batch",
 ]
 
 # chapters/17-efficient-attention.md, "Sparse masks: a window, global tokens, blocks"
@@ -25,6 +30,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from attnbook.conventions import (
     check_bool,
@@ -39,7 +45,6 @@ from attnbook.conventions import (
     check_tensor,
     compute_dtype,
 )
-from attnbook.heads import attend
 
 
 def sliding_window_mask(lq: int, lk: int, window: int,
@@ -85,44 +90,68 @@ def block_sparse_mask(layout: torch.Tensor, block_size: int, lq: int | None = No
 def tile_layout(mask: torch.Tensor, block_size: int = 64) -> torch.Tensor:
     """The tiles of `mask` (Lq, Lk) that hold an allowed entry: a bool tensor
     (ceil(Lq / block_size), ceil(Lk / block_size)). The other tiles need not be computed."""
-    block_size, mask = check_int("block_size", block_size, 1), _check_mask_2d(mask)
+    block_size = check_int("block_size", block_size, 1)
+    mask = check_mask("mask", mask, tuple(getattr(mask, "shape", ())))
+    if mask.dim() != 2:
+        raise ValueError(f"mask must have shape (Lq, Lk), got shape {tuple(mask.shape)}")
     (lq, lk), b = mask.shape, block_size
     nq, nk = -(-lq // b), -(-lk // b)
     padded = F.pad(mask, (0, nk * b - lk, 0, nq * b - lq))  # pads with False
     return padded.view(nq, b, nk, b).any(dim=3).any(dim=1)  # (nq, nk)
 
 
-def _check_mask_2d(mask) -> torch.Tensor:
-    mask = check_mask("mask", mask, tuple(getattr(mask, "shape", ())))
-    if mask.dim() != 2:
-        raise ValueError(f"mask must have shape (Lq, Lk), got shape {tuple(mask.shape)}")
-    return mask
-
-
 # chapters/17-efficient-attention.md, "Skipping the tiles a mask leaves empty"
-def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-                           block_size: int = 64) -> torch.Tensor:
-    """heads.attend(q, k, v, mask)'s output (B, H, Lq, dv), computing only the tiles where `mask`
-    allows a key. The mask broadcasts to (B, H, Lq, Lk), as attend's: (Lq, Lk), (1, Lk),
-    (Lq, 1), (B, 1, Lq, Lk)...; a tile is computed if any batch element or head needs it."""
+def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           mask: torch.Tensor | None = None, block_size: int = 64, *,
+                           layout: torch.Tensor | None = None,
+                           causal: bool = False) -> torch.Tensor:
+    """Attention (B, H, Lq, dv) computing only the block_size x block_size tiles that the bool
+    `layout` (ceil(Lq / block_size), ceil(Lk / block_size)) marks, all their entries allowed
+    (with `causal`, j <= i + Lk - Lq); or heads.attend(q, k, v, mask)'s output for a bool `mask`
+    (B, H, Lq, Lk), whose layout tile_layout finds. A query with no allowed key gets zeros."""
     q = check_tensor("q", q, 4)
     k = check_tensor("k", k, 4, dtype=q.dtype, device=q.device, shape=(*q.shape[:2], None, None))
     v = check_tensor("v", v, 4, dtype=q.dtype, device=q.device, shape=(*k.shape[:3], None))
     (b, h, lq, _), lk = q.shape, check_int("k.shape[2]", k.shape[2], 1)  # a key, as in attend
-    mask = check_mask("mask", mask, (b, h, lq, lk), q.device)
-    mask = mask.reshape((1,) * (4 - mask.dim()) + mask.shape).expand(-1, -1, lq, lk)  # 4 axes
-    layout = tile_layout(mask.flatten(0, 1).any(dim=0), block_size)  # (nq, nk)
-    out, bs = q.new_zeros(b, h, lq, v.shape[-1]), block_size  # (B, H, Lq, dv)
-    for i, row in enumerate(layout):
-        tiles = row.nonzero().flatten().tolist()
-        if not tiles:
-            continue  # these queries see no key: zeros
-        keys = torch.cat([torch.arange(j * bs, min(j * bs + bs, lk), device=q.device)
-                          for j in tiles])  # the columns of the non-empty tiles
-        rows = slice(i * bs, i * bs + bs)
-        out[:, :, rows] = attend(q[:, :, rows], k[:, :, keys], v[:, :, keys],
-                                 mask[:, :, rows][..., keys])[0]  # (B, H, bq, dv)
-    return out
+    bs, causal = check_int("block_size", block_size, 1), check_bool("causal", causal)
+    tiles = (-(-lq // bs), -(-lk // bs))  # (nq, nk)
+    if (mask is None) == (layout is None):
+        raise ValueError(f"give either mask or layout, got mask={type(mask).__name__}, "
+                         f"layout={type(layout).__name__}")
+    if layout is not None:
+        layout = check_mask("layout", layout, tiles, q.device).expand(tiles)  # as a mask does
+    else:
+        mask = check_mask("mask", mask, (b, h, lq, lk), q.device)
+        mask = mask.reshape((1,) * (4 - mask.dim()) + mask.shape).expand(-1, -1, lq, lk)
+        layout = tile_layout(mask.flatten(0, 1).any(dim=0), bs)  # reads all Lq x Lk entries
+    work = compute_dtype(q.dtype)
+    return _block_sparse(q.to(work), k.to(work), v.to(work), layout, bs, mask, causal).to(q.dtype)
+
+
+# chapters/17-efficient-attention.md, "Skipping the tiles a mask leaves empty"
+def _block_sparse(q, k, v, layout, b: int, mask, causal: bool) -> torch.Tensor:
+    (lq, lk), (nq, nk) = (q.shape[2], k.shape[2]), layout.shape
+    rows, cols = layout.nonzero(as_tuple=True)  # (T,) each: the tiles to compute
+    q = q / math.sqrt(q.shape[-1])  # the softmax's scale, once per query rather than per score
+    qt, kt, vt = (F.pad(x, (0, 0, 0, n * b - x.shape[2])).unflatten(2, (n, b))[:, :, i]
+                  for x, n, i in ((q, nq, rows), (k, nk, cols), (v, nk, cols)))  # (B, H, T, b, .)
+    qpos = rows[:, None, None] * b + torch.arange(b, device=q.device)[:, None]  # (T, b, 1)
+    kpos = cols[:, None, None] * b + torch.arange(b, device=q.device)  # (T, 1, b)
+    allowed = (qpos < lq) & (kpos < lk)  # (T, b, b): inside the matrix
+    if causal:
+        allowed = allowed & (kpos <= qpos + lk - lq)  # bottom-right, as causal_mask
+    if mask is not None:  # (B', H', Lq, Lk) -> its entries in the tiles, (B', H', T, b, b)
+        padded = F.pad(mask, (0, nk * b - lk, 0, nq * b - lq)).unflatten(3, (nk, b))
+        allowed = allowed & padded.unflatten(2, (nq, b))[:, :, rows, :, cols].permute(1, 2, 0, 3, 4)
+    s = (qt @ kt.transpose(-2, -1)).masked_fill_(~allowed, -math.inf)  # (B, H, T, b, b)
+    tile_top = s.detach().amax(dim=-1)  # (B, H, T, b); below, each query's max over its tiles
+    top = tile_top.new_full((*q.shape[:2], nq, b), -math.inf).scatter_reduce(
+        2, rows[:, None].expand(tile_top.shape), tile_top, "amax")  # (B, H, nq, b)
+    p = torch.exp(s - top.masked_fill(top == -math.inf, 0.0)[:, :, rows, :, None])  # (B,H,T,b,b)
+    num = q.new_zeros(*q.shape[:2], nq, b, v.shape[-1]).index_add(2, rows, p @ vt)
+    den = q.new_zeros(*q.shape[:2], nq, b, 1).index_add(2, rows, p.sum(dim=-1, keepdim=True))
+    out = num / den.clamp(min=torch.finfo(den.dtype).tiny)  # no key: 0 / tiny = 0
+    return out.flatten(2, 3)[:, :, :lq]  # (B, H, Lq, dv)
 
 
 # chapters/17-efficient-attention.md, "Linear attention"
@@ -145,15 +174,15 @@ def _check_qkv_any(q, k, v) -> tuple[torch.Tensor, ...]:
 
 # chapters/17-efficient-attention.md, "Linear attention"
 def linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
-                     feature_map=None, eps: float = 1e-6) -> torch.Tensor:
+                     feature_map=None, eps: float = 1e-6, chunk_size: int = 64) -> torch.Tensor:
     """Linear attention (Katharopoulos et al. 2020): output i = phi(q_i) S / (phi(q_i) . z + eps),
     S = sum_j phi(k_j) v_j^T and z = sum_j phi(k_j) over the keys i may see: all, or with
-    `causal` j <= i + Lk - Lq. q (..., Lq, D), k (..., Lk, D), v (..., Lk, Dv) -> (..., Lq, Dv);
-    phi defaults to elu(x) + 1."""
+    `causal` j <= i + Lk - Lq, then in chunks of `chunk_size` keys (memory O(N D + D Dv)).
+    q (..., Lq, D), k (..., Lk, D), v (..., Lk, Dv) -> (..., Lq, Dv); phi defaults to elu + 1."""
     q, k, v = _check_qkv_any(q, k, v)
     causal, eps = check_bool("causal", causal), check_positive("eps", eps)
     phi = elu_feature_map if feature_map is None else check_callable("feature_map", feature_map)
-    work = compute_dtype(q.dtype)
+    chunk_size, work = check_int("chunk_size", chunk_size, 1), compute_dtype(q.dtype)
     fq, fk, v = phi(q.to(work)), phi(k.to(work)), v.to(work)  # (..., Lq, D'), (..., Lk, D')
     for name, x, fx in (("q", q, fq), ("k", k, fk)):  # D' features per row, none negative
         check_tensor(f"feature_map({name})", fx, shape=(*x.shape[:-1], None))
@@ -162,14 +191,28 @@ def linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: 
     if not causal:
         state = fk.transpose(-2, -1) @ v  # (..., D, Dv): one state for every query
         return (fq @ state / (fq @ fk.sum(dim=-2)[..., None] + eps)).to(q.dtype)
-    states = torch.cumsum(fk[..., :, None] * v[..., None, :], dim=-3)  # (..., Lk, D, Dv)
-    norms = torch.cumsum(fk, dim=-2)  # (..., Lk, D): z after each key
-    (lq, lk), blind = (q.shape[-2], k.shape[-2]), max(0, q.shape[-2] - k.shape[-2])
-    seen = lq - blind  # the first `blind` queries see no key; the others end at the last keys
-    fq = fq[..., blind:, :]  # (..., seen, D)
-    num = (fq[..., None, :] @ states[..., lk - seen:, :, :]).squeeze(-2)  # (..., seen, Dv)
-    den = (fq * norms[..., lk - seen:, :]).sum(dim=-1, keepdim=True)  # (..., seen, 1)
-    return F.pad(num / (den + eps), (0, 0, blind, 0)).to(q.dtype)  # no key: zeros
+    return _causal_linear(fq, fk, v, eps, chunk_size).to(q.dtype)
+
+
+# chapters/17-efficient-attention.md, "Linear attention"
+def _causal_linear(fq, fk, v, eps: float, chunk: int) -> torch.Tensor:
+    """Causal linear attention on features fq (..., Lq, D), fk (..., Lk, D), chunk by chunk."""
+    (lq, lk), dv = (fq.shape[-2], fk.shape[-2]), v.shape[-1]
+    blind = max(0, lq - lk)  # queries before the first key: zeros
+    start = lk - (lq - blind)  # the first key position that has a query
+    state = fk[..., :start, :].transpose(-2, -1) @ v[..., :start, :]  # (..., D, Dv)
+    norm = fk[..., :start, :].sum(dim=-2)  # (..., D): z of the keys before every query
+    outs = [fq.new_zeros(*fq.shape[:-2], blind, dv)]
+    for c0 in range(start, lk, chunk):
+        c1 = min(c0 + chunk, lk)  # keys c0..c1-1 and the queries at those positions
+        qc = fq[..., c0 - start + blind:c1 - start + blind, :]  # (..., c, D)
+        kc, vc = fk[..., c0:c1, :], v[..., c0:c1, :]  # (..., c, D), (..., c, Dv)
+        sim = (qc @ kc.transpose(-2, -1)).tril()  # (..., c, c): causal inside the chunk
+        num = sim @ vc + qc @ state  # (..., c, Dv)
+        den = sim.sum(dim=-1, keepdim=True) + qc @ norm[..., None]  # (..., c, 1)
+        outs.append(num / (den + eps))
+        state, norm = state + kc.transpose(-2, -1) @ vc, norm + kc.sum(dim=-2)
+    return torch.cat(outs, dim=-2)  # (..., Lq, Dv)
 
 
 # chapters/17-efficient-attention.md, "FAVOR+: random features for the softmax"
@@ -303,3 +346,74 @@ def retention_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gamma,
     g = _check_gamma(gamma, q.shape[1], q.device).to(work)[None, :, None, None]  # (1, H, 1, 1)
     out, state = _retention_step(q.to(work), k.to(work), v.to(work), g, state)
     return out.to(q.dtype), state
+
+
+# chapters/17-efficient-attention.md, "What each costs in quality"
+MIXERS = ("softmax", "window", "linear", "retention")
+
+
+class Mixer(nn.Module):
+    """Chapter 17's causal token mixers with multi-head attention's projections, (B, T, d_model)
+    -> (B, T, d_model): `kind` one of MIXERS, "window" seeing the last `window` positions."""
+
+    def __init__(self, d_model: int, num_heads: int, kind: str = "softmax", window: int = 8):
+        super().__init__()
+        self.h, self.kind = check_int("num_heads", num_heads, 1), check_choice("kind", kind, MIXERS)
+        self.window = check_int("window", window, 1)
+        if check_int("d_model", d_model, 1) % num_heads:
+            raise ValueError(f"d_model={d_model} is not divisible by num_heads={num_heads}")
+        self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
+        self.out = nn.Linear(d_model, d_model, bias=False)
+        self.norm = nn.GroupNorm(num_heads, d_model) if kind == "retention" else nn.Identity()
+        self.register_buffer("gamma", 1 - 2.0 ** (-5 - torch.arange(num_heads)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, d_model)
+        B, T, C = x.shape
+        q, k, v = (t.unflatten(-1, (self.h, -1)).transpose(1, 2)  # (B, nh, T, hs)
+                   for t in self.qkv(x).chunk(3, dim=-1))
+        if self.kind in ("softmax", "window"):  # the causal mask is a window of T
+            mask = sliding_window_mask(T, T, T if self.kind == "softmax" else self.window, x.device)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        elif self.kind == "linear":  # the cores: no check reads a tensor's value
+            y = _causal_linear(F.elu(q) + 1, F.elu(k) + 1, v, 1e-6, 64)
+        else:  # retention in its parallel form, as RetNet trains
+            y = _retention_parallel(q * (C // self.h) ** -0.5, k, v, self.gamma[:, None, None])
+        return self.out(self.norm(y.transpose(1, 2).reshape(B * T, C)).view(B, T, C))
+
+
+class TinyLM(nn.Module):
+    """Chapter 17's test model: embeddings, one pre-norm block (a Mixer of `kind` and an MLP)
+    and a linear read-out, (B, T) token ids, T <= `length` -> (B, T, vocab) logits."""
+
+    def __init__(self, vocab: int, length: int, kind: str = "softmax", window: int = 8,
+                 d_model: int = 32, num_heads: int = 4):
+        super().__init__()
+        vocab, length = check_int("vocab", vocab, 1), check_int("length", length, 1)
+        self.tok, self.pos = nn.Embedding(vocab, d_model), nn.Embedding(length, d_model)
+        self.norm1, self.norm2, self.norm_f = (nn.LayerNorm(d_model) for _ in range(3))
+        self.mix = Mixer(d_model, num_heads, kind, window)  # created third: fixes its init
+        self.mlp = nn.Sequential(nn.Linear(d_model, 2 * d_model), nn.GELU(),
+                                 nn.Linear(2 * d_model, d_model))
+        self.head = nn.Linear(d_model, vocab)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:  # (B, T) -> (B, T, vocab)
+        T = check_int("idx.shape[1]", idx.shape[1], 1, self.pos.num_embeddings)  # <= length
+        x = self.tok(idx) + self.pos(torch.arange(T, device=idx.device))
+        x = x + self.mix(self.norm1(x))
+        return self.head(self.norm_f(x + self.mlp(self.norm2(x))))
+
+
+# chapters/17-efficient-attention.md, "Recall at a distance"
+def recall_batch(generator: torch.Generator, size: int = 64, keys: int = 12, values: int = 8,
+                 pairs: int = 12, asked: int = 8) -> tuple[torch.Tensor, torch.Tensor, slice]:
+    """Chapter 17's recall task: `pairs` tokens `key * values + value` (distinct keys), `asked`
+    questions `keys * values + key` -> tokens (size, pairs + asked), answers (size, asked), slice."""
+    generator = check_instance("generator", generator, torch.Generator)
+    size, values, asked = (check_int(n, x, 1) for n, x in zip(("size", "values", "asked"),
+                                                                (size, values, asked)))
+    pairs = check_int("pairs", pairs, 1, check_int("keys", keys, 1))  # at most one per key
+    key = torch.argsort(torch.rand(size, keys, generator=generator), dim=1)[:, :pairs]  # (B, P)
+    value = torch.randint(0, values, (size, pairs), generator=generator)  # (B, P)
+    pick = torch.randint(0, pairs, (size, asked), generator=generator)  # (B, A): pairs asked
+    x = torch.cat([key * values + value, keys * values + key.gather(1, pick)], dim=1)
+    return x, value.gather(1, pick), slice(pairs, None)  # answers at the questions only
