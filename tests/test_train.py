@@ -296,7 +296,7 @@ def test_the_installed_command_trains_by_chapter_10s_recipe(tmp_path):
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: (s + 1) / warmup if s < warmup
                                                  else 0.1 + 0.45 * (1 + math.cos(math.pi * (
                                                      s - warmup) / (steps - warmup))))
-    held_x, held_y = windows(held_ids, 0, 64)
+    held_x, held_y = windows(held_ids, 0, 64, seed=0)  # fixed windows, as chapter 10's
     norms = []
     for line in logged:
         x, y = windows(train_ids, line["step"], 4)
@@ -801,10 +801,10 @@ def test_a_manifest_that_does_not_check_out_is_refused(copy, change):
         match = "does not match its own SHA-256"
     else:  # sound digest, unsound option: as a forger, or an older version, would leave it
         manifest = json.loads(path.read_text())
-        manifest["options"]["eval_every"] = 0
+        manifest["options"]["global_batch"] = 0
         path.write_text(json.dumps(manifest))
         forge_manifest(checkpoint)
-        match = "records no sound --eval-every"
+        match = "records no sound --global-batch"
     with pytest.raises(ValueError, match=match):
         run(copy, "--resume", steps=6)
 
@@ -826,3 +826,32 @@ def test_a_bad_world_size_is_refused_by_name(monkeypatch, world):
 @pytest.mark.parametrize("argv", [["gpt", "--out", ""], ["sample", "--run", "", "--prompt", "a"]])
 def test_an_empty_folder_name_is_refused(monkeypatch, argv):
     assert "must name a folder" in refusal(argv, monkeypatch)
+
+
+def test_a_resume_keeps_what_the_last_resume_changed_before_its_next_checkpoint(copy):
+    def stop(step):
+        if step == 5:  # after the step-4 checkpoint, before the next (every 2: step 6)
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        train.train(train.parse_options(["gpt", "--resume", "--steps", "9", "--out", str(copy)]),
+                    on_step=stop)
+    train.train(train.parse_options(["gpt", "--resume", "--out", str(copy)]))
+    assert torch.load(copy / "model.pt", weights_only=True)["step"] == 9  # not the checkpoint's 4
+
+
+def test_an_edited_run_json_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "stderr", io.StringIO())
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    out = tmp_path / "run"
+
+    def stop(step):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        train.train(train.parse_options(["gpt", *TINY, "--steps", "3", "--out", str(out)]),
+                    on_step=stop)
+    (out / "run.json").write_text((out / "run.json").read_text().replace('"lr": 0.006',
+                                                                        '"lr": 5.0'))
+    with pytest.raises(ValueError, match=r"run.json is damaged .*own SHA-256"):
+        train.train(train.parse_options(["gpt", "--resume", "--out", str(out)]))

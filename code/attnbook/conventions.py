@@ -39,6 +39,8 @@ def check_device(name: str, device) -> torch.device:
     except (RuntimeError, TypeError):
         raise ValueError(f"{name} must name a device such as 'cpu' or 'cuda', "
                          f"got {name}={device!r}") from None
+    if found.type in ("cpu", "meta"):  # always there; asking would also break torch.compile
+        return found
     if found.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"{name}={device!r}, but this machine has no CUDA GPU")
     # torch.cuda, torch.xpu, ...; MPS says whether it is there in torch.backends

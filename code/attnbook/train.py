@@ -168,7 +168,7 @@ def _train(options, on_step, rank: int, processes: int, device: torch.device) ->
     optimizer = make_optimizer(model, recipe)  # chapter 10's recipe, as the chapter trains
     torch.manual_seed(options.seed + 1 + rank)  # each process its own dropout
     start = 0 if latest is None else load_checkpoint(latest, model, optimizer)
-    held_x, held_y = (t.to(device) for t in batch(held_ids, 0, 64, options.context, options.seed))
+    held_x, held_y = (t.to(device) for t in batch(held_ids, 0, 64, options.context))  # fixed
     progress = _Progress(options, start, rank)
     with _open_log(options.out, start, rank) as log:  # rank 0's; None in the others
         if latest is not None and rank == 0:
@@ -333,7 +333,7 @@ def _prepare_out(options: argparse.Namespace, rank: int, processes: int,
         raise ValueError(f"--resume: {out} holds a finished run (model.pt) and no checkpoint to "
                          f"resume from; give another --out, or --overwrite to train it again")
     elif options.resume and "run.json" in found:  # stopped before its first checkpoint
-        _take_run_options(_read_json(out / "run.json"), out / "run.json", options)
+        _take_run_options(_read_run_json(out), out / "run.json", options)
     elif found and not (options.resume or options.overwrite):
         raise ValueError(f"--out {out} already holds a run ({', '.join(found)}): give --resume "
                          f"to continue it, --overwrite to delete it and start afresh, or "
@@ -354,15 +354,21 @@ def _prepare_out(options: argparse.Namespace, rank: int, processes: int,
             path = out / name
             shutil.rmtree(path) if path.is_dir() else path.unlink()
         out.mkdir(parents=True, exist_ok=True)
-        _write_durably(out / "run.json", json.dumps(_run_options(options), indent=1))
+        recorded = _run_options(options)
+        _write_durably(out / "run.json", json.dumps(
+            {**recorded, "sha256": _manifest_digest(recorded)}, indent=1))
     _barrier()
     return latest
 
 
 def _check_resumable(path: Path, options: argparse.Namespace, processes: int) -> None:
     """Refuse a checkpoint that this run cannot continue; else take the run's options."""
-    manifest = read_manifest(path)
-    _take_run_options(manifest["options"], path, options)
+    manifest, latest = read_manifest(path), path.parent.parent / "run.json"
+    recorded = manifest["options"]  # and what may change, as the run's last start set it
+    if latest.exists():
+        recorded = {**recorded, **{k: v for k, v in _read_run_json(latest.parent).items()
+                                   if k in RESUMABLE}}
+    _take_run_options(recorded, path, options)
     if manifest["processes"] != processes:
         raise ValueError(f"--resume: the checkpoint {path} was written by {manifest['processes']} "
                          f"processes, and this run has {processes}: resume with as many")
@@ -396,11 +402,16 @@ def _run_options(options: argparse.Namespace) -> dict:
     return {name: getattr(options, name) for name in RUN_OPTIONS + RESUMABLE}
 
 
-def _read_json(path: Path) -> dict:
+def _read_run_json(out: Path) -> dict:
+    """The options in out/run.json, once it matches the SHA-256 it records."""
+    path = out / "run.json"
     try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as error:  # a JSONDecodeError or a UnicodeDecodeError
+        recorded = json.loads(path.read_text())
+        if recorded.pop("sha256") != _manifest_digest(recorded):
+            raise ValueError("it does not match its own SHA-256")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
         raise ValueError(f"{path} is damaged ({error}): start afresh with another --out") from None
+    return recorded
 
 
 def _finished_at(out: Path) -> int:

@@ -113,7 +113,7 @@ def _version() -> str:
 DEFAULTS = {"steps": 500, "global_batch": 32, "context": 64, "d_model": 128, "layers": 2,
             "heads": 4, "dropout": 0.0, "lr": 6e-3, "warmup": 30, "min_lr_ratio": 0.1,
             "weight_decay": 0.1, "clip": 1.0, "seed": 0, "dtype": "float32", "strategy": "ddp",
-            "checkpoint_every": 0, "keep_checkpoints": 3, "eval_every": 50}  # chapter 10's run
+            "checkpoint_every": 0, "keep_checkpoints": 3, "eval_every": 50}  # chapter 10's sizes
 
 
 def _training_options(add) -> None:
