@@ -767,17 +767,22 @@ def test_an_unusable_out_is_one_line_naming_it(tmp_path, kind):
         assert out.read_text() == "mine"
 
 
-def test_a_resume_before_the_first_checkpoint_takes_the_runs_options(tmp_path, monkeypatch):
+def started_and_stopped(out, monkeypatch):
+    """A 3-step run of TINY into `out`, stopped by Ctrl-C in its first step (no checkpoint)."""
     monkeypatch.setattr(sys, "stderr", io.StringIO())
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    out = tmp_path / "run"
 
     def stop(step):
         raise KeyboardInterrupt
 
-    with pytest.raises(KeyboardInterrupt):  # stopped in step 1, before any checkpoint
+    with pytest.raises(KeyboardInterrupt):
         train.train(train.parse_options(["gpt", *TINY, "--steps", "3", "--out", str(out)]),
                     on_step=stop)
+
+
+def test_a_resume_before_the_first_checkpoint_takes_the_runs_options(tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    started_and_stopped(out, monkeypatch)
     train.train(train.parse_options(["gpt", "--resume", "--out", str(out)]))
     saved = torch.load(out / "model.pt", weights_only=True)
     assert saved["step"] == 3 and saved["config"]["d_model"] == 32  # TINY's, not the defaults
@@ -841,16 +846,8 @@ def test_a_resume_keeps_what_the_last_resume_changed_before_its_next_checkpoint(
 
 
 def test_an_edited_run_json_is_refused(tmp_path, monkeypatch):
-    monkeypatch.setattr(sys, "stderr", io.StringIO())
-    monkeypatch.delenv("WORLD_SIZE", raising=False)
     out = tmp_path / "run"
-
-    def stop(step):
-        raise KeyboardInterrupt
-
-    with pytest.raises(KeyboardInterrupt):
-        train.train(train.parse_options(["gpt", *TINY, "--steps", "3", "--out", str(out)]),
-                    on_step=stop)
+    started_and_stopped(out, monkeypatch)
     (out / "run.json").write_text((out / "run.json").read_text().replace('"lr": 0.006',
                                                                         '"lr": 5.0'))
     with pytest.raises(ValueError, match=r"run.json is damaged .*own SHA-256"):
