@@ -38,7 +38,7 @@ from torch import nn
 
 from attnbook.bert import BERT, BERTConfig
 from attnbook.gpt import GPT, GPTConfig
-from attnbook.heads import MultiHeadAttention, from_torch
+from attnbook.layers import MultiHeadAttention, from_torch
 from attnbook.notebook import median_seconds
 
 ROOT = Path(__file__).resolve().parents[1]

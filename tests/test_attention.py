@@ -292,11 +292,11 @@ def test_the_numpy_chapters_modules_import_without_torch():
             "import attnbook.attention as a, attnbook.scaling, attnbook.tiling as t, numpy as np; "
             "q = np.eye(4); out, w = a.scaled_dot_product_attention(q, q, q); "
             "assert np.allclose(t.flash_attention_numpy(q, q, q, block_size=2), out); "
-            "assert a.check_array is __import__('attnbook.basic_checks').basic_checks.check_array; "
+            "assert a.check_array is __import__('attnbook.checks').checks.check_array; "
             "print(sorted(m for m in sys.modules if m.startswith(('torch', 'attnbook'))))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             cwd=Path(__file__).resolve().parents[1], timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["['attnbook',", "'attnbook.attention',",
-                                     "'attnbook.basic_checks',", "'attnbook.scaling',",
+                                     "'attnbook.checks',", "'attnbook.scaling',",
                                      "'attnbook.tiling',", "'torch']"]

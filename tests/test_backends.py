@@ -6,14 +6,21 @@ import sys
 
 import pytest
 import torch
-from torch.utils.flop_counter import FlopCounterMode
 
 from attnbook.bert import BERT, BERTConfig
-from attnbook.blocks import TransformerBlock
 from attnbook.encdec import EncoderDecoder, EncoderDecoderConfig
 from attnbook.gpt import GPT, GPTConfig
-from attnbook.heads import ATTENTION_BACKENDS, LayerCache, MultiHeadAttention, attend
+from attnbook.layers import (
+    ATTENTION_BACKENDS,
+    Attention,
+    Block,
+    LayerCache,
+    MultiHeadAttention,
+    TransformerBlock,
+    attend,
+)
 from attnbook.masks import causal_mask, padding_mask
+from attnbook.notebook import flop_counter
 from attnbook.vit import ViT, ViTConfig
 
 DOUBLE = torch.float64
@@ -138,7 +145,7 @@ def test_flops_are_counted_the_same_on_the_fast_path():
     for backend in ("explicit", "sdpa"):
         torch.manual_seed(0)
         layer = MultiHeadAttention(64, 4, backend=backend)
-        with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        with torch.no_grad(), flop_counter() as counter:
             layer(x, is_causal=True)
         counts.append(counter.get_total_flops())
     assert counts[0] == counts[1] == 4 * 2 * 2 * 16 * 64 * 64 + 2 * 2 * 2 * 16 * 16 * 64
@@ -234,7 +241,7 @@ def test_models_ask_for_weights_only_when_asked():
     asked = []
     for block in vit.blocks:
         block.self_attn.register_forward_hook(
-            lambda m, args, kwargs, out: asked.append(kwargs["return_weights"]), with_kwargs=True)
+            lambda m, args, out: asked.append(out[1] is not None))  # (outputs, weights or None)
     images = torch.randn(1, 1, 8, 8)
     logits = vit(images)
     assert asked == [False, False]
@@ -246,13 +253,13 @@ def test_models_ask_for_weights_only_when_asked():
 # Checked once, at the boundary --------------------------------------------------------------
 
 
-def conventions_calls(fn) -> int:
-    """Calls of functions whose module is attnbook.conventions (generators' resumptions too)."""
+def check_calls(fn) -> int:
+    """Calls of functions of attnbook.checks, the package's one module of checks (appendix A)."""
     count = 0
 
     def profile(frame, event, arg):
         nonlocal count
-        if event == "call" and frame.f_globals.get("__name__") == "attnbook.conventions":
+        if event == "call" and frame.f_globals.get("__name__") == "attnbook.checks":
             count += 1
 
     sys.setprofile(profile)
@@ -263,44 +270,56 @@ def conventions_calls(fn) -> int:
     return count
 
 
-def test_a_gpt_checks_its_input_once():
+def _gpt(layers: int, backend: str) -> GPT:
     torch.manual_seed(11)
-    model = GPT(GPTConfig(vocab_size=64, context_length=32, d_model=32, num_layers=4,
-                          num_heads=4, dropout=0.0))
+    return GPT(GPTConfig(vocab_size=64, context_length=32, d_model=32, num_layers=layers,
+                         num_heads=2, dropout=0.0, backend=backend))  # head size 16: the kernel's
+
+
+@pytest.mark.parametrize("backend", ATTENTION_BACKENDS)
+def test_a_gpt_checks_its_input_once_on_every_backend(backend):
+    """The checks are made at the model's entry points only: as many for 4 layers as for 8, and
+    for 10 generated tokens as for 20."""
     idx = torch.randint(64, (2, 16))
-    forward = conventions_calls(lambda: model(idx))
-    generation = conventions_calls(lambda: model.generate(idx[:, :4], 10, temperature=0.0))
-    assert forward <= 20 and generation <= 40, (forward, generation)  # issue 26: 180 and 2,394
-    # and a model's blocks check nothing: one more layer adds no call
-    deeper = GPT(GPTConfig(vocab_size=64, context_length=32, d_model=32, num_layers=8,
-                           num_heads=4, dropout=0.0))
-    assert conventions_calls(lambda: deeper(idx)) == forward
+    counts = {}
+    for layers in (4, 8):
+        model = _gpt(layers, backend)
+        counts[layers] = (check_calls(lambda m=model: m(idx)),
+                          check_calls(lambda m=model: m.generate(idx[:, :4], 10, temperature=0.0)),
+                          check_calls(lambda m=model: m.generate(idx[:, :4], 20, temperature=0.0)))
+    forward, ten, twenty = counts[4]
+    assert counts[8] == counts[4] and ten == twenty, counts
+    assert forward <= 10 and ten <= 30, counts
 
 
-def test_bare_layers_still_check_and_layers_in_a_model_do_not():
+def test_bare_layers_check_and_the_cores_in_a_model_do_not():
     block = TransformerBlock(8, 2)
     with pytest.raises(ValueError, match="x must end in"):
         block(torch.randn(1, 3, 4))
     with pytest.raises(TypeError, match="mask must be a torch.bool"):
         block(torch.randn(1, 3, 8), mask=torch.ones(3, 3))
+    with pytest.raises(TypeError, match="cache must be"):
+        block(torch.randn(1, 3, 8), cache="no")
     model = GPT(GPTConfig(vocab_size=8, context_length=4, d_model=8, num_layers=1, num_heads=2))
     inner = model.blocks[0]
-    assert not (inner.check_inputs or inner.self_attn.check_inputs or inner.ff.check_inputs)
-    assert conventions_calls(lambda: inner(torch.randn(1, 3, 8), is_causal=True)) == 0
+    assert type(inner) is Block and type(inner.self_attn) is Attention
+    assert check_calls(lambda: inner(torch.randn(1, 3, 8), is_causal=True)) == 0
 
 
 def test_the_triton_backend_runs_the_kernel_where_it_can(monkeypatch):
     from attnbook import kernels
 
     calls = []
-    real = kernels.flash_attention
-    monkeypatch.setattr(kernels, "flash_attention",
-                        lambda *args, **kwargs: calls.append(kwargs) or real(*args, **kwargs))
+    real = kernels._flash_attention
+    monkeypatch.setattr(kernels, "_flash_attention",
+                        lambda q, k, v, causal, scale: calls.append(causal)
+                        or real(q, k, v, causal, scale))
     layer = MultiHeadAttention(32, 2, num_kv_heads=1, backend="triton")
     x = torch.randn(1, 5, 32)
-    layer(x, is_causal=True)
+    torch.testing.assert_close(layer(x, is_causal=True),
+                               layer(x, mask=causal_mask(5)), atol=1e-5, rtol=1e-5)
     layer(x)
-    assert calls == [dict(causal=True), dict(causal=False)]
+    assert calls == [True, False]
     layer(x, mask=padding_mask([3], 5)[:, None, None, :])  # the kernel takes no mask: SDPA does
     layer(x, return_weights=True)  # the weights: attend
     assert len(calls) == 2

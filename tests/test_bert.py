@@ -87,7 +87,7 @@ def test_from_hf_bert_copies_config_and_mode():
     hf = random_hf_bert(0, hidden_dropout_prob=0.2, layer_norm_eps=1e-7, pad_token_id=3)
     ours = BERT.from_hf_bert(hf.train())
     c = ours.config
-    assert (c.vocab_size, c.d_model, c.num_layers, c.num_heads, c.d_ff, c.max_position) == \
+    assert (c.vocab_size, c.d_model, c.num_layers, c.num_heads, c.d_ff, c.context_length) == \
         (100, 32, 2, 4, 64, 20)
     assert (c.dropout, c.eps, c.pad_id, c.type_vocab_size) == (0.2, 1e-7, 3, 2)
     assert ours.training
@@ -107,7 +107,7 @@ def test_from_hf_bert_refuses_what_it_cannot_copy():
 def test_output_shapes(batch, length):
     torch.manual_seed(0)
     config = BERTConfig(vocab_size=30, d_model=16, num_layers=2, num_heads=2, d_ff=24,
-                        max_position=16, dropout=0.0)
+                        context_length=16, dropout=0.0)
     model = BERT(config).eval()
     ids = torch.randint(0, 30, (batch, length))
     assert model(ids).shape == (batch, length, 30)
@@ -119,7 +119,7 @@ def test_output_shapes(batch, length):
 
 def test_tied_output_matrix_and_parameter_count():
     config = BERTConfig(vocab_size=50, d_model=16, num_layers=2, num_heads=4, d_ff=32,
-                        max_position=12)
+                        context_length=12)
     model = BERT(config)
     d, V, f, P = 16, 50, 32, 12
     layer = 4 * (d * d + d) + 2 * d * f + f + d + 4 * d
@@ -140,7 +140,7 @@ def test_padding_does_not_change_real_positions(seed):
     g = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
     model = BERT(BERTConfig(vocab_size=40, d_model=32, num_layers=2, num_heads=4, d_ff=64,
-                            max_position=24, dropout=0.3)).eval()
+                            context_length=24, dropout=0.3)).eval()
     ids, token_types, real = random_batch(g, 4, 24, 40, 2)
     other_ids, other_types, _ = random_batch(g, 4, 24, 40, 2)
     other_ids = torch.where(real, ids, other_ids)
@@ -157,7 +157,7 @@ def test_padding_does_not_change_real_positions(seed):
 
 def test_fully_padded_sequence_gives_finite_scores():
     model = BERT(BERTConfig(vocab_size=20, d_model=8, num_layers=1, num_heads=2, d_ff=8,
-                            max_position=5)).eval()
+                            context_length=5)).eval()
     mask = torch.tensor([[True, True, False], [False, False, False]])
     out = model(torch.ones(2, 3, dtype=torch.long), attention_mask=mask)
     assert torch.isfinite(out).all()
@@ -166,13 +166,13 @@ def test_fully_padded_sequence_gives_finite_scores():
 def test_dropout_only_in_training():
     torch.manual_seed(0)
     model = BERT(BERTConfig(vocab_size=20, d_model=16, num_layers=1, num_heads=2, d_ff=16,
-                            max_position=8, dropout=0.5))
+                            context_length=8, dropout=0.5))
     ids = torch.randint(0, 20, (2, 8))
     assert not torch.equal(model.train()(ids), model(ids))
     assert torch.equal(model.eval()(ids), model(ids))
 
 
-SMALL = BERTConfig(vocab_size=10, d_model=8, num_layers=1, num_heads=2, d_ff=8, max_position=6)
+SMALL = BERTConfig(vocab_size=10, d_model=8, num_layers=1, num_heads=2, d_ff=8, context_length=6)
 IDS = torch.ones(2, 4, dtype=torch.long)
 
 
@@ -185,7 +185,7 @@ IDS = torch.ones(2, 4, dtype=torch.long)
     (dict(input_ids=torch.ones(2, 0, dtype=torch.long)), ValueError, "input_ids must have shape"),
     (dict(input_ids=torch.tensor([[1, 10]])), ValueError, r"input_ids must lie in \[0, vocab_size=10\).*10"),
     (dict(input_ids=torch.tensor([[-1, 3]])), ValueError, "input_ids must lie in .*-1"),
-    (dict(input_ids=torch.ones(1, 7, dtype=torch.long)), ValueError, r"input_ids must have shape.*max_position=6, got \(1, 7\)"),
+    (dict(input_ids=torch.ones(1, 7, dtype=torch.long)), ValueError, r"input_ids must have shape.*context_length=6, got \(1, 7\)"),
     (dict(input_ids=IDS, token_type_ids=torch.full((2, 4), 2)), ValueError,
      r"token_type_ids must lie in \[0, vocab_size=2\)"),
     (dict(input_ids=IDS, token_type_ids=torch.zeros(2, 3, dtype=torch.long)), ValueError,
@@ -206,7 +206,7 @@ def test_bad_inputs(kwargs, error, match):
     (dict(d_model=10, num_heads=4), ValueError, "d_model=10 is not divisible by num_heads=4"),
     (dict(vocab_size=0), ValueError, "vocab_size must be at least 1, got vocab_size=0"),
     (dict(num_layers=2.0), TypeError, "num_layers must be an int"),
-    (dict(max_position=True), TypeError, "max_position must be an int"),
+    (dict(context_length=True), TypeError, "context_length must be an int"),
     (dict(pad_id=30522), ValueError, "pad_id must be at most 30521, got pad_id=30522"),
     (dict(pad_id=-1), ValueError, "pad_id must be at least 0"),
     (dict(dropout=1.5), ValueError, r"dropout must be a finite number in \[0.0, 1.0\], got dropout=1.5"),
@@ -232,7 +232,7 @@ def test_bad_model_argument():
 
 def test_config_defaults_are_bert_base():
     c = BERTConfig()
-    assert (c.vocab_size, c.d_model, c.num_layers, c.num_heads, c.d_ff, c.max_position,
+    assert (c.vocab_size, c.d_model, c.num_layers, c.num_heads, c.d_ff, c.context_length,
             c.type_vocab_size, c.eps, c.pad_id) == (30522, 768, 12, 12, 3072, 512, 2, 1e-12, 0)
     with torch.device("meta"):
         assert sum(p.numel() for p in BERT(c).parameters()) == 109_514_298
@@ -290,7 +290,7 @@ def test_small_integer_ids_work_like_int64():
     """uint8 ids passed the old id check, then failed inside nn.Embedding."""
     torch.manual_seed(0)
     model = BERT(BERTConfig(vocab_size=200, d_model=16, num_layers=1, num_heads=2, d_ff=16,
-                            max_position=8)).eval()
+                            context_length=8)).eval()
     ids = torch.randint(0, 200, (3, 8))
     types = torch.randint(0, 2, (3, 8))
     expected = model(ids, types)
@@ -319,7 +319,7 @@ def test_from_hf_bert_reads_sizes_from_the_weights_not_the_config():
                           layer_norm_eps=0.5))
     ours = BERT.from_hf_bert(hf)
     c = ours.config
-    assert (c.vocab_size, c.d_model, c.num_layers, c.num_heads, c.d_ff, c.max_position,
+    assert (c.vocab_size, c.d_model, c.num_layers, c.num_heads, c.d_ff, c.context_length,
             c.eps) == (100, 32, 2, 4, 64, 20, 1e-12)
     ids = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

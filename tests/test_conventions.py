@@ -1,4 +1,4 @@
-"""attnbook.conventions (appendix A): one error policy, one check per concept."""
+"""attnbook.checks (appendix A): one error policy, one check per concept."""
 
 import math
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from attnbook import conventions as c
+from attnbook import checks as c
 
 
 @pytest.mark.parametrize("value, minimum", [(3, None), (np.int32(5), 1), (0, 0), (-2, None)])
@@ -93,7 +93,9 @@ def test_token_ids_become_int64_and_are_range_checked():
                                          (np.float16, np.float32), (np.float64, np.float64),
                                          ("float16", np.float32)])
 def test_compute_dtype(dtype, work):
-    assert c.compute_dtype(dtype) == work
+    from attnbook.attention import compute_dtype
+
+    assert compute_dtype(dtype) == work
 
 
 def test_check_array():
@@ -242,11 +244,11 @@ def test_models_that_take_ids_accept_unsigned_ids(dtype):
                         dropout=0.0)).eval()
     torch.testing.assert_close(gpt(ids.to(dtype)), gpt(ids))
     bert = BERT(BERTConfig(vocab_size=10, d_model=16, num_layers=1, num_heads=2, d_ff=32,
-                           max_position=8, dropout=0.0)).eval()
+                           context_length=8, dropout=0.0)).eval()
     types = torch.tensor([[0, 0, 1, 1], [0, 1, 1, 1]])
     torch.testing.assert_close(bert(ids.to(dtype), types.to(dtype)), bert(ids, types))
     encdec = EncoderDecoder(EncoderDecoderConfig(src_vocab=10, tgt_vocab=10, d_model=16,
-                                                 num_heads=2, num_layers=1, max_len=8,
+                                                 num_heads=2, num_layers=1, context_length=8,
                                                  dropout=0.0)).eval()
     torch.testing.assert_close(encdec(ids.to(dtype), ids.to(dtype)), encdec(ids, ids))
     with pytest.raises(ValueError, match="idx must lie"):

@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils.flop_counter import FlopCounterMode
 
 from attnbook.attention import scaled_dot_product_attention
 from attnbook.cost import (
@@ -22,8 +21,9 @@ from attnbook.cost import (
 )
 from attnbook.encdec import EncoderDecoder, EncoderDecoderConfig
 from attnbook.gpt import GPT, GPTConfig
-from attnbook.heads import MultiHeadAttention, attend
+from attnbook.layers import MultiHeadAttention, attend
 from attnbook.masks import causal_mask
+from attnbook.notebook import flop_counter
 
 
 def naive_attention(q, k, v, mask=None):
@@ -34,7 +34,7 @@ def naive_attention(q, k, v, mask=None):
 
 
 def counted_flops(fn, *args, **kwargs):
-    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+    with torch.no_grad(), flop_counter() as counter:
         fn(*args, **kwargs)
     return counter.get_total_flops()
 

@@ -1,7 +1,7 @@
 """Every attention implementation in attnbook against PyTorch, property-based (hypothesis).
 
 The implementations: the NumPy reference (chapter 1, attnbook.attention), the attention core
-`attend` and the module `MultiHeadAttention` (chapter 3, attnbook.heads), the tiled NumPy
+`attend` and the module `MultiHeadAttention` (chapter 3, attnbook.layers), the tiled NumPy
 FlashAttention (chapter 13, attnbook.tiling) and the Triton kernel (chapter 15,
 attnbook.kernels; in Triton's interpreter on CPU when there is no GPU). Each is checked against
 `torch.nn.functional.scaled_dot_product_attention` in float64 with an explicit boolean mask (or
@@ -39,7 +39,8 @@ from hypothesis import strategies as st
 from hypothesis.configuration import set_hypothesis_home_dir
 from torch import nn
 
-from attnbook import attention, heads, masks, positions, scaling, tiling
+from attnbook import attention, masks, positions, scaling, tiling
+from attnbook import layers as heads
 
 try:
     from attnbook import kernels

@@ -20,7 +20,7 @@ from attnbook.efficient import (
     sliding_window_mask,
     tile_layout,
 )
-from attnbook.heads import attend
+from attnbook.layers import attend
 from attnbook.masks import causal_mask
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -523,13 +523,14 @@ def test_block_sparse_attention_from_a_layout_equals_attend(lq, lk, block, causa
 
 def test_block_sparse_attention_from_a_layout_computes_its_tiles_only():
     from torch.profiler import ProfilerActivity, profile
-    from torch.utils.flop_counter import FlopCounterMode
+
+    from attnbook.notebook import flop_counter
 
     n, b, d = 2048, 64, 32
     q, k, v = (randn(1, 1, n, d, seed=s, dtype=torch.float32) for s in range(3))
     layout = sliding_window_mask(n // b, n // b, 3)  # 3 tiles per block row, fewer in the first
     tiles = int(layout.sum())
-    with FlopCounterMode(display=False) as flops:
+    with flop_counter() as flops:
         block_sparse_attention(q, k, v, layout=layout, block_size=b, causal=True)
     assert flops.get_total_flops() == tiles * 2 * b * b * (d + d)  # scores and output, per tile
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:

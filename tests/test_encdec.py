@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from attnbook.encdec import EncoderDecoder, EncoderDecoderConfig
-from attnbook.heads import from_torch
+from attnbook.layers import from_torch
 from attnbook.masks import causal_mask, padding_mask
 from attnbook.positions import sinusoidal_encoding
 
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def _model(seed=0, dtype=torch.float64, **overrides):
     torch.manual_seed(seed)
     sizes = dict(src_vocab=VOCAB, tgt_vocab=VOCAB + 2, d_model=16, num_heads=2, num_layers=2,
-                 d_ff=24, max_len=12, dropout=0.0)
+                 d_ff=24, context_length=12, dropout=0.0)
     sizes.update(overrides)
     return EncoderDecoder(EncoderDecoderConfig(**sizes)).to(dtype).eval()
 
@@ -46,7 +46,7 @@ def test_config_and_keywords_build_the_same_model():
     assert len(model.encoder) == 1 and len(model.decoder) == 3
     assert all(block.cross_attn is not None for block in model.decoder)
     assert all(block.cross_attn is None for block in model.encoder)
-    assert model.decoder[0].ff.d_ff == 64  # default 4 * d_model
+    assert model.decoder[0].ff.fc1.out_features == 64  # default 4 * d_model
     other = EncoderDecoder(EncoderDecoderConfig(src_vocab=9, tgt_vocab=10, d_model=16,
                                                 num_heads=4, num_layers=1, num_decoder_layers=3))
     assert other.config == config

@@ -37,24 +37,37 @@ def random_hf_gpt2(seed=0, spread=0.2, **overrides):
 
 # --- configuration ---------------------------------------------------------------------------
 
-def test_config_defaults_are_gpt2_small_and_max_position_is_an_alias():
+def test_config_defaults_are_gpt2_small():
     c = GPTConfig()
     assert (c.vocab_size, c.context_length, c.d_model, c.num_layers, c.num_heads, c.d_ff) == \
         (50257, 1024, 768, 12, 12, 3072)
-    assert (c.eps, c.bias, c.head_dim, c.max_position) == (1e-5, True, 64, 1024)
-    assert GPTConfig(max_position=64).context_length == 64
-    assert GPTConfig(context_length=64, max_position=64).max_position == 64
+    assert (c.eps, c.bias, c.head_dim) == (1e-5, True, 64)
+
+
+def test_replace_derives_what_follows_from_the_fields():
+    """dataclasses.replace gives a config whose derived sizes follow the new fields (they were
+    stored once, and went stale, while d_ff and the dropout rates were fields)."""
+    import dataclasses
+
+    c = GPTConfig(context_length=64)
+    wider = dataclasses.replace(c, context_length=128, d_model=128, num_heads=4, dropout=0.0)
+    assert (wider.context_length, wider.d_ff, wider.head_dim) == (128, 512, 32)
+    assert wider.block.attention.dropout == 0.0 and wider.block.dropout == 0.0
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        c.context_length = 128
+    with pytest.raises(ValueError, match="num_heads=5"):
+        dataclasses.replace(c, num_heads=5)
 
 
 @pytest.mark.parametrize("kwargs, error, match", [
     (dict(d_model=100, num_heads=12), ValueError, "num_heads=12"),
-    (dict(context_length=64, max_position=32), ValueError, "max_position=32"),
     (dict(vocab_size=0), ValueError, "vocab_size=0"),
+    (dict(context_length=0), ValueError, "context_length=0"),
     (dict(num_layers=2.0), TypeError, "num_layers=2.0"),
     (dict(dropout=1.5), ValueError, "dropout=1.5"),
     (dict(eps=0.0), ValueError, "eps=0.0"),
     (dict(bias="yes"), TypeError, "bias='yes'"),
-    (dict(d_ff=0), ValueError, "d_ff=0"),
+    (dict(backend="flash"), ValueError, "backend='flash'"),
 ])
 def test_bad_configs(kwargs, error, match):
     with pytest.raises(error, match=match):
@@ -388,27 +401,22 @@ def test_cache_device_is_checked(device):
         KVCache(2, 1, 4, 8, 8, device=device)
 
 
-def test_config_carries_three_dropout_rates():
-    c = GPTConfig(dropout=0.2)
-    assert (c.dropout, c.attn_dropout, c.embd_dropout) == (0.2, 0.2, 0.2)
+def test_config_has_one_dropout_rate_in_gpt2s_three_places():
     model = GPT(GPTConfig(vocab_size=50, context_length=8, d_model=16, num_layers=1, num_heads=2,
-                          dropout=0.3, attn_dropout=0.2, embd_dropout=0.1))
+                          dropout=0.3))
     block = model.blocks[0]
-    assert (model.drop.p, block.self_attn.dropout, block.dropout.p) == (0.1, 0.2, 0.3)
+    assert (model.drop.p, block.self_attn.dropout, block.dropout.p) == (0.3, 0.3, 0.3)
     assert block.ff.dropout.p == 0.0  # GPT-2 has no dropout between the two feed-forward layers
-    with pytest.raises(ValueError, match="attn_dropout=1.5"):
-        GPTConfig(attn_dropout=1.5)
-    with pytest.raises(TypeError, match="embd_dropout='x'"):
-        GPTConfig(embd_dropout="x")
 
 
-def test_conversion_keeps_gpt2s_three_dropout_rates():
+def test_conversion_refuses_gpt2_dropout_rates_that_differ():
     hf = random_hf_gpt2(spread=0, embd_pdrop=0.0, attn_pdrop=0.2, resid_pdrop=0.3)
-    ours = GPT.from_hf_gpt2(hf)
-    assert (ours.config.embd_dropout, ours.config.attn_dropout, ours.config.dropout) == \
-        (0.0, 0.2, 0.3)
-    assert (ours.drop.p, ours.blocks[1].self_attn.dropout, ours.blocks[1].dropout.p) == \
-        (0.0, 0.2, 0.3)
+    with pytest.raises(ValueError, match="dropout rates differ"):
+        GPT.from_hf_gpt2(hf)
+    same = GPT.from_hf_gpt2(random_hf_gpt2(spread=0, embd_pdrop=0.2, attn_pdrop=0.2,
+                                           resid_pdrop=0.2))
+    assert (same.drop.p, same.blocks[1].self_attn.dropout, same.blocks[1].dropout.p) == \
+        (0.2, 0.2, 0.2)
 
 
 @pytest.mark.parametrize("edit", [dict(n_positions=128), dict(n_embd=64), dict(n_head=4),

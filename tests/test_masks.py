@@ -298,13 +298,6 @@ def test_a_bad_device_is_named(call):
     assert call(torch.device("cpu")).device.type == "cpu"
 
 
-def test_masks_check_lengths_with_the_conventions():
-    import attnbook.masks
-    from attnbook import conventions
-
-    assert attnbook.masks.check_int is conventions.check_int  # not an int check of its own
-
-
 @pytest.mark.parametrize("lengths,error,match", [
     ({0: 3, 1: 2}, TypeError, r"lengths must be a sequence or 1-D tensor of ints, got \{0: 3"),
     ({3, 1}, TypeError, r"lengths must be a sequence or 1-D tensor of ints, got \{"),

@@ -436,13 +436,13 @@ def test_solutions_are_hidden_in_jupyter_and_on_colab_as_on_the_site():
 
 
 def test_a_module_exports_what_it_defines_and_what_it_explicitly_re_exports():
-    source = ("from attnbook.heads import causal_mask as causal_mask\n"
-              "from attnbook.conventions import check_int\n"
+    source = ("from attnbook.layers import causal_mask as causal_mask\n"
+              "from attnbook.checks import check_int\n"
               "def padding_mask(): ...\n"
               "def _helper(): ...\n"
               "LIMIT = 3\n")
     assert tangler.public_names(source) == ["causal_mask", "padding_mask", "LIMIT"]
-    assert tangler.public_names("from attnbook.heads import attend, LayerCache\n") == [
+    assert tangler.public_names("from attnbook.layers import attend, LayerCache\n") == [
         "attend", "LayerCache"]  # a module that only gathers names exports them all
 
 

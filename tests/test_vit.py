@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attnbook.blocks import from_torch_encoder_layer
+from attnbook.layers import from_torch_encoder_layer
 from attnbook.vit import ViT, ViTConfig, patchify
 
 DOUBLE = torch.float64

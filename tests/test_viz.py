@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from attnbook.attention import softmax
-from attnbook.heads import MultiHeadAttention
+from attnbook.layers import MultiHeadAttention
 from attnbook.viz import AttentionExplorer, attention_explorer, explorer_weights
 
 

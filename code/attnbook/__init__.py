@@ -7,14 +7,13 @@ Modules, in the order the book builds them:
   NumPy: a softmax that cannot overflow, masks, and the shape check of Q, K and V.
 - attnbook.scaling (chapters/02-scaling.md): Why scores are divided by the square root of d:
   random scores, the softmax's peak and its Jacobian.
-- attnbook.heads (chapters/03-heads.md): Multi-head attention in PyTorch: the attention core,
-  shared key/value heads, one layer's KV cache, and a copy of torch.nn.MultiheadAttention.
+- attnbook.layers (chapters/03-heads.md): The layers of a Transformer: multi-head attention with
+  its fast path and KV cache, the feed-forward network, RMSNorm and the block, each a core built
+  from a config and a checked public layer.
 - attnbook.positions (chapters/05-positions.md): Positions: sinusoidal encodings, rotary
   embeddings (RoPE) and ALiBi biases.
 - attnbook.masks (chapters/06-masks.md): Boolean attention masks: causal, padding, and both
   combined.
-- attnbook.blocks (chapters/07-blocks.md): The Transformer block: the feed-forward network,
-  RMSNorm, pre- and post-norm residuals, and a copy of torch.nn.TransformerEncoderLayer.
 - attnbook.bert (chapters/08-bert.md): An encoder-only model, BERT: embeddings, the
   masked-language-model head, token masking, and Hugging Face BERT weights.
 - attnbook.gpt (chapters/10-gpt.md): A decoder-only model, GPT: generation with a KV cache,
@@ -40,11 +39,9 @@ Modules, in the order the book builds them:
   random features, retention, and the small models and recall task that compare them.
 - attnbook.vit (chapters/18-vision-transformer.md): The Vision Transformer: images cut into
   patches, a class token and learned positions, on the book's Transformer blocks.
-- attnbook.basic_checks (chapters/a1-conventions.md): The argument checks that need only Python
-  and NumPy, which the NumPy chapters import without loading PyTorch; attnbook.conventions
-  gathers them with the tensor checks.
-- attnbook.conventions (chapters/a1-conventions.md): The package's argument checks: one error
-  policy, one check per concept.
+- attnbook.checks (chapters/a1-conventions.md): The package's argument checks: one error policy,
+  one check per concept. It imports PyTorch only when a tensor is checked, so the NumPy chapters
+  use it without loading PyTorch.
 - attnbook.notebook (chapters/a1-conventions.md): What a chapter uses to run as a notebook:
   numbers glued into the prose, timings, and whether pretrained weights can be downloaded.
 - attnbook.corpus (chapters/a1-conventions.md): The book's training text: a fixed snapshot of
@@ -67,10 +64,9 @@ __version__ = "0.1.0"
 __all__ = [
     "attention",
     "scaling",
-    "heads",
+    "layers",
     "positions",
     "masks",
-    "blocks",
     "bert",
     "gpt",
     "recipe",
@@ -82,8 +78,7 @@ __all__ = [
     "kernels",
     "efficient",
     "vit",
-    "basic_checks",
-    "conventions",
+    "checks",
     "notebook",
     "corpus",
     "train_command",

@@ -6,6 +6,7 @@ Built and explained in the book's chapter chapters/01-queries-keys-values.md.
 """
 
 __all__ = [
+    "compute_dtype",
     "softmax",
     "divide_or_zero",
     "scaled_dot_product_attention",
@@ -15,7 +16,20 @@ __all__ = [
 # chapters/01-queries-keys-values.md, "Scores, softmax and the weighted sum"
 import numpy as np
 
-from attnbook.basic_checks import check_array, check_scale, compute_dtype
+from attnbook.checks import check_array, check_scale
+
+
+def compute_dtype(dtype):
+    """The dtype a sum over `dtype` data is accumulated in: float32 for float16 and bfloat16.
+
+    Works for torch and NumPy dtypes alike; other dtypes compute in themselves.
+    """
+    if type(dtype).__module__ == "torch":  # a torch.dtype: torch is loaded, since it made it
+        import torch
+
+        return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+    return np.promote_types(np.dtype(dtype), np.float32) if np.dtype(dtype) == np.float16 \
+        else np.dtype(dtype)
 
 
 def softmax(x, axis: int = -1) -> np.ndarray:

@@ -23,19 +23,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attnbook.blocks import TransformerBlock
-from attnbook.conventions import (
-    check_alias,
+from attnbook.attention import compute_dtype
+from attnbook.checks import (
     check_choice,
+    check_divisible,
     check_instance,
     check_int,
     check_positive,
     check_probability,
     check_tensor,
     check_token_ids,
-    compute_dtype,
 )
-from attnbook.heads import ATTENTION_BACKENDS
+from attnbook.layers import ATTENTION_BACKENDS, Block, BlockConfig
 from attnbook.notebook import MINILM_FILES as MINILM_FILES  # appendix A's, offered here too
 from attnbook.notebook import minilm_path as minilm_path
 
@@ -49,25 +48,21 @@ class BERTConfig:
     num_layers: int = 12
     num_heads: int = 12
     d_ff: int = 3072
-    context_length: int | None = None  # 512, BERT-base's, when neither name is given
+    context_length: int = 512
     type_vocab_size: int = 2
     dropout: float = 0.1
     eps: float = 1e-12
     pad_id: int | None = 0
     backend: str = "sdpa"
-    max_position: int | None = None  # deprecated alias of context_length
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "d_model", "num_layers", "num_heads", "d_ff", "type_vocab_size"):
+        for name in ("vocab_size", "d_model", "num_layers", "num_heads", "d_ff", "type_vocab_size",
+                     "context_length"):
             setattr(self, name, check_int(name, getattr(self, name), minimum=1))
-        self.context_length = self.max_position = check_int(*check_alias(
-            "context_length", self.context_length, "max_position", self.max_position, 512), 1)
         self.backend = check_choice("backend", self.backend, ATTENTION_BACKENDS)
         self.dropout = check_probability("dropout", self.dropout)
         self.eps = check_positive("eps", self.eps)
-        if self.d_model % self.num_heads:
-            raise ValueError(f"d_model={self.d_model} is not divisible by "
-                             f"num_heads={self.num_heads}")
+        check_divisible("d_model", self.d_model, "num_heads", self.num_heads)
         if self.pad_id is not None:
             self.pad_id = check_int("pad_id", self.pad_id, 0, self.vocab_size - 1)
 
@@ -114,9 +109,9 @@ class BERT(nn.Module):
         self.config = check_instance("config", config, BERTConfig)
         self.embeddings = BERTEmbeddings(config)
         self.layers = nn.ModuleList(
-            TransformerBlock(config.d_model, config.num_heads, config.d_ff, config.dropout,
-                             norm_first=False, activation="gelu", eps=config.eps,
-                             backend=config.backend, check_inputs=False)  # encode checks
+            Block(BlockConfig(config.d_model, config.num_heads, config.d_ff, config.dropout,
+                              norm_first=False, activation="gelu", eps=config.eps,
+                              backend=config.backend))  # unchecked: encode checks its input
             for _ in range(config.num_layers))
         self.mlm_head = MaskedLMHead(config)
         for module in (*self.embeddings.modules(), *self.mlm_head.modules()):  # BERT's init
@@ -133,8 +128,8 @@ class BERT(nn.Module):
         c = self.config
         input_ids = check_token_ids("input_ids", input_ids, c.vocab_size)
         if input_ids.ndim != 2 or 0 in input_ids.shape or input_ids.shape[1] > c.context_length:
-            raise ValueError(f"input_ids must have shape (B, L) with 1 <= L <= context_length, "
-                             f"alias max_position={c.context_length}, got {tuple(input_ids.shape)}")
+            raise ValueError(f"input_ids must have shape (B, L) with 1 <= L <= context_length="
+                             f"{c.context_length}, got {tuple(input_ids.shape)}")
         token_type_ids = torch.zeros_like(input_ids) if token_type_ids is None else token_type_ids
         _check_like_ids("token_type_ids", token_type_ids, input_ids)
         token_type_ids = check_token_ids("token_type_ids", token_type_ids, c.type_vocab_size)

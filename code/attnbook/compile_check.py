@@ -29,7 +29,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
-from attnbook.conventions import check_bool, check_choice, check_int  # noqa: F811 (notebook)
+from attnbook.checks import check_bool, check_choice, check_int  # noqa: F811 (notebook)
 
 # By GPU: the compute capability Triton compiles for, the most shared memory a program may use.
 GPUS = {"T4": 75, "A100": 80, "H100": 90}

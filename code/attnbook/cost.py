@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from attnbook.conventions import (
+from attnbook.checks import (
     check_array,
     check_bool,
     check_callable,

@@ -32,7 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attnbook.conventions import (
+from attnbook.attention import compute_dtype
+from attnbook.checks import (
     check_bool,
     check_callable,
     check_choice,
@@ -43,7 +44,6 @@ from attnbook.conventions import (
     check_positive,
     check_real,
     check_tensor,
-    compute_dtype,
 )
 
 

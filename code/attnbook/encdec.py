@@ -16,26 +16,24 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from attnbook.blocks import TransformerBlock
-from attnbook.conventions import (
-    check_alias,
+from attnbook.checks import (
     check_bool,
     check_choice,
+    check_divisible,
     check_instance,
     check_int,
     check_mask,
     check_tensor,
     check_token_ids,
 )
-from attnbook.heads import ATTENTION_BACKENDS
+from attnbook.layers import ATTENTION_BACKENDS, Block, BlockConfig
 from attnbook.masks import attention_mask, padding_mask
 from attnbook.positions import sinusoidal_encoding
 
 
 @dataclass
 class EncoderDecoderConfig:
-    """The sizes of an EncoderDecoder; `context_length` (deprecated alias: `max_len`) is the
-    longest source or target, 64 by default. By default num_decoder_layers = num_layers and
+    """The sizes of an EncoderDecoder; `context_length` is the longest source or target. By default num_decoder_layers = num_layers and
     d_ff = 4 * d_model; norm_first=False is post-norm; `backend` as in chapter 10's GPTConfig."""
 
     src_vocab: int
@@ -45,7 +43,7 @@ class EncoderDecoderConfig:
     num_layers: int = 2
     num_decoder_layers: int | None = None
     d_ff: int | None = None
-    context_length: int | None = None
+    context_length: int = 64
     dropout: float = 0.1
     pad_id: int = 0
     bos_id: int = 1
@@ -54,22 +52,18 @@ class EncoderDecoderConfig:
     norm_first: bool = True
     activation: str = "relu"
     backend: str = "sdpa"
-    max_len: int | None = None  # deprecated alias of context_length
 
     def __post_init__(self) -> None:
         if self.num_decoder_layers is None:
             self.num_decoder_layers = self.num_layers
         for name in ("src_vocab", "tgt_vocab", "d_model", "num_heads", "num_layers",
-                     "num_decoder_layers"):
+                     "num_decoder_layers", "context_length"):
             setattr(self, name, check_int(name, getattr(self, name), minimum=1))
-        self.context_length = self.max_len = check_int(*check_alias(
-            "context_length", self.context_length, "max_len", self.max_len, 64), 1)
         self.backend = check_choice("backend", self.backend, ATTENTION_BACKENDS)
         self.d_ff = None if self.d_ff is None else check_int("d_ff", self.d_ff, minimum=1)
         self.positions = check_choice("positions", self.positions, ("sinusoidal", "learned"))
         self.norm_first = check_bool("norm_first", self.norm_first)
-        if self.d_model % self.num_heads:
-            raise ValueError(f"num_heads={self.num_heads} does not divide d_model={self.d_model}")
+        check_divisible("d_model", self.d_model, "num_heads", self.num_heads)
         for name, vocab in (("pad_id", min(self.src_vocab, self.tgt_vocab)),
                             ("bos_id", self.tgt_vocab), ("eos_id", self.tgt_vocab)):
             setattr(self, name, check_int(name, getattr(self, name), minimum=0, maximum=vocab - 1))
@@ -109,11 +103,10 @@ class EncoderDecoder(nn.Module):
         super().__init__()
         self.config = c = check_instance("config", config, EncoderDecoderConfig)
         sizes = dict(d_model=c.d_model, num_heads=c.num_heads, d_ff=c.d_ff, dropout=c.dropout,
-                     norm_first=c.norm_first, activation=c.activation, backend=c.backend,
-                     check_inputs=False)  # the model checks its inputs, once
+                     norm_first=c.norm_first, activation=c.activation, backend=c.backend)
         self.src_embed, self.tgt_embed = _Embedding(c.src_vocab, c), _Embedding(c.tgt_vocab, c)
-        self.encoder = nn.ModuleList(TransformerBlock(**sizes) for _ in range(c.num_layers))
-        self.decoder = nn.ModuleList(TransformerBlock(**sizes, cross_attention=True)
+        self.encoder = nn.ModuleList(Block(BlockConfig(**sizes)) for _ in range(c.num_layers))
+        self.decoder = nn.ModuleList(Block(BlockConfig(**sizes, cross_attention=True))
                                      for _ in range(c.num_decoder_layers))
         norm = nn.LayerNorm if c.norm_first else (lambda d: nn.Identity())
         self.encoder_norm, self.decoder_norm = norm(c.d_model), norm(c.d_model)

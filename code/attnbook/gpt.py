@@ -20,11 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attnbook.blocks import TransformerBlock
-from attnbook.conventions import (
-    check_alias,
+from attnbook.checks import (
     check_bool,
-    check_choice,
     check_device,
     check_instance,
     check_int,
@@ -34,44 +31,43 @@ from attnbook.conventions import (
     check_tensor,
     check_token_ids,
 )
-from attnbook.heads import ATTENTION_BACKENDS, LayerCache
+from attnbook.layers import Block, BlockConfig, LayerCache
 
 
-@dataclass
+@dataclass(frozen=True)
 class GPTConfig:
-    """The sizes of a GPT (GPT-2 small's by default); dropout rates left None take `dropout`."""
+    """The sizes of a GPT (GPT-2 small's by default)."""
 
     vocab_size: int = 50257
-    context_length: int | None = None
+    context_length: int = 1024
     d_model: int = 768
     num_layers: int = 12
     num_heads: int = 12
-    d_ff: int | None = None
-    dropout: float = 0.1
+    dropout: float = 0.1  # on the embeddings, the attention weights and the sublayers' outputs
     eps: float = 1e-5
     bias: bool = True
-    max_position: int | None = None
-    attn_dropout: float | None = None
-    embd_dropout: float | None = None
     backend: str = "sdpa"
 
     def __post_init__(self) -> None:
-        self.backend = check_choice("backend", self.backend, ATTENTION_BACKENDS)
-        for name in ("vocab_size", "d_model", "num_layers", "num_heads"):
-            setattr(self, name, check_int(name, getattr(self, name), minimum=1))
-        self.context_length = self.max_position = check_int(*check_alias(
-            "context_length", self.context_length, "max_position", self.max_position, 1024), 1)
-        self.d_ff = check_int("d_ff", 4 * self.d_model if self.d_ff is None else self.d_ff, 1)
-        if self.d_model % self.num_heads:
-            raise ValueError(f"num_heads={self.num_heads} does not divide d_model={self.d_model}")
-        for name in ("dropout", "attn_dropout", "embd_dropout"):  # the last two default to dropout
-            rate = getattr(self, name)
-            setattr(self, name, check_probability(name, self.dropout if rate is None else rate))
-        self.eps, self.bias = check_positive("eps", self.eps), check_bool("bias", self.bias)
+        for name in ("vocab_size", "context_length", "d_model", "num_layers", "num_heads"):
+            object.__setattr__(self, name, check_int(name, getattr(self, name), 1))
+        object.__setattr__(self, "dropout", check_probability("dropout", self.dropout))
+        object.__setattr__(self, "eps", check_positive("eps", self.eps))
+        self.block  # noqa: B018 (BlockConfig checks the rest: the heads, bias and backend)
+
+    @property
+    def d_ff(self) -> int:
+        return 4 * self.d_model
 
     @property
     def head_dim(self) -> int:
         return self.d_model // self.num_heads
+
+    @property
+    def block(self) -> BlockConfig:
+        return BlockConfig(self.d_model, self.num_heads, self.d_ff, self.dropout, norm_first=True,
+                           activation="gelu_tanh", eps=self.eps, bias=self.bias, ff_dropout=0.0,
+                           backend=self.backend)  # no dropout inside the FFN, as in GPT-2
 
 
 # chapters/10-gpt.md, "The model"
@@ -83,13 +79,8 @@ class GPT(nn.Module):
         self.config = c = check_instance("config", config, GPTConfig)
         self.tok_emb = nn.Embedding(c.vocab_size, c.d_model)
         self.pos_emb = nn.Embedding(c.context_length, c.d_model)
-        self.drop = nn.Dropout(c.embd_dropout)
-        self.blocks = nn.ModuleList(
-            TransformerBlock(c.d_model, c.num_heads, c.d_ff, c.dropout, norm_first=True,
-                             activation="gelu_tanh", eps=c.eps, bias=c.bias,
-                             attn_dropout=c.attn_dropout, ff_dropout=0.0,  # GPT-2's places
-                             backend=c.backend, check_inputs=False)
-            for _ in range(c.num_layers))
+        self.drop = nn.Dropout(c.dropout)
+        self.blocks = nn.ModuleList(Block(c.block) for _ in range(c.num_layers))
         self.norm_f = nn.LayerNorm(c.d_model, eps=c.eps, bias=c.bias)
         for module in self.modules():  # GPT-2's initialisation
             if isinstance(module, (nn.Linear, nn.Embedding)):
@@ -167,11 +158,15 @@ class GPT(nn.Module):
         if not torch.equal(model.lm_head.weight, body.wte.weight):
             raise ValueError("model.lm_head.weight must equal model.transformer.wte.weight (tied)")
         (vocab, d), attn = body.wte.weight.shape, body.h[0].attn  # sizes from the modules
+        if (d_ff := body.h[0].mlp.c_fc.weight.shape[1]) != 4 * d:
+            raise ValueError(f"model's feed-forward width {d_ff} is not 4 * {d}, GPT-2's")
+        rates = {"resid_pdrop": attn.resid_dropout.p, "attn_pdrop": attn.attn_dropout.p,
+                 "embd_pdrop": body.drop.p}
+        if len(set(rates.values())) > 1:
+            raise ValueError(f"model's dropout rates differ, {rates}: GPTConfig has one rate")
         config = GPTConfig(vocab_size=vocab, context_length=body.wpe.weight.shape[0], d_model=d,
-                           num_layers=len(body.h), num_heads=attn.num_heads,
-                           d_ff=body.h[0].mlp.c_fc.weight.shape[1], eps=body.ln_f.eps,
-                           dropout=attn.resid_dropout.p, attn_dropout=attn.attn_dropout.p,
-                           embd_dropout=body.drop.p)
+                           num_layers=len(body.h), num_heads=attn.num_heads, eps=body.ln_f.eps,
+                           dropout=attn.resid_dropout.p)
         ours = cls(config).to(device=body.wte.weight.device, dtype=body.wte.weight.dtype)
         with torch.no_grad():
             ours.tok_emb.weight.copy_(body.wte.weight)
@@ -231,8 +226,8 @@ class KVCache:
         shape = tuple(check_int(name, value, minimum=1) for name, value in sizes.items())
         device = None if device is None else check_device("device", device)
         self.keys, self.values = (torch.zeros(shape, dtype=dtype, device=device) for _ in range(2))
-        self.layers = [LayerCache(k, v) for k, v in zip(self.keys, self.values)]  # views
-        self.batch_size, self.capacity = shape[1], shape[3]
+        self.layers = [LayerCache._over(k, v) for k, v in zip(self.keys, self.values)]  # views
+        self.capacity = shape[3]
 
     @property
     def length(self) -> int:

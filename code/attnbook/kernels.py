@@ -23,7 +23,7 @@ import triton  # compiled, or interpreted after use_triton_interpreter() without
 import triton.language as tl
 
 # flash_attention's checks (chapter 16)
-from attnbook.conventions import (  # noqa: F401
+from attnbook.checks import (  # noqa: F401
     check_bool,
     check_choice,
     check_int,
@@ -413,6 +413,14 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     return _FlashAttention.apply(q, k, v, causal, scale)
 
 
+def _flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                     scale: float) -> torch.Tensor:
+    """flash_attention on arguments its caller has checked (chapter 3's Triton backend): only
+    whether the kernels can run on q's device is checked, with no call of appendix A's checks."""
+    _check_mode(q.device)
+    return _FlashAttention.apply(q, k, v, causal, scale)
+
+
 class _FlashAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, causal: bool, scale: float):
@@ -437,15 +445,7 @@ def _check_inputs(q, k, v) -> None:
         check_tensor(name, t, ndim=4)
         if t.numel() == 0:
             raise ValueError(f"{name} must not be empty, got shape {tuple(t.shape)}")
-    if not INTERPRETED and q.device.type != "cuda":
-        raise ValueError(f"q is on device {q.device}, but the kernels were compiled for the GPU: "
-                         "use 'cuda', or call attnbook.triton_mode.use_triton_interpreter() "
-                         "(or set TRITON_INTERPRET=1) before anything imports triton")
-    if _MIXED:
-        raise RuntimeError("triton was imported in compiled mode before TRITON_INTERPRET=1 was "
-                           "set, so the interpreted kernels cannot call its library: call "
-                           "attnbook.triton_mode.use_triton_interpreter() before anything "
-                           "imports triton")
+    _check_mode(q.device)
     dtypes = [torch.float16, torch.float32]
     if not INTERPRETED and torch.cuda.get_device_capability(q.device) >= (8, 0):
         dtypes.append(torch.bfloat16)  # the interpreter's tl.dot multiplies its bits as integers
@@ -457,3 +457,16 @@ def _check_inputs(q, k, v) -> None:
         raise ValueError(f"head_dim = q.shape[-1] must be 16, 32, 64 or 128, got {D}")
     check_tensor("k", k, dtype=q.dtype, device=q.device, shape=(B, H, None, D))
     check_tensor("v", v, dtype=q.dtype, device=q.device, shape=tuple(k.shape))
+
+
+def _check_mode(device: torch.device) -> None:
+    """Refuse a device the kernels cannot run on, in the mode Triton was imported in."""
+    if not INTERPRETED and device.type != "cuda":
+        raise ValueError(f"q is on device {device}, but the kernels were compiled for the GPU: "
+                         "use 'cuda', or call attnbook.triton_mode.use_triton_interpreter() "
+                         "(or set TRITON_INTERPRET=1) before anything imports triton")
+    if _MIXED:
+        raise RuntimeError("triton was imported in compiled mode before TRITON_INTERPRET=1 was "
+                           "set, so the interpreted kernels cannot call its library: call "
+                           "attnbook.triton_mode.use_triton_interpreter() before anything "
+                           "imports triton")

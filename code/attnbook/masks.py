@@ -17,8 +17,8 @@ from typing import Literal
 
 import torch
 
-from attnbook.conventions import check_bool, check_choice, check_device, check_int
-from attnbook.heads import causal_mask as causal_mask  # chapter 3's, offered here with the rest
+from attnbook.checks import check_bool, check_choice, check_device, check_int
+from attnbook.layers import causal_mask as causal_mask  # chapter 3's, offered here with the rest
 
 
 # chapters/06-masks.md, "Padding"

@@ -10,6 +10,7 @@ __all__ = [
     "glue",
     "DIGITS_SUFFIX",
     "median_seconds",
+    "flop_counter",
     "PROFILES",
     "Runtime",
     "runtime",
@@ -32,7 +33,7 @@ from dataclasses import dataclass
 from numbers import Integral, Real
 from pathlib import Path
 
-from attnbook.conventions import check_choice, check_int, check_positive  # noqa: F811 (notebook)
+from attnbook.checks import check_choice, check_int, check_positive  # noqa: F811 (notebook)
 
 
 def significant(value: float, digits: int) -> float:
@@ -131,6 +132,24 @@ def median_seconds(*calls: Callable[[], object], repeats: int = 5, batch_seconds
              for fn in calls]
     rounds = [[seconds(fn, n) / n for fn, n in zip(calls, batch)] for _ in range(repeats)]
     return [statistics.median(column) for column in zip(*rounds)]
+
+
+# chapters/a1-conventions.md, "Counting FLOPs on every path"
+_CPU_SDPA = {"_scaled_dot_product_flash_attention_for_cpu": "sdpa_flop",
+             "_scaled_dot_product_flash_attention_for_cpu_backward": "sdpa_backward_flop"}
+
+
+def flop_counter():
+    """PyTorch's FlopCounterMode(display=False), told the formulas of SDPA's fused CPU kernel
+    (PyTorch's own, which it uses for the GPU kernels), so that every path counts the same."""
+    import torch
+    from torch.utils import flop_counter as counter  # imports Triton: only when counting
+
+    for name, formula in _CPU_SDPA.items():
+        op = getattr(torch.ops.aten, name)
+        if op not in counter.flop_registry:
+            counter.register_flop_formula(op, get_raw=True)(getattr(counter, formula))
+    return counter.FlopCounterMode(display=False)
 
 
 # chapters/a1-conventions.md, "Choosing the device and the sizes"

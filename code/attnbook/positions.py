@@ -17,13 +17,13 @@ import math
 import numpy as np
 import torch
 
-from attnbook.conventions import (
+from attnbook.attention import compute_dtype
+from attnbook.checks import (
     check_array,
     check_device,
     check_int,
     check_positive,
     check_tensor,
-    compute_dtype,
 )
 
 

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F  # noqa: F811 (notebook)
 from torch import nn
 
-from attnbook.conventions import (  # noqa: F811 (notebook)
+from attnbook.checks import (  # noqa: F811 (notebook)
     check_instance,
     check_int,
     check_probability,

@@ -16,7 +16,7 @@ __all__ = [
 import numpy as np
 
 from attnbook.attention import softmax
-from attnbook.basic_checks import check_array, check_bool, check_int
+from attnbook.checks import check_array, check_bool, check_int
 
 _BLOCK = 2**21  # how many random numbers (or Jacobian entries) to hold in memory at once
 

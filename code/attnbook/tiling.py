@@ -24,8 +24,8 @@ from dataclasses import dataclass  # noqa: F401 (GPUSpec, chapter 14)
 
 import numpy as np
 
-from attnbook.attention import check_qkv, divide_or_zero
-from attnbook.basic_checks import (  # noqa: F401 (check_choice, check_positive, check_real: ch. 14)
+from attnbook.attention import check_qkv, compute_dtype, divide_or_zero
+from attnbook.checks import (  # noqa: F401 (check_choice, check_positive, check_real: ch. 14)
     check_array,
     check_bool,
     check_choice,
@@ -34,7 +34,6 @@ from attnbook.basic_checks import (  # noqa: F401 (check_choice, check_positive,
     check_positive,
     check_real,
     check_scale,
-    compute_dtype,
 )
 
 

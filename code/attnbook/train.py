@@ -57,7 +57,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from attnbook.conventions import check_instance, check_int, check_real
+from attnbook.checks import check_instance, check_int, check_real
 from attnbook.corpus import python_topics
 from attnbook.gpt import GPT, CharTokenizer, GPTConfig
 from attnbook.recipe import (

@@ -17,17 +17,17 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from attnbook.blocks import TransformerBlock
-from attnbook.conventions import (
+from attnbook.checks import (
     check_bool,
     check_choice,
+    check_divisible,
     check_instance,
     check_int,
     check_positive,
     check_probability,
     check_tensor,
 )
-from attnbook.heads import ATTENTION_BACKENDS
+from attnbook.layers import ATTENTION_BACKENDS, Block, BlockConfig
 
 
 def patchify(images: torch.Tensor, patch_size: int) -> torch.Tensor:
@@ -78,9 +78,7 @@ class ViTConfig:
         if self.image_size % self.patch_size:
             raise ValueError(f"image_size={self.image_size} is not a multiple of "
                              f"patch_size={self.patch_size}")
-        if self.d_model % self.num_heads:
-            raise ValueError(f"d_model={self.d_model} is not divisible by "
-                             f"num_heads={self.num_heads}")
+        check_divisible("d_model", self.d_model, "num_heads", self.num_heads)
 
     @property
     def num_patches(self) -> int:
@@ -100,9 +98,8 @@ class ViT(nn.Module):
         nn.init.normal_(self.position, std=0.02)
         self.dropout = nn.Dropout(c.dropout)
         self.blocks = nn.ModuleList(
-            TransformerBlock(c.d_model, c.num_heads, c.d_ff, c.dropout, norm_first=True,
-                             activation="gelu", eps=c.eps, backend=c.backend,
-                             check_inputs=False)  # forward checks the images, once
+            Block(BlockConfig(c.d_model, c.num_heads, c.d_ff, c.dropout, norm_first=True,
+                              activation="gelu", eps=c.eps, backend=c.backend))  # unchecked
             for _ in range(c.num_layers))
         self.norm = nn.LayerNorm(c.d_model, eps=c.eps)
         self.head = nn.Linear(c.d_model, c.num_classes)

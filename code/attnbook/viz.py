@@ -22,7 +22,7 @@ import re
 import numpy as np
 import torch
 
-from attnbook.conventions import check_array, check_instance, check_int, check_real
+from attnbook.checks import check_array, check_instance, check_int, check_real
 
 
 def explorer_weights(tokens, weights, atol: float | None = None) -> np.ndarray:

@@ -1,10 +1,23 @@
 # Do not edit: tools/tangle.py generates this file from chapters/a1-conventions.md.
-"""The package's argument checks: one error policy, one check per concept.
+"""The package's argument checks: one error policy, one check per concept. It imports PyTorch only
+when a tensor is checked, so the NumPy chapters use it without loading PyTorch.
 
 Built and explained in the book's chapter chapters/a1-conventions.md.
 """
 
 __all__ = [
+    "type_error",
+    "check_int",
+    "check_bool",
+    "check_real",
+    "check_probability",
+    "check_positive",
+    "check_scale",
+    "check_choice",
+    "check_divisible",
+    "check_instance",
+    "check_callable",
+    "check_array",
     "check_device",
     "check_token_ids",
     "check_tensor",
@@ -13,27 +26,124 @@ __all__ = [
 ]
 
 # chapters/a1-conventions.md, "One way to check an argument"
-import torch
+import math
+import numbers
+import operator
+from collections.abc import Collection
+from typing import TYPE_CHECKING
 
-from attnbook.basic_checks import (  # noqa: F401, F811 (gathered: every check from one module)
-    check_alias,
-    check_array,
-    check_bool,
-    check_callable,
-    check_choice,
-    check_instance,
-    check_int,
-    check_positive,
-    check_probability,
-    check_real,
-    check_scale,
-    compute_dtype,
-    type_error,
-)
+import numpy as np
+
+if TYPE_CHECKING:  # for the annotations only: the tensor checks import torch when they run
+    import torch
 
 
-def check_device(name: str, device) -> torch.device:
+def type_error(name: str, value, wanted: str) -> TypeError:
+    """The TypeError of the package's policy: `name` must be `wanted`, and what it got."""
+    return TypeError(f"{name} must be {wanted}, got {name}={value!r} of type {type(value).__name__}")
+
+
+def check_int(name: str, value, minimum: int | None = None, maximum: int | None = None) -> int:
+    """`value` as a Python int from `minimum` to `maximum`: not a bool, a float or a string.
+    Whatever Python can use as an index counts, such as np.int64(3) or a 0-d integer tensor."""
+    try:  # a bool tensor's dtype is named, so that this module needs no torch
+        if isinstance(value, (bool, np.bool_)) or str(getattr(value, "dtype", "")) == "torch.bool":
+            raise TypeError
+        number = operator.index(value)
+    except TypeError:
+        raise type_error(name, value, "an int") from None
+    if minimum is not None and number < minimum:
+        raise ValueError(f"{name} must be at least {minimum}, got {name}={value!r}")
+    if maximum is not None and number > maximum:
+        raise ValueError(f"{name} must be at most {maximum}, got {name}={value!r}")
+    return number
+
+
+def check_bool(name: str, value) -> bool:
+    """`value` as a bool: True or False, not 1, "yes" or None."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise type_error(name, value, "True or False")
+    return bool(value)
+
+
+def check_real(name: str, value, low: float = -math.inf, high: float = math.inf, *,
+               open_low: bool = False, open_high: bool = False) -> float:
+    """`value` as a finite float in the interval from `low` to `high` (closed unless open_*)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise type_error(name, value, "a real number")
+    value = float(value)
+    above = value > low if open_low else value >= low
+    below = value < high if open_high else value <= high
+    if not (math.isfinite(value) and above and below):
+        interval = f" in {'(' if open_low else '['}{low}, {high}{')' if open_high else ']'}"
+        interval = "" if (low, high) == (-math.inf, math.inf) else interval
+        raise ValueError(f"{name} must be a finite number{interval}, got {name}={value!r}")
+    return value
+
+
+def check_probability(name: str, value) -> float:
+    """A probability, such as a dropout rate: a number in [0, 1]."""
+    return check_real(name, value, 0.0, 1.0)
+
+
+def check_positive(name: str, value) -> float:
+    """A finite number above 0, such as an epsilon, a base or a temperature."""
+    return check_real(name, value, 0.0, open_low=True)
+
+
+def check_scale(scale, head_dim: int) -> float:
+    """The factor applied to q·k: 1/sqrt(head_dim) for None, else any finite number."""
+    return head_dim ** -0.5 if scale is None else check_real("scale", scale)
+
+
+def check_choice(name: str, value, choices: Collection[str]) -> str:
+    """One of `choices`, given as a string."""
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"{name} must be one of {sorted(choices)}, got {name}={value!r}")
+    return value
+
+
+def check_divisible(name: str, value: int, by_name: str, by: int) -> int:
+    """`value`, which `by` divides: a width that heads share, heads that groups share."""
+    if value % by:
+        raise ValueError(f"{name}={value} is not divisible by {by_name}={by}")
+    return value
+
+
+def check_instance(name: str, value, kind: type):
+    """`value`, an instance of `kind` (a class, or a tuple of classes)."""
+    if not isinstance(value, kind):
+        names = " or ".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))
+        raise type_error(name, value, f"an instance of {names}")
+    return value
+
+
+def check_callable(name: str, value):
+    """`value`, something that can be called: a function, a lambda, a module."""
+    if not callable(value):
+        raise type_error(name, value, "callable")
+    return value
+
+
+# chapters/a1-conventions.md, "One way to check an argument"
+def check_array(name: str, x, min_ndim: int = 0) -> np.ndarray:
+    """`x` as a NumPy array of real numbers with at least `min_ndim` axes; integers become float64."""
+    x = np.asarray(x)
+    if np.issubdtype(x.dtype, np.integer):
+        x = x.astype(np.float64)
+    elif not np.issubdtype(x.dtype, np.floating):
+        raise TypeError(f"{name} must hold real numbers, got {name} of dtype {x.dtype}")
+    if x.ndim < min_ndim:
+        axes = "dimension" if min_ndim == 1 else "dimensions"
+        raise ValueError(f"{name} must have at least {min_ndim} {axes}, got shape {x.shape}")
+    return x
+
+
+# chapters/a1-conventions.md, "One way to check an argument"
+def check_device(name: str, device) -> "torch.device":
     """`device` (a string or torch.device) as a torch.device that this machine has."""
+    import torch  # here, not at the top: the NumPy chapters import this module without torch
+
     try:
         found = torch.device(device)
     except (RuntimeError, TypeError):
@@ -54,9 +164,11 @@ def check_device(name: str, device) -> torch.device:
     return found
 
 
-def _same_device(actual: torch.device, wanted) -> bool:
+def _same_device(actual: "torch.device", wanted) -> bool:
     """Whether a tensor on `actual` is on `wanted`: "cuda" is the current GPU, and "cpu:0" is
     "cpu" (PyTorch has one CPU device; a CPU tensor's device has no index)."""
+    import torch
+
     wanted = torch.device(wanted)
     if actual.type != wanted.type:
         return False
@@ -68,12 +180,14 @@ def _same_device(actual: torch.device, wanted) -> bool:
 
 
 def check_token_ids(name: str, ids, vocab_size: int, shape: tuple[int | None, ...] | None = None,
-                    device: torch.device | None = None) -> torch.Tensor:
+                    device: "torch.device | None" = None) -> "torch.Tensor":
     """`ids`, an integer tensor (unsigned dtypes included) with every id in [0, vocab_size), of
     `shape` (None entries allow any size) on `device`, as int64.
 
     int64, so that a label such as -100 can be stored next to them: in uint8 it would wrap to 156.
     """
+    import torch
+
     vocab_size = check_int("vocab_size", vocab_size, 1)
     if not isinstance(ids, torch.Tensor):
         raise type_error(name, ids, "a torch.Tensor of integer ids")
@@ -95,7 +209,7 @@ def check_token_ids(name: str, ids, vocab_size: int, shape: tuple[int | None, ..
     return ids
 
 
-def _check_shape_and_device(name: str, x: torch.Tensor, shape, device) -> None:
+def _check_shape_and_device(name: str, x: "torch.Tensor", shape, device) -> None:
     if shape is not None and (x.dim() != len(shape)
                               or any(s not in (None, n) for s, n in zip(shape, x.shape))):
         wanted = ", ".join("*" if s is None else str(s) for s in shape)
@@ -105,12 +219,14 @@ def _check_shape_and_device(name: str, x: torch.Tensor, shape, device) -> None:
 
 
 def check_tensor(name: str, x, ndim: int | tuple[int, ...] | None = None,
-                 size: int | None = None, dtype: torch.dtype | None = None,
-                 device: torch.device | None = None,
-                 shape: tuple[int | None, ...] | None = None) -> torch.Tensor:
+                 size: int | None = None, dtype: "torch.dtype | None" = None,
+                 device: "torch.device | None" = None,
+                 shape: tuple[int | None, ...] | None = None) -> "torch.Tensor":
     """`x`, a floating-point torch.Tensor with `ndim` dimensions (one count or a tuple of them),
     a last dimension of `size`, the given `dtype` and `device`, and `shape`, whose None entries
     allow any size; None means any."""
+    import torch
+
     if not isinstance(x, torch.Tensor):
         raise type_error(name, x, "a torch.Tensor")
     if not x.is_floating_point() or dtype not in (None, x.dtype):
@@ -126,8 +242,10 @@ def check_tensor(name: str, x, ndim: int | tuple[int, ...] | None = None,
     return x
 
 
-def check_mask(name: str, mask, shape: tuple[int, ...], device: torch.device | None = None):
+def check_mask(name: str, mask, shape: tuple[int, ...], device: "torch.device | None" = None):
     """`mask`, a bool tensor (True = may attend) that broadcasts to `shape`, on `device`."""
+    import torch
+
     if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
         got = f"dtype {mask.dtype}" if isinstance(mask, torch.Tensor) else type(mask).__name__
         raise TypeError(f"{name} must be a torch.bool tensor, True = may attend (a float mask, "
@@ -141,7 +259,7 @@ def check_mask(name: str, mask, shape: tuple[int, ...], device: torch.device | N
     return mask
 
 
-def check_writable(name: str, x: torch.Tensor) -> torch.Tensor:
+def check_writable(name: str, x: "torch.Tensor") -> "torch.Tensor":
     """`x`, a tensor that an in-place write can fill: no two of its elements share memory, as
     they do along a dimension of stride 0 (an expanded tensor)."""
     for stride, size in zip(x.stride(), x.shape):  # a loop, not any(): no generator to run

@@ -1,41 +1,58 @@
-# Do not edit: tools/tangle.py generates this file from chapters/03-heads.md and chapters/04-heads-at-work.md.
-"""Multi-head attention in PyTorch: the attention core, shared key/value heads, one layer's KV
-cache, and a copy of torch.nn.MultiheadAttention.
+# Do not edit: tools/tangle.py generates this file from chapters/03-heads.md and chapters/04-heads-at-work.md and chapters/07-blocks.md.
+"""The layers of a Transformer: multi-head attention with its fast path and KV cache, the feed-
+forward network, RMSNorm and the block, each a core built from a config and a checked public
+layer.
 
-Built and explained in the book's chapters chapters/03-heads.md and chapters/04-heads-at-work.md.
+Built and explained in the book's chapters chapters/03-heads.md and chapters/04-heads-at-work.md and chapters/07-blocks.md.
 """
 
 __all__ = [
     "causal_mask",
     "attend",
     "ATTENTION_BACKENDS",
+    "AttentionConfig",
+    "Attention",
     "MultiHeadAttention",
     "from_torch",
     "LayerCache",
     "head_gate_grad",
     "mask_heads",
+    "FeedForward",
+    "RMSNorm",
+    "BlockConfig",
+    "Block",
+    "TransformerBlock",
+    "from_torch_encoder_layer",
 ]
 
 # chapters/03-heads.md, "The attention core"
-import sys
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attnbook.conventions import (
+from attnbook.attention import compute_dtype
+from attnbook.checks import (
     check_bool,
     check_choice,
     check_device,
+    check_divisible,
     check_instance,
     check_int,
     check_mask,
+    check_positive,  # noqa: F401 (chapter 7's block)
     check_probability,
     check_scale,
     check_tensor,
     check_writable,  # noqa: F401 (chapter 4's LayerCache)
-    compute_dtype,
 )
+
+
+def _causal_mask(q_len: int, k_len: int, device: torch.device | None) -> torch.Tensor:
+    """causal_mask's computation, for sizes the caller has checked."""
+    query_positions = torch.arange(q_len, device=device)[:, None] + (k_len - q_len)  # (Lq, 1)
+    return torch.arange(k_len, device=device)[None, :] <= query_positions  # (Lq, Lk)
 
 
 def causal_mask(q_len: int, k_len: int | None = None, *,
@@ -44,9 +61,7 @@ def causal_mask(q_len: int, k_len: int | None = None, *,
     the queries are the last q_len of the k_len positions (bottom-right). k_len defaults to q_len."""
     q_len = check_int("q_len", q_len, 1)
     k_len = q_len if k_len is None else check_int("k_len", k_len, 1)
-    device = None if device is None else check_device("device", device)
-    query_positions = torch.arange(q_len, device=device)[:, None] + (k_len - q_len)  # (Lq, 1)
-    return torch.arange(k_len, device=device)[None, :] <= query_positions  # (Lq, Lk)
+    return _causal_mask(q_len, k_len, None if device is None else check_device("device", device))
 
 
 def _masked_softmax(scores: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -91,32 +106,11 @@ def _check_qkv(q, k, v) -> tuple[torch.Tensor, ...]:
     v = check_tensor("v", v, 4, dtype=q.dtype, device=q.device, shape=(*k.shape[:3], None))
     for name, size in (("k.shape[1]", k.shape[1]), ("k.shape[2]", k.shape[2]), ("q.shape[3]", d)):
         check_int(name, size, 1)  # a head, a key and a feature at least
-    _check_divisible("q.shape[1]", h, "kv_heads", k.shape[1])
+    check_divisible("q.shape[1]", h, "kv_heads", k.shape[1])
     return q, k, v
 
 
-def _check_divisible(name: str, value: int, by_name: str, by: int) -> None:
-    if value % by:
-        raise ValueError(f"{name}={value} is not divisible by {by_name}={by}")
-
-
 # chapters/03-heads.md, "The fast path"
-_CPU_SDPA = {"_scaled_dot_product_flash_attention_for_cpu": "sdpa_flop",
-             "_scaled_dot_product_flash_attention_for_cpu_backward": "sdpa_backward_flop"}
-
-
-def _count_cpu_sdpa_flops() -> None:
-    """Give PyTorch's FLOP counter, if something has imported it, PyTorch's own formulas for
-    SDPA's CPU kernel. (Importing it here would import Triton, whose mode chapter 15 chooses.)"""
-    counter = sys.modules.get("torch.utils.flop_counter")
-    if counter is None:  # nobody counts
-        return
-    for name, formula in _CPU_SDPA.items():
-        op = getattr(torch.ops.aten, name)
-        if op not in counter.flop_registry:
-            counter.register_flop_formula(op, get_raw=True)(getattr(counter, formula))
-
-
 ATTENTION_BACKENDS = ("explicit", "sdpa", "triton")  # attend, PyTorch's SDPA, chapter 15's kernel
 
 
@@ -124,25 +118,19 @@ def _fast_attention(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
                     mask: torch.Tensor | None, is_causal: bool, dropout_p: float) -> torch.Tensor:
     """attend's outputs (B, H, Lq, dv) without the weights, by SDPA or chapter 15's kernel;
     `is_causal` aligns bottom-right and a query with no allowed key gets zeros, as in attend."""
-    if q.device.type == "cpu" and q.dtype in (torch.float16, torch.bfloat16):
-        # 2-byte data computed in float32, as attend does (appendix A); PyTorch's own CPU
-        # kernel for bfloat16 also stops on processors without AVX-512 ("pack_vnni2")
-        out = _fast_attention(backend, q.float(), k.float(), v.float(), mask, is_causal, dropout_p)
-        return out.to(q.dtype)
     (lq, lk), shared = (q.shape[2], k.shape[2]), q.shape[1] != k.shape[1]
-    _count_cpu_sdpa_flops()
     if is_causal and lq == 1:  # one query, the last position: it may see every key
         is_causal = False
     if mask is not None and mask.dim() < 2:  # a 0-d or (Lk,) mask, as (1, 1) or (1, Lk)
         mask = mask[(None,) * (2 - mask.dim())]
     if backend == "triton" and mask is None and dropout_p == 0.0 and _kernel_takes(q, k, v):
-        from attnbook.kernels import flash_attention  # imports Triton, only when asked for
+        from attnbook.kernels import _flash_attention  # imports Triton, only when asked for
 
         group = q.shape[1] // k.shape[1]  # the kernel has no shared heads: repeat them
         k, v = (t.repeat_interleave(group, dim=1) for t in (k, v))
-        return flash_attention(q, k, v, causal=is_causal)
+        return _flash_attention(q, k, v, is_causal, q.shape[-1] ** -0.5)
     if is_causal and (mask is not None or lq != lk):  # SDPA's is_causal is top-left
-        causal = causal_mask(lq, lk, device=q.device)
+        causal = _causal_mask(lq, lk, q.device)
         mask, is_causal = (causal if mask is None else mask & causal), False
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=is_causal,
@@ -164,71 +152,105 @@ def _kernel_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
 
 
 # chapters/03-heads.md, "The module"
-class MultiHeadAttention(nn.Module):
-    """Multi-head attention, batch first, with `num_kv_heads` (default `num_heads`) key/value
-    heads shared by the query heads. Weights start Xavier-uniform and biases at zero, as in
-    `torch.nn.MultiheadAttention`; `dropout` acts on the attention weights in training mode.
-    `backend` is one of ATTENTION_BACKENDS, used when the weights are not asked for;
-    `check_inputs=False` (for layers inside a model, which checks its own inputs) skips checks."""
+@dataclass(frozen=True)
+class AttentionConfig:
+    """The settings of a multi-head attention layer; `num_kv_heads` None means `num_heads`."""
 
-    def __init__(self, d_model: int, num_heads: int, num_kv_heads: int | None = None,
-                 bias: bool = True, dropout: float = 0.0, backend: str = "sdpa",
-                 check_inputs: bool = True) -> None:
+    d_model: int
+    num_heads: int
+    num_kv_heads: int | None = None
+    bias: bool = True
+    dropout: float = 0.0  # on the attention weights, in training mode
+    backend: str = "sdpa"  # one of ATTENTION_BACKENDS, used when the weights are not asked for
+
+    def __post_init__(self) -> None:
+        for name in ("d_model", "num_heads") + (("num_kv_heads",) * (self.num_kv_heads is not None)):
+            object.__setattr__(self, name, check_int(name, getattr(self, name), 1))
+        check_divisible("d_model", self.d_model, "num_heads", self.num_heads)
+        check_divisible("num_heads", self.num_heads, "num_kv_heads", self.kv_heads)
+        object.__setattr__(self, "dropout", check_probability("dropout", self.dropout))
+        check_bool("bias", self.bias), check_choice("backend", self.backend, ATTENTION_BACKENDS)
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.num_heads
+
+
+# chapters/03-heads.md, "The module"
+class Attention(nn.Module):
+    """Multi-head attention built from an AttentionConfig; its calls are not checked (see
+    MultiHeadAttention). Weights start Xavier-uniform and biases at zero, as in PyTorch's."""
+
+    def __init__(self, config: AttentionConfig) -> None:
         super().__init__()
-        d_model, num_heads = check_int("d_model", d_model, 1), check_int("num_heads", num_heads, 1)
-        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-        num_kv_heads = check_int("num_kv_heads", num_kv_heads, 1)
-        _check_divisible("d_model", d_model, "num_heads", num_heads)
-        _check_divisible("num_heads", num_heads, "num_kv_heads", num_kv_heads)
-        bias, self.dropout = check_bool("bias", bias), check_probability("dropout", dropout)
-        self.backend = check_choice("backend", backend, ATTENTION_BACKENDS)
-        self.check_inputs = check_bool("check_inputs", check_inputs)
-        self.d_model, self.num_heads, self.num_kv_heads = d_model, num_heads, num_kv_heads
-        self.head_dim = d_model // num_heads
-        kv_width = num_kv_heads * self.head_dim
+        self.config, width, kv_width = config, config.d_model, config.kv_heads * config.head_dim
+        self.d_model, self.num_heads, self.num_kv_heads = width, config.num_heads, config.kv_heads
+        self.head_dim, self.dropout, self.backend = config.head_dim, config.dropout, config.backend
         self.q_proj, self.k_proj, self.v_proj, self.out_proj = (  # nn.Linear(d_model, width)
-            nn.Linear(d_model, w, bias=bias) for w in (d_model, kv_width, kv_width, d_model))
+            nn.Linear(width, w, bias=config.bias) for w in (width, kv_width, kv_width, width))
         for proj in (self.q_proj, self.k_proj, self.v_proj, self.out_proj):
             nn.init.xavier_uniform_(proj.weight)
-            if bias:
+            if config.bias:
                 nn.init.zeros_(proj.bias)
 
     def forward(self, x: torch.Tensor, context: torch.Tensor | None = None,
                 mask: torch.Tensor | None = None, is_causal: bool = False,
                 return_weights: bool = False, cache: "LayerCache | None" = None  # noqa: F821
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Attend from x (B, Lq, d_model) to context (B, Lk, d_model; default x): (B, Lq, d_model),
-        and with `return_weights` the weights (B, nh, Lq, Lk). `is_causal` aligns bottom-right;
-        `cache` (self-attention only) is a LayerCache that x's keys and values join first."""
-        if self.check_inputs:
-            _check_attention_call(self, x, context, mask, is_causal, return_weights, cache)
+        """Attend from x (B, Lq, d_model) to context (B, Lk, d_model; default x): the outputs
+        (B, Lq, d_model) and, with `return_weights`, the weights (B, nh, Lq, Lk), else None.
+        `is_causal` aligns bottom-right; `cache` (self-attention only) is a LayerCache that x's
+        keys and values join first."""
         q = _split_heads(self.q_proj(x), self.num_heads)  # (B, nh, Lq, hs)
         source = x if context is None else context
         k, v = (_split_heads(p(source), self.num_kv_heads) for p in (self.k_proj, self.v_proj))
         if cache is not None:
             k, v = cache._append(k, v)  # this chunk's and every earlier position: (B, nkv, Lk, hs)
         dropout_p = self.dropout if self.training else 0.0
-        if return_weights or self.backend == "explicit":
+        two_bytes_on_cpu = q.device.type == "cpu" and q.element_size() == 2
+        if return_weights or self.backend == "explicit" or two_bytes_on_cpu:
             if is_causal:
-                causal = causal_mask(q.shape[2], k.shape[2], device=x.device)
+                causal = _causal_mask(q.shape[2], k.shape[2], x.device)
                 mask = causal if mask is None else mask & causal
             out, weights = _attend(q, k, v, mask, dropout_p, self.head_dim ** -0.5)
         else:
             out, weights = _fast_attention(self.backend, q, k, v, mask, is_causal, dropout_p), None
-        out = self.out_proj(out.transpose(1, 2).flatten(2))  # (B, Lq, d_model)
-        return (out, weights) if return_weights else out
+        return self.out_proj(out.transpose(1, 2).flatten(2)), weights  # (B, Lq, d_model), ...
 
 
-# chapters/03-heads.md, "The module"
 def _split_heads(t: torch.Tensor, heads: int) -> torch.Tensor:
     """(B, L, heads * hs) -> (B, heads, L, hs)."""
     b, length, width = t.shape
     return t.view(b, length, heads, width // heads).transpose(1, 2)
 
 
-def _check_attention_call(layer: MultiHeadAttention, x, context, mask, is_causal,
-                          return_weights, cache) -> None:
-    """Refuse, naming the argument, what MultiHeadAttention.forward cannot compute."""
+# chapters/03-heads.md, "The module"
+class MultiHeadAttention(Attention):
+    """Multi-head attention, batch first, with `num_kv_heads` (default `num_heads`) key/value
+    heads shared by the query heads; every call is checked. The arguments are AttentionConfig's."""
+
+    def __init__(self, d_model: int, num_heads: int, num_kv_heads: int | None = None,
+                 bias: bool = True, dropout: float = 0.0, backend: str = "sdpa") -> None:
+        super().__init__(AttentionConfig(d_model, num_heads, num_kv_heads, bias, dropout, backend))
+
+    def forward(self, x: torch.Tensor, context: torch.Tensor | None = None,
+                mask: torch.Tensor | None = None, is_causal: bool = False,
+                return_weights: bool = False, cache: "LayerCache | None" = None  # noqa: F821
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Attention.forward, after checking the call: the outputs, and the weights only with
+        `return_weights`."""
+        _check_attention_call(self, x, context, mask, is_causal, return_weights, cache)
+        out, weights = super().forward(x, context, mask, is_causal, return_weights, cache)
+        return (out, weights) if return_weights else out
+
+
+def _check_attention_call(layer: Attention, x, context, mask, is_causal, return_weights,
+                          cache) -> None:
+    """Refuse, naming the argument, what Attention.forward cannot compute."""
     x = _check_tokens("x", x, layer.q_proj.weight)
     if context is not None:
         _check_tokens("context", context, layer.k_proj.weight, batch=x.shape[0])
@@ -319,6 +341,14 @@ class LayerCache:
             raise ValueError("keys and values are the same memory: give each its own storage")
         self.length = 0
 
+    @classmethod
+    def _over(cls, keys: torch.Tensor, values: torch.Tensor) -> "LayerCache":
+        """A LayerCache over storage that its caller allocated itself (chapter 10's KVCache), so
+        that there is nothing to check."""
+        cache = cls.__new__(cls)
+        cache.keys, cache.values, cache.length = keys, values, 0
+        return cache
+
     @property
     def capacity(self) -> int:
         return self.keys.shape[2]
@@ -353,7 +383,7 @@ def _check_fits(cache: LayerCache, n: int, requires_grad: bool) -> None:
         raise ValueError("k and v require grad: use a LayerCache under torch.no_grad()")
 
 
-def _check_cache(cache: LayerCache, layer: MultiHeadAttention, x: torch.Tensor) -> None:
+def _check_cache(cache: LayerCache, layer: Attention, x: torch.Tensor) -> None:  # noqa: F821
     """A cache that the keys and values of `layer` for x (B, n, d_model) fit, as append checks."""
     b, hkv, hs, w = x.shape[0], layer.num_kv_heads, layer.head_dim, layer.k_proj.weight
     for name in ("keys", "values"):
@@ -366,12 +396,12 @@ def _check_cache(cache: LayerCache, layer: MultiHeadAttention, x: torch.Tensor) 
 
 
 # chapters/04-heads-at-work.md, "Which heads can go"
-def head_gate_grad(attn: MultiHeadAttention) -> torch.Tensor:
+def head_gate_grad(attn: Attention) -> torch.Tensor:
     """The gradient of the last backward pass's loss with respect to a gate g_h on each head's
     output at g_h = 1, (num_heads,), read from out_proj.weight and its .grad (chapter 4,
     "Which heads can go"): the input of out_proj is the heads side by side, so scaling head h by
     g_h scales its block of columns, and dL/dg_h = sum(W[:, block h] * dL/dW[:, block h])."""
-    check_instance("attn", attn, MultiHeadAttention)
+    check_instance("attn", attn, Attention)
     weight = attn.out_proj.weight  # (d_model, nh * hs)
     if weight.grad is None:
         raise ValueError("attn.out_proj.weight.grad is None: call loss.backward() first")
@@ -379,10 +409,10 @@ def head_gate_grad(attn: MultiHeadAttention) -> torch.Tensor:
     return products.sum(dim=(0, 2)).detach()  # (nh,)
 
 
-def mask_heads(attn: MultiHeadAttention, heads) -> MultiHeadAttention:
+def mask_heads(attn: Attention, heads) -> Attention:
     """Silence `heads` (indices from 0 to num_heads - 1) of `attn`, in place: zero their blocks
     of columns of out_proj.weight, so their outputs never reach the layer's output."""
-    check_instance("attn", attn, MultiHeadAttention)
+    check_instance("attn", attn, Attention)
     if isinstance(heads, (str, bytes)) or not hasattr(heads, "__iter__") \
             or getattr(heads, "ndim", 1) != 1:  # an int, None, a 0-d or 2-d array or tensor
         raise TypeError(f"heads must be a sequence of head indices, got heads={heads!r}")
@@ -392,3 +422,176 @@ def mask_heads(attn: MultiHeadAttention, heads) -> MultiHeadAttention:
         for h in heads:
             attn.out_proj.weight[:, h * hs:(h + 1) * hs] = 0.0
     return attn
+
+
+# chapters/07-blocks.md, "The feed-forward network"
+_ACTIVATIONS = {"gelu": nn.GELU, "gelu_tanh": lambda: nn.GELU(approximate="tanh"), "relu": nn.ReLU}
+
+
+# chapters/07-blocks.md, "The feed-forward network"
+class FeedForward(nn.Module):
+    """fc2(dropout(act(fc1(x)))) at each position on its own; d_ff defaults to 4 * d_model."""
+
+    def __init__(self, d_model: int, d_ff: int | None = None, activation: str = "gelu",
+                 dropout: float = 0.0, bias: bool = True) -> None:
+        super().__init__()
+        d_model, bias = check_int("d_model", d_model, 1), check_bool("bias", bias)
+        d_ff = 4 * d_model if d_ff is None else check_int("d_ff", d_ff, 1)
+        self.fc1 = nn.Linear(d_model, d_ff, bias=bias)
+        self.act = _ACTIVATIONS[check_choice("activation", activation, _ACTIVATIONS)]()
+        self.fc2 = nn.Linear(d_ff, d_model, bias=bias)
+        self.dropout = nn.Dropout(check_probability("dropout", dropout))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.dropout(self.act(self.fc1(x))))  # (..., d_model), (..., d_ff) inside
+
+
+# chapters/07-blocks.md, "Normalisation"
+class RMSNorm(nn.Module):
+    """x / sqrt(mean(x**2) + eps) * weight over the last axis, in float32 for float16/bfloat16."""
+
+    def __init__(self, d_model: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = check_positive("eps", eps)
+        self.weight = nn.Parameter(torch.ones(check_int("d_model", d_model, 1)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        work = x.to(compute_dtype(x.dtype))
+        normed = work * torch.rsqrt(work.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        return (normed * self.weight).to(x.dtype)
+
+
+# chapters/07-blocks.md, "The block"
+@dataclass(frozen=True)
+class BlockConfig:
+    """The settings of a Transformer block; d_ff None means 4 * d_model, and attn_dropout and
+    ff_dropout None mean `dropout`."""
+
+    d_model: int
+    num_heads: int
+    d_ff: int | None = None
+    dropout: float = 0.0
+    norm_first: bool = True
+    cross_attention: bool = False
+    activation: str = "gelu"
+    norm: str = "layernorm"
+    eps: float = 1e-5
+    num_kv_heads: int | None = None
+    bias: bool = True
+    attn_dropout: float | None = None
+    ff_dropout: float | None = None
+    backend: str = "sdpa"
+
+    def __post_init__(self) -> None:
+        for name in ("dropout", "attn_dropout", "ff_dropout"):
+            if name == "dropout" or getattr(self, name) is not None:
+                check_probability(name, getattr(self, name))
+        self.attention  # noqa: B018 (AttentionConfig checks the attention's settings)
+        check_bool("norm_first", self.norm_first), check_bool("cross_attention", self.cross_attention)
+        check_choice("activation", self.activation, _ACTIVATIONS)
+        check_choice("norm", self.norm, ("layernorm", "rmsnorm")), check_positive("eps", self.eps)
+        if self.d_ff is not None:
+            check_int("d_ff", self.d_ff, 1)
+
+    @property
+    def attention(self) -> AttentionConfig:
+        rate = self.dropout if self.attn_dropout is None else self.attn_dropout
+        return AttentionConfig(self.d_model, self.num_heads, self.num_kv_heads, self.bias, rate,
+                               self.backend)
+
+
+# chapters/07-blocks.md, "The block"
+class Block(nn.Module):
+    """Self-attention, optional cross-attention and a feed-forward network, each in a residual
+    connection with a normalisation, pre-norm or post-norm; its calls are not checked."""
+
+    def __init__(self, config: BlockConfig) -> None:
+        super().__init__()
+        c = self.config = config
+        self.self_attn, self.attn_norm = Attention(c.attention), _make_norm(c)
+        self.cross_attn = Attention(c.attention) if c.cross_attention else None
+        self.cross_norm = _make_norm(c) if c.cross_attention else None
+        ff_dropout = c.dropout if c.ff_dropout is None else c.ff_dropout
+        self.ff = FeedForward(c.d_model, c.d_ff, c.activation, ff_dropout, c.bias)
+        self.ff_norm, self.dropout = _make_norm(c), nn.Dropout(c.dropout)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None,
+                is_causal: bool = False, context: torch.Tensor | None = None,
+                context_mask: torch.Tensor | None = None, return_weights: bool = False,
+                cache: LayerCache | None = None):
+        """(B, L, d_model) -> (B, L, d_model), and with `return_weights` the self- and cross-
+        attention weights (or None). `mask`, `is_causal` and `cache` go to the self-attention,
+        `context` (B, Lc, d_model) and `context_mask` to the cross-attention, if the block has it."""
+        drop, cross, cross_w = self.dropout, self.cross_attn is not None, None
+        if self.config.norm_first:  # pre-norm: x + f(norm(x))
+            h, self_w = self.self_attn(self.attn_norm(x), None, mask, is_causal, return_weights,
+                                       cache)
+            x = x + drop(h)
+            if cross:
+                h, cross_w = self.cross_attn(self.cross_norm(x), context, context_mask, False,
+                                             return_weights)
+                x = x + drop(h)
+            x = x + drop(self.ff(self.ff_norm(x)))
+        else:  # post-norm: norm(x + f(x))
+            h, self_w = self.self_attn(x, None, mask, is_causal, return_weights, cache)
+            x = self.attn_norm(x + drop(h))
+            if cross:
+                h, cross_w = self.cross_attn(x, context, context_mask, False, return_weights)
+                x = self.cross_norm(x + drop(h))
+            x = self.ff_norm(x + drop(self.ff(x)))
+        return (x, self_w, cross_w) if return_weights else x
+
+
+def _make_norm(c: BlockConfig) -> nn.Module:
+    if c.norm == "rmsnorm":
+        return RMSNorm(c.d_model, c.eps)  # it has no bias
+    return nn.LayerNorm(c.d_model, eps=c.eps, bias=c.bias)
+
+
+# chapters/07-blocks.md, "The block"
+class TransformerBlock(Block):
+    """A Block whose calls are checked; the arguments are BlockConfig's fields."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(BlockConfig(*args, **kwargs))
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None,
+                is_causal: bool = False, context: torch.Tensor | None = None,
+                context_mask: torch.Tensor | None = None, return_weights: bool = False,
+                cache: LayerCache | None = None):
+        """Block.forward, after checking the call."""
+        check_tensor("x", x, 3, size=self.config.d_model)
+        _check_attention_call(self.self_attn, x, None, mask, is_causal, return_weights, cache)
+        if self.cross_attn is None and (context is not None or context_mask is not None):
+            raise ValueError("block has no cross-attention: context and context_mask must be None")
+        if self.cross_attn is not None:
+            if context is None:
+                raise ValueError("block has cross-attention: it needs a context, got context=None")
+            _check_attention_call(self.cross_attn, x, context, context_mask, False, False, None)
+        return super().forward(x, mask, is_causal, context, context_mask, return_weights, cache)
+
+
+# chapters/07-blocks.md, "Checking against PyTorch"
+def from_torch_encoder_layer(layer: nn.TransformerEncoderLayer) -> TransformerBlock:
+    """A TransformerBlock copy of `layer` (batch_first; ReLU or GELU), on its device and dtype."""
+    check_instance("layer", layer, nn.TransformerEncoderLayer)
+    kind = _activation_name(layer.activation)
+    if kind is None or not layer.self_attn.batch_first:
+        raise ValueError("layer must be batch_first with activation relu, gelu or "
+                         f"GELU(approximate='tanh'), got {layer}")
+    ours = TransformerBlock(layer.linear1.in_features, layer.self_attn.num_heads,
+                            d_ff=layer.linear1.out_features, dropout=layer.dropout.p,
+                            norm_first=layer.norm_first, activation=kind, eps=layer.norm1.eps,
+                            bias=layer.linear1.bias is not None).to(layer.linear1.weight)
+    ours.self_attn.load_state_dict(from_torch(layer.self_attn).state_dict())
+    for mine, theirs in [(ours.ff.fc1, layer.linear1), (ours.ff.fc2, layer.linear2),
+                         (ours.attn_norm, layer.norm1), (ours.ff_norm, layer.norm2)]:
+        mine.load_state_dict(theirs.state_dict())
+    return ours.train(layer.training)
+
+
+def _activation_name(fn) -> str | None:
+    """The FeedForward activation that a TransformerEncoderLayer's `activation` computes."""
+    if isinstance(fn, nn.GELU):
+        return "gelu_tanh" if fn.approximate == "tanh" else "gelu"
+    return "relu" if isinstance(fn, nn.ReLU) else {F.relu: "relu", F.gelu: "gelu"}.get(fn)
