@@ -20,12 +20,13 @@ import attnbook
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
-VERSION = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+# Read as UTF-8 everywhere: the README holds Japanese titles, and Windows' default is not UTF-8.
+VERSION = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]["version"]
 
 
 def cff_field(name: str, indent: str = "") -> str:
     """One scalar of CITATION.cff, read without a YAML parser (the file is flat where it matters)."""
-    text = (ROOT / "CITATION.cff").read_text()
+    text = (ROOT / "CITATION.cff").read_text(encoding="utf-8")
     match = re.search(rf"^{indent}{name}:\s*\"?([^\"\n]+?)\"?\s*$", text, re.M)
     assert match, f"CITATION.cff has no {indent}{name}"
     return match.group(1)
@@ -38,7 +39,7 @@ def test_citation_states_the_package_version():
 
 
 def readme_section(title: str) -> str:
-    text = README.read_text()
+    text = README.read_text(encoding="utf-8")
     start = text.index(f"\n## {title}\n")
     end = text.find("\n## ", start + 1)
     return text[start:end if end >= 0 else None]
@@ -62,13 +63,14 @@ def test_readme_example_prints_what_the_readme_shows():
 
 
 def test_readme_installs_the_release_of_this_version():
-    installs = re.findall(r"pip install \"attnbook @ git\+(\S+)@(v[^\"]+)\"", README.read_text())
+    text = README.read_text(encoding="utf-8")
+    installs = re.findall(r"pip install \"attnbook @ git\+(\S+)@(v[^\"]+)\"", text)
     assert installs == [("https://github.com/attnbook/attnbook", f"v{VERSION}")]
 
 
 def test_readme_links_are_absolute_for_the_package_index():
     # The README is the package's long description, shown where relative links lead nowhere.
-    targets = re.findall(r"\]\(([^)\s]+)\)", README.read_text())
+    targets = re.findall(r"\]\(([^)\s]+)\)", README.read_text(encoding="utf-8"))
     assert targets
     relative = [t for t in targets if not t.startswith(("https://", "#"))]
     assert relative == []
@@ -78,7 +80,7 @@ KINDS = ("Added", "Changed", "Deprecated", "Removed", "Fixed", "Security")
 
 
 def test_changelog_is_in_keep_a_changelog_form():
-    text = (ROOT / "CHANGELOG.md").read_text()
+    text = (ROOT / "CHANGELOG.md").read_text(encoding="utf-8")
     releases = re.findall(r"^## \[([^\]]+)\](.*)$", text, re.M)
     assert releases[0] == ("Unreleased", "")
     assert VERSION in [name for name, _ in releases]
