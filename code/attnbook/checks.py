@@ -191,9 +191,22 @@ def check_token_ids(name: str, ids, vocab_size: int, shape: tuple[int | None, ..
     vocab_size = check_int("vocab_size", vocab_size, 1)
     if not isinstance(ids, torch.Tensor):
         raise type_error(name, ids, "a torch.Tensor of integer ids")
+    if ids.dtype != torch.int64 or ids.is_meta:  # int64 ids, with values, need no conversion
+        ids = _as_int64(name, ids, vocab_size)
+    _check_shape_and_device(name, ids, shape, device)
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+        raise ValueError(f"{name} must lie in [0, vocab_size={vocab_size}), got values from "
+                         f"{int(ids.min())} to {int(ids.max())}")
+    return ids
+
+
+def _as_int64(name: str, ids: "torch.Tensor", vocab_size: int) -> "torch.Tensor":
+    """Integer ids of any dtype as int64; a float, bool or complex dtype, or a tensor with no
+    values (on the meta device), is refused."""
+    import torch
+
     if ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex():
         raise TypeError(f"{name} must hold integer ids, got dtype {ids.dtype}")
-    _check_shape_and_device(name, ids, shape, device)
     if ids.is_meta:  # a meta tensor has a shape but no values to check
         raise ValueError(f"{name} must hold values, got a tensor on the meta device")
     if ids.dtype == torch.uint64:  # PyTorch has no min or max for uint16, uint32 and uint64;
@@ -201,12 +214,8 @@ def check_token_ids(name: str, ids, vocab_size: int, shape: tuple[int | None, ..
         if ids.numel() and int(wide.min()) < 0:
             raise ValueError(f"{name} must lie in [0, vocab_size={vocab_size}), got an id of "
                              "2**63 or more (dtype torch.uint64)")
-        ids = wide
-    ids = ids.long()  # every other integer dtype fits in int64
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
-        raise ValueError(f"{name} must lie in [0, vocab_size={vocab_size}), got values from "
-                         f"{int(ids.min())} to {int(ids.max())}")
-    return ids
+        return wide
+    return ids.long()  # every other integer dtype fits in int64
 
 
 def _check_shape_and_device(name: str, x: "torch.Tensor", shape, device) -> None:
@@ -214,7 +223,7 @@ def _check_shape_and_device(name: str, x: "torch.Tensor", shape, device) -> None
                               or any(s not in (None, n) for s, n in zip(shape, x.shape))):
         wanted = ", ".join("*" if s is None else str(s) for s in shape)
         raise ValueError(f"{name} must have shape ({wanted}), got shape {tuple(x.shape)}")
-    if device is not None and not _same_device(x.device, device):
+    if device is not None and x.device != device and not _same_device(x.device, device):
         raise ValueError(f"{name} must be on device {device}, got {name} on {x.device}")
 
 

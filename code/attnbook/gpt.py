@@ -188,11 +188,16 @@ def _check_idx(model: GPT, idx, kv_cache=None, crop: bool = False) -> torch.Tens
     """idx (B, T) as int64 ids that fit the context (any T with `crop`) or `kv_cache`."""
     c, device = model.config, model.tok_emb.weight.device
     idx = check_token_ids("idx", idx, c.vocab_size, shape=(None, None), device=device)
-    b, n = (check_int(f"idx.shape[{i}]", size, minimum=1) for i, size in enumerate(idx.shape))
-    if kv_cache is None and not crop:
-        check_int("idx.shape[1]", n, maximum=c.context_length)
-    if kv_cache is None:
-        return idx
+    longest = c.context_length if kv_cache is None and not crop else None
+    check_int("idx.shape[0]", idx.shape[0], 1), check_int("idx.shape[1]", idx.shape[1], 1, longest)
+    if kv_cache is not None:
+        _check_kv_cache(model, kv_cache, idx.shape)
+    return idx
+
+
+def _check_kv_cache(model: GPT, kv_cache, shape: torch.Size) -> None:
+    """A KVCache of the model that (B, n) more positions fit."""
+    c, (b, n) = model.config, shape
     cache = check_instance("kv_cache", kv_cache, KVCache)
     layers, batch = cache.keys.shape[:2]
     if (layers, batch) != (c.num_layers, b):
@@ -204,7 +209,6 @@ def _check_idx(model: GPT, idx, kv_cache=None, crop: bool = False) -> torch.Tens
     if cache.length + n > cache.capacity:
         raise ValueError(f"idx of length {n} does not fit: kv_cache holds {cache.length} "
                          f"positions of its capacity {cache.capacity}")
-    return idx
 
 
 # chapters/10-gpt.md, "GPT-2's weights"

@@ -118,17 +118,10 @@ def _fast_attention(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
                     mask: torch.Tensor | None, is_causal: bool, dropout_p: float) -> torch.Tensor:
     """attend's outputs (B, H, Lq, dv) without the weights, by SDPA or chapter 15's kernel;
     `is_causal` aligns bottom-right and a query with no allowed key gets zeros, as in attend."""
+    if backend == "triton" and _kernel_takes(q, k, v, mask, dropout_p):
+        return _kernel_attention(q, k, v, is_causal)
     (lq, lk), shared = (q.shape[2], k.shape[2]), q.shape[1] != k.shape[1]
-    if is_causal and lq == 1:  # one query, the last position: it may see every key
-        is_causal = False
-    if mask is not None and mask.dim() < 2:  # a 0-d or (Lk,) mask, as (1, 1) or (1, Lk)
-        mask = mask[(None,) * (2 - mask.dim())]
-    if backend == "triton" and mask is None and dropout_p == 0.0 and _kernel_takes(q, k, v):
-        from attnbook.kernels import _flash_attention  # imports Triton, only when asked for
-
-        group = q.shape[1] // k.shape[1]  # the kernel has no shared heads: repeat them
-        k, v = (t.repeat_interleave(group, dim=1) for t in (k, v))
-        return _flash_attention(q, k, v, is_causal, q.shape[-1] ** -0.5)
+    is_causal = is_causal and lq > 1  # one query, the last position, may see every key
     if is_causal and (mask is not None or lq != lk):  # SDPA's is_causal is top-left
         causal = _causal_mask(lq, lk, q.device)
         mask, is_causal = (causal if mask is None else mask & causal), False
@@ -141,14 +134,26 @@ def _fast_attention(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     return out.masked_fill(~seen, 0.0)  # the rows that saw nothing: zeros, as in attend
 
 
-def _kernel_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether chapter 15's kernel computes this call: no empty tensor, a head size of 16, 32,
-    64 or 128 for q, k and v, and float16, float32 or (on a GPU that has it) bfloat16."""
+def _kernel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      is_causal: bool) -> torch.Tensor:
+    """Chapter 15's kernel, which has no shared heads: they are repeated for it."""
+    from attnbook.kernels import _flash_attention  # imports Triton, only when asked for
+
+    group = q.shape[1] // k.shape[1]
+    k, v = (t.repeat_interleave(group, dim=1) for t in (k, v))
+    return _flash_attention(q, k, v, is_causal, q.shape[-1] ** -0.5)
+
+
+def _kernel_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                  dropout_p: float) -> bool:
+    """Whether chapter 15's kernel computes this call: no mask, no dropout, no empty tensor, a
+    head size of 16, 32, 64 or 128 for q, k and v, and float16, float32 or (on a GPU that has
+    it) bfloat16."""
     dtypes = (torch.float16, torch.float32)
     if q.device.type == "cuda" and torch.cuda.get_device_capability(q.device) >= (8, 0):
         dtypes += (torch.bfloat16,)
-    return (min(q.numel(), k.numel()) > 0 and q.dtype in dtypes
-            and q.shape[-1] in (16, 32, 64, 128) and v.shape[-1] == q.shape[-1])
+    return (mask is None and dropout_p == 0.0 and min(q.numel(), k.numel()) > 0
+            and q.dtype in dtypes            and q.shape[-1] in (16, 32, 64, 128) and v.shape[-1] == q.shape[-1])
 
 
 # chapters/03-heads.md, "The module"
@@ -243,14 +248,15 @@ class MultiHeadAttention(Attention):
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Attention.forward, after checking the call: the outputs, and the weights only with
         `return_weights`."""
-        _check_attention_call(self, x, context, mask, is_causal, return_weights, cache)
+        mask = _check_attention_call(self, x, context, mask, is_causal, return_weights, cache)
         out, weights = super().forward(x, context, mask, is_causal, return_weights, cache)
         return (out, weights) if return_weights else out
 
 
 def _check_attention_call(layer: Attention, x, context, mask, is_causal, return_weights,
-                          cache) -> None:
-    """Refuse, naming the argument, what Attention.forward cannot compute."""
+                          cache) -> torch.Tensor | None:
+    """Refuse, naming the argument, what Attention.forward cannot compute; the mask, with two
+    dimensions at least."""
     x = _check_tokens("x", x, layer.q_proj.weight)
     if context is not None:
         _check_tokens("context", context, layer.k_proj.weight, batch=x.shape[0])
@@ -262,8 +268,10 @@ def _check_attention_call(layer: Attention, x, context, mask, is_causal, return_
         # LayerCache and _check_cache: chapter 4, "Keeping keys and values for generation"
         _check_cache(check_instance("cache", cache, LayerCache), layer, x)  # noqa: F821
         lk += cache.length
-    if mask is not None:
-        check_mask("mask", mask, (b, layer.num_heads, lq, lk), x.device)
+    if mask is not None:  # a 0-d or (Lk,) mask as (1, 1) or (1, Lk), for SDPA
+        mask = check_mask("mask", mask, (b, layer.num_heads, lq, lk), x.device)
+        return mask[(None,) * (2 - mask.dim())]
+    return None
 
 
 def _check_tokens(name: str, t, weight: torch.Tensor, batch: int | None = None) -> torch.Tensor:
@@ -561,13 +569,15 @@ class TransformerBlock(Block):
                 cache: LayerCache | None = None):
         """Block.forward, after checking the call."""
         check_tensor("x", x, 3, size=self.config.d_model)
-        _check_attention_call(self.self_attn, x, None, mask, is_causal, return_weights, cache)
+        mask = _check_attention_call(self.self_attn, x, None, mask, is_causal, return_weights,
+                                     cache)
         if self.cross_attn is None and (context is not None or context_mask is not None):
             raise ValueError("block has no cross-attention: context and context_mask must be None")
         if self.cross_attn is not None:
             if context is None:
                 raise ValueError("block has cross-attention: it needs a context, got context=None")
-            _check_attention_call(self.cross_attn, x, context, context_mask, False, False, None)
+            context_mask = _check_attention_call(self.cross_attn, x, context, context_mask, False,
+                                                 False, None)
         return super().forward(x, mask, is_causal, context, context_mask, return_weights, cache)
 
 
