@@ -187,7 +187,8 @@ def test_glue_records_the_digits_it_kept_for_the_check(monkeypatch):
     monkeypatch.setitem(sys.modules, "myst_nb", fake)
     glue("share", 0.2549, digits=2)
     glue("count", 7)
-    assert records == {"share": 0.25, "share__digits": 2, "count": 7}
+    # the name the tools read (tangle.DIGITS_SUFFIX) is the one glue records
+    assert records == {"share": 0.25, "share" + tangler.DIGITS_SUFFIX: 2, "count": 7}
 
 
 def test_a_chapter_can_ask_colab_for_more_packages(book_copy):

@@ -19,22 +19,9 @@ import sys
 from pathlib import Path
 
 import nbformat
+from tangle import DIGITS_SUFFIX, GLUE, glued_values  # the one reader of glue roles, records
 
 ROOT = Path(__file__).resolve().parents[1]
-GLUE = re.compile(r"\{glue:text\}`([^`]*)`")
-RECORD = "application/papermill.record/text/plain"
-DIGITS_SUFFIX = "__digits"  # attnbook.notebook.glue records name__digits beside name
-
-
-def recorded(notebook: nbformat.NotebookNode) -> dict[str, str]:
-    """Each glued name of an executed notebook, with the text of its record."""
-    values = {}
-    for cell in notebook.cells:
-        for output in cell.get("outputs", []) if cell.cell_type == "code" else []:
-            name = output.get("metadata", {}).get("scrapbook", {}).get("name")
-            if name and RECORD in output.get("data", {}):
-                values[name] = output["data"][RECORD]
-    return values
 
 
 def shown_digits(text: str) -> int | None:
@@ -77,7 +64,7 @@ def check_book(root: Path = ROOT) -> list[str]:
         notebook = root / "notebooks" / f"{chapter.stem}.ipynb"
         if not notebook.exists():
             continue
-        values = recorded(nbformat.read(notebook, as_version=4))
+        values = glued_values(nbformat.read(notebook, as_version=4))
         found += [f"{chapter.name}: {p}" for p in problems(chapter.read_text(), values)]
     return found
 

@@ -340,6 +340,11 @@ def setup_cell_source(chapter: Chapter, commit: str) -> str:
 TERM = re.compile(r"\{term\}`([^`]*?)(?:\s*<[^`]*>)?`")  # {term}`text <entry>` or {term}`entry`
 CITE = re.compile(r"\{cite(?::p)?\}`([^`]*)`")  # {cite}`key` and {cite:p}`key, key`
 GLUE = re.compile(r"\{glue:text\}`([^`]*)`")
+GLUE_RECORD = "application/papermill.record/text/plain"  # myst-nb's glue output
+# attnbook.notebook.glue(name, value, digits=2) also records name + DIGITS_SUFFIX = 2. The same
+# constant is attnbook.notebook.DIGITS_SUFFIX: the tools keep this copy so that they run without
+# the package (tests/test_pipeline.py checks that the two agree).
+DIGITS_SUFFIX = "__digits"
 ADMONITION = re.compile(
     r"^(?P<fence>`{3,}|:{3,})\{admonition\}[ \t]*(?P<title>[^\n]*)\n"
     r"(?P<options>(?::[\w-]+:[^\n]*\n)*)"
@@ -383,17 +388,24 @@ def plain_markdown(text: str, cited: dict[str, str]) -> str:
     return CITE.sub(cite, text)
 
 
+def glued_values(nb: nbformat.NotebookNode) -> dict[str, str]:
+    """Each name an executed notebook glued, with the text of its record: the one reader of glued
+    values, shared by fill_glue, tools/glue_check.py and tools/gpu_profile.py."""
+    values = {}
+    for cell in nb.cells:
+        for output in cell.get("outputs", []) if cell.cell_type == "code" else []:
+            name = output.get("metadata", {}).get("scrapbook", {}).get("name")
+            if name and GLUE_RECORD in output.get("data", {}):
+                values[name] = output["data"][GLUE_RECORD]
+    return values
+
+
 def fill_glue(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
     """Replace each {glue:text}`name:format` of the text cells by the value the notebook's
     outputs hold for `name`, formatted as myst-nb formats it on the site."""
     from myst_nb.core.variables import format_plain_text
 
-    values = {}
-    for cell in nb.cells:
-        for output in cell.get("outputs", []) if cell.cell_type == "code" else []:
-            name = output.get("metadata", {}).get("scrapbook", {}).get("name")
-            if name:
-                values[name] = output["data"]["application/papermill.record/text/plain"]
+    values = glued_values(nb)
 
     def paste(match):
         name, _, spec = match.group(1).partition(":")
