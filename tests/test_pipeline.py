@@ -78,15 +78,13 @@ def test_modules_say_where_they_come_from():
         assert first_line.startswith("# Do not edit: tools/tangle.py generates this file from ")
 
 
-def test_notebooks_install_the_package_alone_at_one_commit():
+def test_notebooks_install_the_package_alone_from_their_branch():
     config = yaml.safe_load((ROOT / "_config.yml").read_text())["repository"]
-    pins = set()
     for path in (ROOT / "notebooks").glob("*.ipynb"):
         setup = "".join(json.loads(path.read_text())["cells"][0]["source"])
-        assert 'f"attnbook @ git+' + config["url"] + '@{COMMIT}"' in setup, path
+        assert 'f"attnbook @ git+' + config["url"] + '@{REF}"' in setup, path
         assert "[notebook]" not in setup and "myst" not in setup, path  # no book toolchain
-        pins.add(tangler.pinned_commit(nbformat.read(path, as_version=4)))
-    assert len(pins) == 1 and re.fullmatch(r"[0-9a-f]{40}|UNCOMMITTED", pins.pop())
+        assert tangler.installed_ref(nbformat.read(path, as_version=4)) == config["branch"], path
 
 
 def git(root: Path, *args: str) -> str:
@@ -94,29 +92,50 @@ def git(root: Path, *args: str) -> str:
                           check=True, capture_output=True, text=True).stdout.strip()
 
 
-def test_notebooks_pin_the_commit_of_their_package(book_copy):
+def test_a_commit_of_the_package_needs_no_second_commit(book_copy):
     git(book_copy, "init", "-q")
     git(book_copy, "add", "-A")
     git(book_copy, "commit", "-qm", "book")
-    first = git(book_copy, "rev-parse", "HEAD")
-    notebook = book_copy / "notebooks" / "06-masks.ipynb"
-    outputs = [c.get("outputs") for c in json.loads(notebook.read_text())["cells"]]
-    assert tangle(book_copy).returncode == 0
-    assert tangler.pinned_commit(nbformat.read(notebook, as_version=4)) == first
-    assert [c.get("outputs") for c in json.loads(notebook.read_text())["cells"]] == outputs
-    git(book_copy, "commit", "-qam", "pin")
-    assert "installs the package" not in tangle(book_copy, "--check").stderr
-
-    # A package change: while uncommitted it can't be pinned, and --check only says so ...
-    module = book_copy / "code" / "attnbook" / "masks.py"
-    module.write_text(module.read_text() + "\nEXTRA = 1\n")
-    result = tangle(book_copy, "--check")
-    assert "uncommitted changes" in result.stderr and "installs the package" not in result.stderr
-    # ... once committed, a notebook that still installs the old commit fails the check.
+    assert tangle(book_copy, "--check").returncode == 0
+    # A commit that changes the package (here its metadata, which no notebook shows) ...
+    (book_copy / "pyproject.toml").write_text((book_copy / "pyproject.toml").read_text() + "\n")
     git(book_copy, "commit", "-qam", "change the package")
+    # ... leaves the notebooks as they are: nothing to tangle, nothing to re-pin.
+    before = snapshot(book_copy)
+    assert tangle(book_copy).returncode == 0
+    assert snapshot(book_copy) == before
     result = tangle(book_copy, "--check")
-    assert result.returncode == 1
-    assert f"06-masks.ipynb: installs the package of commit {first}" in result.stderr
+    assert result.returncode == 0, result.stderr
+
+
+def test_a_new_setup_cell_keeps_the_notebooks_outputs(book_copy):
+    """The setup cell is the tangler's, not the chapter's: rewriting it (here from the commit pin
+    the notebooks once had) re-executes nothing and keeps every output."""
+    notebook = book_copy / "notebooks" / "06-masks.ipynb"
+    data = json.loads(notebook.read_text())
+    outputs = [c.get("outputs") for c in data["cells"]]
+    data["cells"][0]["source"] = ["# Setup. On Google Colab ...\n", 'COMMIT = "0d3536f"\n']
+    notebook.write_text(json.dumps(data, indent=1) + "\n")
+    assert "06-masks.ipynb: out of date" in tangle(book_copy, "--check").stderr
+    assert tangle(book_copy).returncode == 0
+    data = json.loads(notebook.read_text())
+    assert 'REF = "main"\n' in data["cells"][0]["source"]
+    assert [c.get("outputs") for c in data["cells"]] == outputs
+    assert tangle(book_copy, "--check").returncode == 0
+
+
+def test_the_site_copy_of_a_notebook_is_pinned_to_a_commit_with_its_outputs(tmp_path):
+    copy = tmp_path / "06-masks.ipynb"
+    shutil.copy(ROOT / "notebooks" / "06-masks.ipynb", copy)
+    sha = "0123456789abcdef0123456789abcdef01234567"
+    assert tangle(ROOT, "--pin", sha, str(copy)).returncode == 0
+    before = nbformat.read(ROOT / "notebooks" / "06-masks.ipynb", as_version=4)
+    after = nbformat.read(copy, as_version=4)
+    assert tangler.installed_ref(after) == sha
+    assert after.cells[0].source == before.cells[0].source.replace('REF = "main"', f'REF = "{sha}"')
+    assert after.cells[1:] == before.cells[1:] and after.cells[0].outputs == before.cells[0].outputs
+    with pytest.raises(ValueError, match="commit must be a hexadecimal commit id"):
+        tangler.pin(after, "main; rm -rf /")
 
 
 def test_only_chapters_with_a_gpu_path_ask_colab_for_a_gpu():
@@ -195,12 +214,12 @@ def test_a_chapter_can_ask_colab_for_more_packages(book_copy):
     tangle_extra_chapter(book_copy, "  module: extra\n  colab_install: [some-package==1.0]\n",
                          "Extra", {"export": "A = 1"})
     setup = json.loads((book_copy / "notebooks" / "99-extra.ipynb").read_text())["cells"][0]
-    assert "@{COMMIT}\", 'some-package==1.0']" in "".join(setup["source"])
+    assert "@{REF}\", 'some-package==1.0']" in "".join(setup["source"])
 
 
 def test_setup_cell_runs_and_reports_what_it_did():
     chapter = tangler.read_chapters()[0]
-    printed = subprocess.run([sys.executable, "-c", tangler.setup_cell_source(chapter, "abc")],
+    printed = subprocess.run([sys.executable, "-c", tangler.setup_cell_source(chapter)],
                              capture_output=True, text=True, check=True).stdout
     assert re.fullmatch(r"attnbook \S+ \(not on Colab, nothing installed\); GPU: .+\n", printed)
 
@@ -209,8 +228,9 @@ def test_colab_check_installs_from_this_clone_under_a_stand_in_colab(tmp_path):
     import colab_check
 
     nb = nbformat.read(ROOT / "notebooks" / "01-queries-keys-values.ipynb", as_version=4)
-    setup = colab_check.pointed_at_this_clone(nb).cells[0].source
-    assert f"git+file://{ROOT}@{{COMMIT}}" in setup and "github.com" not in setup
+    setup = colab_check.pointed_at_this_clone(nb, "abc1234").cells[0].source
+    assert f"git+file://{ROOT}@{{REF}}" in setup and "github.com" not in setup
+    assert 'REF = "abc1234"' in setup
     folder = colab_check.stand_in(tmp_path)
     found = subprocess.run(
         [sys.executable, "-c", "import sys; print('google.colab' in sys.modules)"],
@@ -420,7 +440,7 @@ def test_solutions_are_hidden_in_jupyter_and_on_colab_as_on_the_site():
     # notebook must carry what each of them reads, or the solution sits under its exercise.
     solutions = 0
     for chapter in tangler.read_chapters():
-        nb = tangler.notebook_source(chapter, "0" * 40)
+        nb = tangler.notebook_source(chapter)
         for cell in nb.cells:
             if cell.cell_type != "code" or "hide-input" not in cell.metadata.get("tags", []):
                 continue

@@ -11,21 +11,22 @@ the chapter's own module defaults to the chapter's title), and `attnbook: {main:
 `__all__`, and each of its cells follows a comment naming the chapter file and the section the
 cell sits in, so that any generated line leads back to the prose that explains it. The same chapter becomes `notebooks/<chapter>.ipynb`:
 its cells behind one setup cell that, on Colab only, installs the package from the repository named in
-`_config.yml`.
+`_config.yml`, at the branch named there (main): a notebook on main installs the package of main.
+The site offers its own copies of the notebooks, which CI pins to the commit it publishes.
 
     python tools/tangle.py              write code/ and the notebooks' sources (keeps outputs)
     python tools/tangle.py --execute    ... and run every notebook whose source changed
     python tools/tangle.py --check      fail if code/ or notebooks/ differ from the chapters
+    python tools/tangle.py --pin SHA NOTEBOOK...   make copies of notebooks install commit SHA
 
 The notebooks' text cells are plain Markdown, for Colab and Jupyter, which do not know MyST: a
 glossary term shows as its text, a citation as (Author et al., year) from book/references.bib, a
 dropdown admonition as an HTML <details>, and a glued number as the value the notebook's own
 outputs hold, formatted as on the site.
 
-The output depends only on the chapters, `_config.yml`, `pyproject.toml`, `book/references.bib`,
-the notebooks' outputs and the commit that last changed the package (which the notebooks install
-on Colab): running it twice gives the same bytes. While the package has uncommitted changes, the
-notebooks keep the commit they name; after committing, `make tangle` pins the new one.
+The output depends only on the chapters, `_config.yml`, `pyproject.toml`, `book/references.bib`
+and the notebooks' outputs, not on git: running it twice gives the same bytes, and a commit needs
+no second commit to follow it.
 """
 
 from __future__ import annotations
@@ -35,7 +36,6 @@ import ast
 import copy
 import difflib
 import re
-import subprocess
 import sys
 import textwrap
 import tomllib
@@ -275,53 +275,46 @@ def package_files(chapters: list[Chapter]) -> dict[str, str]:
     return files
 
 
-# The package a notebook installs on Colab is the one it was executed with: the commit that last
-# changed these paths, while the working tree holds no other change to them.
-PACKAGE_PATHS = ("code", "pyproject.toml")
-UNPINNED = "UNCOMMITTED"  # what a notebook names before its package is committed
+# The line of the setup cell that names what it installs: a branch in the committed notebooks, a
+# commit in the copies the site publishes (pin).
+REF_LINE = re.compile(r'^REF = "([^"]*)"$', re.MULTILINE)
 
 
-def git(*args: str) -> str | None:
-    try:
-        done = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True)
-    except FileNotFoundError:
-        return None
-    return done.stdout.strip() if done.returncode == 0 else None
-
-
-def package_commit() -> str | None:
-    """The commit whose package the working tree holds, or None when code/ or pyproject.toml has
-    uncommitted changes (or this is no git clone), so that no commit holds it yet."""
-    if git("status", "--porcelain", "--untracked-files=all", "--", *PACKAGE_PATHS) != "":
-        return None
-    return git("log", "-1", "--format=%H", "--", *PACKAGE_PATHS) or None
-
-
-def pinned_commit(nb: nbformat.NotebookNode | None) -> str | None:
-    """The commit a notebook's setup cell installs."""
-    if nb is None or not nb.cells:
-        return None
-    found = re.search(r'^COMMIT = "(\w+)"$', nb.cells[0].source, re.MULTILINE)
+def installed_ref(nb: nbformat.NotebookNode) -> str | None:
+    """The branch or commit of the repository that a notebook's setup cell installs on Colab."""
+    found = REF_LINE.search(nb.cells[0].source) if nb.cells else None
     return found.group(1) if found else None
 
 
-def setup_cell_source(chapter: Chapter, commit: str) -> str:
-    url, _ = repository()
+def pin(nb: nbformat.NotebookNode, commit: str) -> nbformat.NotebookNode:
+    """`nb` installing the package of `commit` instead of its branch; nothing else changes, its
+    outputs included (the deploy pins the site's copies; tools/colab_check.py pins this clone's)."""
+    if not re.fullmatch(r"[0-9a-f]{7,40}", commit):
+        raise ValueError(f"commit must be a hexadecimal commit id, got commit={commit!r}")
+    if installed_ref(nb) is None:
+        raise ValueError("the notebook's first cell is not the tangler's setup cell")
+    nb.cells[0].source = REF_LINE.sub(f'REF = "{commit}"', nb.cells[0].source, count=1)
+    return nb
+
+
+def setup_cell_source(chapter: Chapter) -> str:
+    url, branch = repository()
     extra = "".join(f", {requirement!r}" for requirement in chapter.colab_install)
     return (
-        "# Setup. On Google Colab this installs the book's package, at the commit this notebook\n"
-        "# was executed with, and nothing that Colab already has; anywhere else it only reports\n"
-        "# the package and the hardware the notebook runs on.\n"
+        "# Setup. On Google Colab this installs the book's package from its repository at REF (the\n"
+        "# branch this notebook is on; the site's copy names the commit it was published from),\n"
+        "# and nothing that Colab already has; anywhere else it only reports the package and the\n"
+        "# hardware the notebook runs on.\n"
         "import subprocess\n"
         "import sys\n"
         "from importlib.metadata import version\n"
         "\n"
         "import torch\n"
         "\n"
-        f'COMMIT = "{commit}"\n'
+        f'REF = "{branch}"\n'
         "\n"
         'if "google.colab" in sys.modules:\n'
-        f'    packages = [f"attnbook @ git+{url}@{{COMMIT}}"{extra}]\n'
+        f'    packages = [f"attnbook @ git+{url}@{{REF}}"{extra}]\n'
         '    pip = subprocess.run([sys.executable, "-m", "pip", "install", *packages],\n'
         "                         capture_output=True, text=True)\n"
         "    if pip.returncode != 0:\n"
@@ -445,10 +438,10 @@ def hide_source(cell: nbformat.NotebookNode, section: str | None) -> None:
     cell.metadata["cellView"] = "form"
 
 
-def notebook_source(chapter: Chapter, commit: str) -> nbformat.NotebookNode:
+def notebook_source(chapter: Chapter) -> nbformat.NotebookNode:
     """The chapter as a Jupyter notebook, without outputs (and so with glue roles unfilled),
-    whose setup cell installs the package at `commit` on Colab."""
-    setup = nbformat.v4.new_code_cell(setup_cell_source(chapter, commit))
+    whose setup cell installs the package on Colab."""
+    setup = nbformat.v4.new_code_cell(setup_cell_source(chapter))
     setup.metadata["tags"] = ["nbval-ignore-output"]
     cells = [setup]
     cited = citations()
@@ -521,10 +514,10 @@ def with_outputs_of(executed: nbformat.NotebookNode, fresh: nbformat.NotebookNod
     return fresh
 
 
-def expected_notebook(chapter: Chapter, old: nbformat.NotebookNode | None, commit: str):
-    """What the chapter makes of its notebook, installing the package at `commit`: with `old`'s
-    outputs (and glued values) where `old` ran the same code, otherwise without outputs."""
-    fresh = notebook_source(chapter, commit)
+def expected_notebook(chapter: Chapter, old: nbformat.NotebookNode | None):
+    """What the chapter makes of its notebook: with `old`'s outputs (and glued values) where `old`
+    ran the same code (its setup cell may differ: see same_code), otherwise without outputs."""
+    fresh = notebook_source(chapter)
     if old is not None and same_code(old, fresh) and not never_executed(old):
         return fill_glue(with_outputs_of(old, fresh))
     return fresh
@@ -574,8 +567,7 @@ def write(execute_changed: bool, force: bool, only: list[str]) -> None:
             continue
         path = notebook_path(chapter)
         old = nbformat.read(path, as_version=4) if path.exists() else None
-        commit = package_commit() or pinned_commit(old) or UNPINNED
-        fresh = expected_notebook(chapter, old, commit)
+        fresh = expected_notebook(chapter, old)
         unchanged = old is not None and dumps(strip_outputs(old)) == dumps(strip_outputs(fresh))
         if unchanged and not force and not (execute_changed and never_executed(old)):
             continue
@@ -583,7 +575,7 @@ def write(execute_changed: bool, force: bool, only: list[str]) -> None:
             pass  # only prose changed: outputs depend on code alone, and were kept
         elif execute_changed or force:
             print(f"executing {chapter.relpath} ...", flush=True)
-            fresh = fill_glue(execute(notebook_source(chapter, commit)))
+            fresh = fill_glue(execute(notebook_source(chapter)))
         elif old is not None:
             print(f"{path.relative_to(ROOT)}: source changed, outputs dropped (make notebooks)")
         path.write_text(dumps(fresh))
@@ -617,10 +609,6 @@ def check() -> int:
             problems.append(f"{rel}: differs from its chapter (run make tangle)\n" + "\n".join(diff))
 
     wanted = {notebook_path(c): c for c in chapters}
-    commit = package_commit()
-    if commit is None:
-        print("tangle check: code/ or pyproject.toml has uncommitted changes, so the commit that "
-              "the notebooks install is not checked (commit, then make tangle)", file=sys.stderr)
     for path in sorted(set(NOTEBOOKS.glob("*.ipynb")) - set(wanted)):
         problems.append(f"{path.relative_to(ROOT)}: no chapter produces it")
     for path, chapter in sorted(wanted.items()):
@@ -629,11 +617,7 @@ def check() -> int:
             problems.append(f"{rel}: missing (run make notebooks)")
             continue
         committed = nbformat.read(path, as_version=4)
-        pinned = pinned_commit(committed)
-        if commit is not None and pinned != commit:
-            problems.append(f"{rel}: installs the package of commit {pinned}, but the package is "
-                            f"that of {commit} (run make tangle and commit the notebooks)")
-        expected = strip_outputs(expected_notebook(chapter, committed, commit or pinned or UNPINNED))
+        expected = strip_outputs(expected_notebook(chapter, committed))
         if dumps(strip_outputs(committed)) != dumps(expected):
             problems.append(f"{rel}: out of date with {chapter.relpath} (run make notebooks)")
         elif never_executed(committed):
@@ -650,10 +634,20 @@ def main() -> int:
     parser.add_argument("--check", action="store_true", help="compare, write nothing")
     parser.add_argument("--execute", action="store_true", help="run notebooks whose source changed")
     parser.add_argument("--force", action="store_true", help="run every (selected) notebook")
-    parser.add_argument("only", nargs="*", help="chapter prefixes to (re)execute, e.g. 01")
+    parser.add_argument("--pin", metavar="SHA", help="make the notebooks named install commit SHA")
+    parser.add_argument("only", nargs="*", help="chapter prefixes to (re)execute, e.g. 01; with "
+                        "--pin, the notebook files to pin")
     args = parser.parse_args()
     if args.check:
         return check()
+    if args.pin:
+        if not args.only:
+            parser.error("--pin needs the notebook files to pin")
+        for name in args.only:
+            path = Path(name)
+            path.write_text(dumps(pin(nbformat.read(path, as_version=4), args.pin)))
+        print(f"tangle: {len(args.only)} notebooks install the package of {args.pin}")
+        return 0
     write(execute_changed=args.execute, force=args.force, only=args.only)
     return 0
 
