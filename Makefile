@@ -80,7 +80,9 @@ api-reference: $(STAMP)
 tangle: $(STAMP)
 	$(PY) tools/tangle.py
 
-## notebooks: tangle, then execute the notebooks whose chapter changed (FORCE=1: all of them)
+## notebooks: tangle, then execute the notebooks whose code changed, and those that ran another
+## version of a module they import (or one it imports: each records a digest of them when
+## executed, tools/tangle.py's package_digest); FORCE=1: all of them
 notebooks: $(STAMP)
 	$(PY) tools/tangle.py --execute $(if $(FORCE),--force)
 

@@ -362,6 +362,55 @@ def test_a_prose_only_edit_keeps_the_outputs(book_copy):
     assert "01-queries-keys-values.ipynb" not in tangle(book_copy, "--check").stderr
 
 
+def test_make_notebooks_reruns_a_chapter_that_imports_a_changed_module(book_copy):
+    """Chapter 99 imports the module chapter 98 writes: a change to 98's exported cell changes
+    no cell of 99, yet 99 is executed again, and only then."""
+    def chapter(name, front_matter, tag, source):
+        (book_copy / "chapters" / name).write_text(
+            f"---\n{front_matter}---\n\n# {name}\n\n"
+            f"```{{code-cell}} ipython3\n:tags: [{tag}]\n\n{source}\n```\n")
+
+    def make_notebooks():
+        done = subprocess.run(
+            [sys.executable, str(book_copy / "tools" / "tangle.py"), "--execute", "98", "99"],
+            capture_output=True, text=True, cwd=book_copy, check=True,
+            env=dict(os.environ, PYTHONPATH=str(book_copy / "code")))
+        user = nbformat.read(book_copy / "notebooks" / "99-user.ipynb", as_version=4)
+        return done.stdout, "".join(o.get("text", "") for o in user.cells[-1].outputs)
+
+    chapter("98-extra.md", "attnbook:\n  module: extra\n", "export", "VALUE = 1")
+    chapter("99-user.md", "title: user\n", "user", "from attnbook.extra import VALUE\nprint(VALUE)")
+    printed, shown = make_notebooks()
+    assert "executing chapters/99-user.md" in printed and shown == "1\n"
+    assert "executing" not in make_notebooks()[0]  # nothing changed: nothing runs
+    chapter("98-extra.md", "attnbook:\n  module: extra\n", "export", "VALUE = 2")
+    assert "99-user.ipynb: ran another version of a module" in tangle(book_copy).stdout
+    printed, shown = make_notebooks()
+    assert "executing chapters/99-user.md (a module it runs changed)" in printed, printed
+    assert shown == "2\n"
+
+
+def test_a_notebook_runs_the_modules_it_imports_and_theirs():
+    chapters = {c.slug[:2]: c for c in tangler.read_chapters()}
+    files = tangler.package_files(list(chapters.values()))
+    changed = dict(files)
+    changed["code/attnbook/heads.py"] += "\nEXTRA = 1\n"
+    # chapter 10 imports attnbook.gpt, which imports heads; chapter 1 runs nothing of heads
+    assert "heads" in tangler.package_uses(chapters["10"], files)
+    for slug, reruns in [("03", True), ("10", True), ("01", False), ("02", False)]:
+        differs = tangler.package_digest(chapters[slug], files) != tangler.package_digest(
+            chapters[slug], changed)
+        assert differs == reruns, slug
+    assert tangler.imported_modules(
+        "import attnbook.heads\nfrom attnbook import masks as m, gpt\nattnbook.viz.draw()\n"
+        "from attnbook.bert import BERT  # attnbook.nothing\n", set(files_stems(files))) == {
+        "heads", "masks", "gpt", "viz", "bert"}
+
+
+def files_stems(files: dict[str, str]) -> list[str]:
+    return [Path(rel).stem for rel in files]
+
+
 def test_a_new_figure_caption_keeps_the_outputs_and_code_changes_drop_them(book_copy):
     chapter = book_copy / "chapters" / "01-queries-keys-values.md"
     notebook = book_copy / "notebooks" / "01-queries-keys-values.ipynb"

@@ -15,7 +15,8 @@ its cells behind one setup cell that, on Colab only, installs the package from t
 The site offers its own copies of the notebooks, which CI pins to the commit it publishes.
 
     python tools/tangle.py              write code/ and the notebooks' sources (keeps outputs)
-    python tools/tangle.py --execute    ... and run every notebook whose source changed
+    python tools/tangle.py --execute    ... and run every notebook whose code changed, or
+                                        that ran another version of a module it runs
     python tools/tangle.py --check      fail if code/ or notebooks/ differ from the chapters
     python tools/tangle.py --pin SHA NOTEBOOK...   make copies of notebooks install commit SHA
 
@@ -23,6 +24,11 @@ The notebooks' text cells are plain Markdown, for Colab and Jupyter, which do no
 glossary term shows as its text, a citation as (Author et al., year) from book/references.bib, a
 dropdown admonition as an HTML <details>, and a glued number as the value the notebook's own
 outputs hold, formatted as on the site.
+
+An executed notebook records in its metadata (`attnbook: {package: <digest>}`) a digest of the
+modules it runs: those its code cells import and, in turn, theirs. `--execute` runs it again when
+the chapters now write those modules otherwise, so a change to a module re-executes every chapter
+that uses it, not only the one that writes it.
 
 The output depends only on the chapters, `_config.yml`, `pyproject.toml`, `book/references.bib`
 and the notebooks' outputs, not on git: running it twice gives the same bytes, and a commit needs
@@ -35,6 +41,7 @@ import argparse
 import ast
 import copy
 import difflib
+import hashlib
 import re
 import sys
 import textwrap
@@ -473,9 +480,54 @@ def notebook_source(chapter: Chapter) -> nbformat.NotebookNode:
     return nb
 
 
+# The modules of the package a chapter's notebook runs, found in its code cells and, in turn, in
+# those modules: `attnbook.heads` (in `import attnbook.heads`, `from attnbook.heads import ...`
+# or `attnbook.heads.attend(...)`) and `from attnbook import heads, masks as m`.
+IMPORTED = re.compile(r"\battnbook\.(\w+)|^[ \t]*from attnbook import ([\w ,]+)", re.MULTILINE)
+# Notebook metadata that its execution writes: `{"package": digest}`, a digest of the modules of
+# the package it ran (package_digest). Like the outputs, kept while its code is unchanged.
+RUN_METADATA = "attnbook"
+
+
+def imported_modules(source: str, modules: set[str]) -> set[str]:
+    """The modules among `modules` that Python source (a cell, a module) imports or uses."""
+    found = set()
+    for dotted, names in IMPORTED.findall(source):
+        found.update([dotted] if dotted else [n.split(" as ")[0].strip() for n in names.split(",")])
+    return found & modules
+
+
+def package_uses(chapter: Chapter, files: dict[str, str]) -> set[str]:
+    """The modules a chapter's notebook runs: those its code cells name (its own among them) and
+    every module that those import, in turn. `files` is package_files' output."""
+    sources = {Path(rel).stem: text for rel, text in files.items() if not rel.endswith("__init__.py")}
+    code = "\n".join(cell.source for cell in chapter.notebook.cells if cell.cell_type == "code")
+    todo, used = imported_modules(code, set(sources)) | set(chapter.exports()), set()
+    while todo:
+        module = todo.pop()
+        used.add(module)
+        todo |= imported_modules(sources[module], set(sources)) - used
+    return used
+
+
+def package_digest(chapter: Chapter, files: dict[str, str]) -> str:
+    """A digest of the modules a chapter's notebook runs, as the chapters now write them: when it
+    differs from the one the notebook recorded, the notebook ran another package."""
+    digest = hashlib.sha256()
+    for module in sorted(package_uses(chapter, files)):
+        digest.update(f"{module}\n{files[f'code/attnbook/{module}.py']}\n".encode())
+    return digest.hexdigest()[:16]
+
+
+def recorded_digest(nb: nbformat.NotebookNode | None) -> str | None:
+    return None if nb is None else nb.metadata.get(RUN_METADATA, {}).get("package")
+
+
 def strip_outputs(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
-    """What of a notebook the chapter determines: cells and their sources, not outputs."""
+    """What of a notebook the chapter determines: cells and their sources, not outputs (nor what
+    the run recorded of the package)."""
     nb = copy.deepcopy(nb)
+    nb.metadata.pop(RUN_METADATA, None)
     for cell in nb.cells:
         for key in VOLATILE_CELL_METADATA:
             cell.metadata.pop(key, None)
@@ -505,7 +557,10 @@ def same_code(a: nbformat.NotebookNode, b: nbformat.NotebookNode) -> bool:
 
 
 def with_outputs_of(executed: nbformat.NotebookNode, fresh: nbformat.NotebookNode):
-    """`fresh` with the outputs of `executed`, a notebook with the same code cells."""
+    """`fresh` with the outputs of `executed`, a notebook with the same code cells, and its record
+    of the package it ran."""
+    if RUN_METADATA in executed.metadata:
+        fresh.metadata[RUN_METADATA] = copy.deepcopy(executed.metadata[RUN_METADATA])
     done = iter([c for c in executed.cells if c.cell_type == "code"])
     for cell in fresh.cells:
         if cell.cell_type == "code":
@@ -568,15 +623,22 @@ def write(execute_changed: bool, force: bool, only: list[str]) -> None:
         path = notebook_path(chapter)
         old = nbformat.read(path, as_version=4) if path.exists() else None
         fresh = expected_notebook(chapter, old)
-        unchanged = old is not None and dumps(strip_outputs(old)) == dumps(strip_outputs(fresh))
-        if unchanged and not force and not (execute_changed and never_executed(old)):
-            continue
-        if old is not None and not force and same_code(old, fresh) and not never_executed(old):
-            pass  # only prose changed: outputs depend on code alone, and were kept
-        elif execute_changed or force:
-            print(f"executing {chapter.relpath} ...", flush=True)
+        digest = package_digest(chapter, expected)
+        # Outputs are kept while the notebook's code is the chapter's (its prose may differ) ...
+        kept = old is not None and same_code(old, fresh) and not never_executed(old)
+        # ... but they may come from another version of the modules it runs (another chapter's).
+        other_package = kept and recorded_digest(old) != digest
+        if force or (execute_changed and (not kept or other_package)):
+            why = " (a module it runs changed)" if kept and not force else ""
+            print(f"executing {chapter.relpath}{why} ...", flush=True)
             fresh = fill_glue(execute(notebook_source(chapter)))
-        elif old is not None:
+            fresh.metadata[RUN_METADATA] = {"package": digest}
+        elif old is not None and dumps(strip_outputs(old)) == dumps(strip_outputs(fresh)):
+            if other_package:
+                print(f"{path.relative_to(ROOT)}: ran another version of a module it runs "
+                      "(make notebooks)")
+            continue
+        elif old is not None and not kept:
             print(f"{path.relative_to(ROOT)}: source changed, outputs dropped (make notebooks)")
         path.write_text(dumps(fresh))
         print(f"wrote {path.relative_to(ROOT)}")
