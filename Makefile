@@ -1,5 +1,6 @@
 # attnbook: `make book` builds the site executing every chapter; `make test` runs every check.
-# Both create .venv on first use.
+# Both create .venv on first use. The files that targets write and the repository commits are
+# listed, each with the target that writes it, in .gitattributes.
 
 PYTHON_FOR_VENV ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv

@@ -138,6 +138,22 @@ def test_the_site_copy_of_a_notebook_is_pinned_to_a_commit_with_its_outputs(tmp_
         tangler.pin(after, "main; rm -rf /")
 
 
+def test_the_generated_files_are_listed_as_generated():
+    """.gitattributes lists the committed files a command writes: every one tangle writes."""
+    chapters = tangler.read_chapters()
+    generated = [*tangler.package_files(chapters),
+                 *(tangler.notebook_path(c).relative_to(ROOT).as_posix() for c in chapters),
+                 "requirements.txt", "benchmarks/results/gpu-profile-on-cpu.json",
+                 *(p.relative_to(ROOT).as_posix() for p in (ROOT / ".github").glob("tested-*/*"))]
+    written_by_hand = ["chapters/01-queries-keys-values.md", "tools/tangle.py", "requirements.in",
+                       "code/attnbook/data/python-3.11.7-topics.json.gz", "Makefile"]
+    found = subprocess.run(["git", "check-attr", "linguist-generated", "--", *generated,
+                            *written_by_hand], cwd=ROOT, capture_output=True, text=True,
+                           check=True).stdout.splitlines()
+    marked = {line.split(": ")[0] for line in found if line.endswith(": set")}
+    assert marked == set(generated)
+
+
 def test_only_chapters_with_a_gpu_path_ask_colab_for_a_gpu():
     for chapter in tangler.read_chapters():
         metadata = json.loads(tangler.notebook_path(chapter).read_text())["metadata"]
