@@ -104,10 +104,19 @@ check-sync: $(STAMP)
 
 ## lint: ruff on the Python, actionlint on the GitHub workflows (its shellcheck and pyflakes checks
 ## off: neither is in the lock, so what they find would depend on the machine) and zizmor, their
-## security audit (--offline: the audits that ask GitHub's API are left out); then the README's
+## security audit (--offline: the audits that ask GitHub's API are left out); deptry on the
+## notebooks (DEPTRY); then the README's
 ## tested-versions table against .venv's versions (tools/tested_versions.py; WRITE=1 rewrites it)
+# deptry: every module the notebooks import is the package's or a distribution that it or its
+# extras declare (pyproject.toml): the test extra is the tests' alone, so no notebook may import
+# it; jupyterlab is there to read them in, and myst-nb is imported by appendix A only in a book
+# build. It maps modules to distributions from .venv, which has them all.
+DEPTRY := $(VENV)/bin/deptry notebooks --known-first-party attnbook \
+	--optional-dependencies-dev-groups test \
+	--per-rule-ignores DEP002=jupyterlab,DEP001=myst_nb,DEP003=myst_nb
 lint: $(STAMP)
 	$(VENV)/bin/ruff check code tools tests book/_ext notebooks conftest.py
+	$(DEPTRY)
 	$(VENV)/bin/actionlint -shellcheck= -pyflakes= .github/workflows/*.yml
 	$(VENV)/bin/zizmor --offline --quiet .github/workflows/*.yml .github/dependabot.yml
 	$(PY) -m pip freeze --quiet > $(VENV)/freeze.txt
@@ -143,11 +152,17 @@ test-package:
 ## --resolution lowest-direct installs each dependency that the package and its test and notebook
 ## extras name at its floor (theirs at the newest that fit), from PyPI alone, into a fresh
 ## environment on LOWEST_PYTHON (3.11, the oldest supported; CI runs 3.13 too). On Linux that is
-## PyPI's CUDA torch, about 3 GB, with the Triton it pins. Then every module the chapters import is
-## imported (tools/notebook_imports.py), the package's tests run (make test-package), and what was
+## PyPI's CUDA torch, about 3 GB, with the Triton it pins. Then the notebook extra's libraries are
+## imported (NOTEBOOK_IMPORTS), the package's tests run (make test-package), and what was
 ## installed is checked against .github/tested-versions/ and the README's table (WRITE=1
 ## rewrites them: tools/tested_versions.py).
 LOWEST_PYTHON ?= 3.11
+# The libraries the notebooks import that the package's tests do not, imported at their floors, so
+# that a floor that cannot be imported beside the others (a matplotlib built for NumPy 1 beside
+# NumPy 2) fails here; `make lint`'s deptry checks that the notebook extra declares each. A chapter
+# that imports a new library adds it here.
+NOTEBOOK_IMPORTS := IPython.display, matplotlib.pyplot, safetensors, sklearn.datasets, \
+	sklearn.linear_model, tqdm
 # The interpreter uv takes for it: by default the first Python LOWEST_PYTHON it finds (a path
 # where that one is not on PATH).
 LOWEST_INTERPRETER ?= $(LOWEST_PYTHON)
@@ -160,7 +175,7 @@ test-lowest:
 		".[test,notebook]"
 	$(UV) pip check --no-config --python $(LOWEST)/venv/bin/python
 	$(UV) pip freeze --no-config --python $(LOWEST)/venv/bin/python > $(LOWEST)/freeze.txt
-	$(LOWEST)/venv/bin/python tools/notebook_imports.py
+	$(LOWEST)/venv/bin/python -c "import $(NOTEBOOK_IMPORTS)"
 	$(MAKE) --no-print-directory test-package PYTHON=$(LOWEST)/venv/bin/python
 	$(LOWEST)/venv/bin/python tools/tested_versions.py $(if $(WRITE),--write) record lowest-$(LOWEST_PYTHON) \
 		$(LOWEST)/freeze.txt
