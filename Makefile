@@ -134,8 +134,8 @@ XDIST := $(if $(filter-out 0,$(WORKERS)),-n $(WORKERS) --dist loadfile)
 # OpenBLAS read): more threads than cores, and OpenMP's threads wait for one another (a chapter
 # ran 4.7 times slower so on the 2-core machine). The notebooks were recorded with every core,
 # so this run also checks that no compared output depends on the thread count. A thread count
-# already set in the environment is kept.
-WORKER_THREADS := $(if $(XDIST),$(shell python3 -c 'import os; print(max(1, (os.cpu_count() or 1) // $(WORKERS)))'))
+# already set in the environment is kept. `=`, not `:=`: Python runs only when a recipe uses it.
+WORKER_THREADS = $(if $(XDIST),$(shell python3 -c 'import os; print(max(1, (os.cpu_count() or 1) // $(WORKERS)))'))
 
 ## pytest: package tests, then every notebook re-executed and compared by nbval
 pytest: $(STAMP)
@@ -143,7 +143,7 @@ pytest: $(STAMP)
 
 ## test-package: the package's own tests (not the book's pipeline) with whatever Python runs them,
 ## for the CI matrix of Python versions: PYTHON=python3.13 make test-package, in an environment
-## that has the package, pytest and hypothesis (see .github/workflows/test.yml)
+## that has the package, pytest and hypothesis (see .github/workflows/ci.yml, job package)
 PACKAGE_TESTS := tests --ignore=tests/test_pipeline.py --ignore=tests/test_site_tools.py
 test-package:
 	$(or $(PYTHON),python3) -m pytest $(PACKAGE_TESTS) -p no:cacheprovider -q -rfEx
