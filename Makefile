@@ -247,7 +247,7 @@ pdf: $(STAMP) $(MATHJAX) api-reference
 ## (ONLY="07 12" for some of them). Not part of `make test`, which checks that the record is current.
 gpu-profile: $(STAMP)
 	$(PY) tools/tangle.py
-	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) tools/gpu_profile.py $(ONLY)
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) tools/gpu_chapters_on_cpu.py $(ONLY)
 
 ## colab-check: every notebook alone, top to bottom, in an environment like Colab's (Python 3.12,
 ## the newest numpy, torch, matplotlib and transformers, none of requirements.txt), its own first

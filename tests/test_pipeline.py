@@ -164,31 +164,31 @@ def test_only_chapters_with_a_gpu_path_ask_colab_for_a_gpu():
 
 def test_every_gpu_chapter_has_a_current_gpu_profile_record():
     """make gpu-profile ran each gpu: true chapter, as it is now, with the GPU's sizes."""
-    import gpu_profile
+    import gpu_chapters_on_cpu
 
-    assert {p.stem for p in gpu_profile.gpu_chapters()} == {
+    assert {p.stem for p in gpu_chapters_on_cpu.gpu_chapters()} == {
         c.slug for c in tangler.read_chapters() if c.wants_gpu}
-    assert gpu_profile.check(gpu_profile.load()) == []
+    assert gpu_chapters_on_cpu.check(gpu_chapters_on_cpu.load()) == []
 
 
 def test_the_gpu_profile_check_sees_a_stale_or_failed_record(tmp_path, monkeypatch):
-    import gpu_profile
+    import gpu_chapters_on_cpu
 
-    chapter = gpu_profile.gpu_chapters()[0]
-    fresh = {"source_sha256": gpu_profile.sha256(chapter), "status": "ok"}
-    assert not [p for p in gpu_profile.check({"chapters": {chapter.stem: fresh}})
+    chapter = gpu_chapters_on_cpu.gpu_chapters()[0]
+    fresh = {"source_sha256": gpu_chapters_on_cpu.sha256(chapter), "status": "ok"}
+    assert not [p for p in gpu_chapters_on_cpu.check({"chapters": {chapter.stem: fresh}})
                 if p.startswith(chapter.stem)]
     for entry, says in [(None, "no GPU-profile record"),
                         ({**fresh, "source_sha256": "0" * 64}, "changed since"),
                         ({**fresh, "status": {"failed_cell": 3}}, "failed")]:
         record = {"chapters": {} if entry is None else {chapter.stem: entry}}
-        assert any(chapter.stem in p and says in p for p in gpu_profile.check(record))
+        assert any(chapter.stem in p and says in p for p in gpu_chapters_on_cpu.check(record))
 
 
 def test_no_glued_number_shows_digits_its_record_lacks():
-    import glue_check
+    import glue_digits_check
 
-    assert glue_check.check_book() == []
+    assert glue_digits_check.check_book() == []
 
 
 @pytest.mark.parametrize("spec, value, digits, bad", [
@@ -203,13 +203,13 @@ def test_no_glued_number_shows_digits_its_record_lacks():
     (".1e", "2.5e-07", 2, False), # 2.5e-07
     (",d", "1086", 4, False),     # 1,086
 ])
-def test_glue_check_catches_a_format_with_more_digits_than_the_record(spec, value, digits, bad):
-    import glue_check
+def test_glue_digits_check_catches_a_format_with_more_digits_than_the_record(spec, value, digits, bad):
+    import glue_digits_check
 
     chapter = f"The share is {{glue:text}}`x{':' + spec if spec else ''}`.\n"
-    found = glue_check.problems(chapter, {"x": value, "x__digits": str(digits)})
+    found = glue_digits_check.problems(chapter, {"x": value, "x__digits": str(digits)})
     assert bool(found) == bad, found
-    assert glue_check.problems(chapter, {"x": value}) == []  # not rounded: every digit is real
+    assert glue_digits_check.problems(chapter, {"x": value}) == []  # not rounded: every digit is real
 
 
 def test_glue_records_the_digits_it_kept_for_the_check(monkeypatch):

@@ -390,7 +390,7 @@ def plain_markdown(text: str, cited: dict[str, str]) -> str:
 
 def glued_values(nb: nbformat.NotebookNode) -> dict[str, str]:
     """Each name an executed notebook glued, with the text of its record: the one reader of glued
-    values, shared by fill_glue, tools/glue_check.py and tools/gpu_profile.py."""
+    values, shared by fill_glue, tools/glue_digits_check.py and tools/gpu_chapters_on_cpu.py."""
     values = {}
     for cell in nb.cells:
         for output in cell.get("outputs", []) if cell.cell_type == "code" else []:

@@ -14,8 +14,8 @@ its record written to benchmarks/results/gpu-profile-on-cpu.json:
   `INTERPRETED` or `torch.cuda`): on the CPU they run their other branch, so they are listed
   for a GPU run (benchmarks/gpu_session.sh --chapters) to cover.
 
-    python tools/gpu_profile.py [NN ...] [--out FILE]   # default: every gpu: true chapter
-    python tools/gpu_profile.py --check                 # fail if a record is missing or stale
+    python tools/gpu_chapters_on_cpu.py [NN ...] [--out FILE]   # default: every gpu: true chapter
+    python tools/gpu_chapters_on_cpu.py --check                 # fail if a record is missing or stale
 
 A run of some chapters keeps the other chapters' records.
 """

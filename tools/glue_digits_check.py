@@ -9,7 +9,7 @@ the committed notebook recorded, as the site does, and fails when the text shows
 significant digits than that. Values glued
 without `digits` are exact (counts, sizes) and may show all their digits.
 
-    python tools/glue_check.py      # exit 1 and list the glue roles that show too many digits
+    python tools/glue_digits_check.py      # exit 1 and list the glue roles that show too many digits
 """
 
 from __future__ import annotations
@@ -71,5 +71,5 @@ def check_book(root: Path = ROOT) -> list[str]:
 
 if __name__ == "__main__":
     found = check_book()
-    print("\n".join(found) or "glue_check: every glued number shows only the digits it has")
+    print("\n".join(found) or "glue_digits_check: every glued number shows only the digits it has")
     sys.exit(1 if found else 0)
