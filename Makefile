@@ -102,11 +102,27 @@ check-sync: $(STAMP)
 	$(PY) tools/tangle.py --check
 	$(PY) tools/terms_check.py
 
+# The versions the tests ran with, one record per environment in $(TESTED): make lint writes the
+# lock's (locked-3.N.txt, from .venv), make test-lowest the lowest (lowest-3.N.txt).
+# $(call record_versions,PYTHON,FREEZE,RECORD): the lines of a pip freeze (FREEZE) that pin the
+# distributions pyproject.toml declares (the package's and its extras'; PYTHON reads it), their
+# names normalised and build tags dropped (torch 2.13.0+cpu is 2.13.0), compared with RECORD;
+# WRITE=1 writes them there.
+TESTED := .github/tested-versions
+DECLARED = import re, tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; \
+	r = p["dependencies"] + sum(p["optional-dependencies"].values(), []); \
+	n = {re.sub(r"[-_.]+", "[-_.]", re.match(r"[\w.-]+", x).group().lower()) for x in r}; \
+	print("|".join(sorted(n - {p["name"]})))
+record_versions = grep -i -E "^($$($(1) -c '$(DECLARED)'))==" $(2) | tr A-Z_ a-z- \
+	| sed -E 's/\+[^+]*$$//' | LC_ALL=C sort > $(2).tested && \
+	$(if $(WRITE),cp $(2).tested $(3),diff -u $(3) $(2).tested || \
+	{ echo "make: $(3) is not what this environment ran (WRITE=1 rewrites it)"; exit 1; })
+
 ## lint: ruff on the Python, actionlint on the GitHub workflows (its shellcheck and pyflakes checks
 ## off: neither is in the lock, so what they find would depend on the machine) and zizmor, their
 ## security audit (--offline: the audits that ask GitHub's API are left out); deptry on the
-## notebooks (DEPTRY); then the README's
-## tested-versions table against .venv's versions (tools/tested_versions.py; WRITE=1 rewrites it)
+## notebooks (DEPTRY); then .github/tested-versions/locked-3.N.txt against .venv's versions
+## (record_versions; WRITE=1 rewrites it)
 # deptry: every module the notebooks import is the package's or a distribution that it or its
 # extras declare (pyproject.toml): the test extra is the tests' alone, so no notebook may import
 # it; jupyterlab is there to read them in, and myst-nb is imported by appendix A only in a book
@@ -120,9 +136,8 @@ lint: $(STAMP)
 	$(VENV)/bin/actionlint -shellcheck= -pyflakes= .github/workflows/*.yml
 	$(VENV)/bin/zizmor --offline --quiet .github/workflows/*.yml .github/dependabot.yml
 	$(PY) -m pip freeze --quiet > $(VENV)/freeze.txt
-	$(PY) tools/tested_versions.py $(if $(WRITE),--write) record \
-		locked-$$($(PY) -c 'import sys; print("%d.%d" % sys.version_info[:2])') $(VENV)/freeze.txt
-	$(PY) tools/tested_versions.py $(if $(WRITE),--write) table
+	$(call record_versions,$(PY),$(VENV)/freeze.txt,\
+		$(TESTED)/locked-$$($(PY) -c 'import sys; print("%d.%d" % sys.version_info[:2])').txt)
 
 NBVAL := --nbval --nbval-sanitize-with tests/nbval_sanitize.cfg -p no:cacheprovider
 # pytest-xdist: WORKERS processes share the test files out, each file (each notebook) whole on one
@@ -154,8 +169,7 @@ test-package:
 ## environment on LOWEST_PYTHON (3.11, the oldest supported; CI runs 3.13 too). On Linux that is
 ## PyPI's CUDA torch, about 3 GB, with the Triton it pins. Then the notebook extra's libraries are
 ## imported (NOTEBOOK_IMPORTS), the package's tests run (make test-package), and what was
-## installed is checked against .github/tested-versions/ and the README's table (WRITE=1
-## rewrites them: tools/tested_versions.py).
+## installed is checked against $(TESTED)/lowest-3.N.txt (record_versions; WRITE=1 rewrites it).
 LOWEST_PYTHON ?= 3.11
 # The libraries the notebooks import that the package's tests do not, imported at their floors, so
 # that a floor that cannot be imported beside the others (a matplotlib built for NumPy 1 beside
@@ -177,9 +191,8 @@ test-lowest:
 	$(UV) pip freeze --no-config --python $(LOWEST)/venv/bin/python > $(LOWEST)/freeze.txt
 	$(LOWEST)/venv/bin/python -c "import $(NOTEBOOK_IMPORTS)"
 	$(MAKE) --no-print-directory test-package PYTHON=$(LOWEST)/venv/bin/python
-	$(LOWEST)/venv/bin/python tools/tested_versions.py $(if $(WRITE),--write) record lowest-$(LOWEST_PYTHON) \
-		$(LOWEST)/freeze.txt
-	$(LOWEST)/venv/bin/python tools/tested_versions.py $(if $(WRITE),--write) table
+	$(call record_versions,$(LOWEST)/venv/bin/python,$(LOWEST)/freeze.txt,\
+		$(TESTED)/lowest-$(LOWEST_PYTHON).txt)
 
 ## dist: the wheel and the sdist in $(DIST) (python -m build), and a check that the sdist holds what
 ## the package's tests need beside the package: their conftest files, the lock (the compile
