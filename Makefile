@@ -1,5 +1,6 @@
 # attnbook: `make book` builds the site executing every chapter; `make test` runs every check.
-# Both create .venv on first use.
+# Both create .venv on first use. The files that targets write and the repository commits are
+# listed, each with the target that writes it, in .gitattributes.
 
 PYTHON_FOR_VENV ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
@@ -80,7 +81,9 @@ api-reference: $(STAMP)
 tangle: $(STAMP)
 	$(PY) tools/tangle.py
 
-## notebooks: tangle, then execute the notebooks whose chapter changed (FORCE=1: all of them)
+## notebooks: tangle, then execute the notebooks whose code changed, and those that ran another
+## version of a module they import (or one it imports: each records a digest of them when
+## executed, tools/tangle.py's package_digest); FORCE=1: all of them
 notebooks: $(STAMP)
 	$(PY) tools/tangle.py --execute $(if $(FORCE),--force)
 
@@ -99,18 +102,42 @@ check-sync: $(STAMP)
 	$(PY) tools/tangle.py --check
 	$(PY) tools/terms_check.py
 
+# The versions the tests ran with, one record per environment in $(TESTED): make lint writes the
+# lock's (locked-3.N.txt, from .venv), make test-lowest the lowest (lowest-3.N.txt).
+# $(call record_versions,PYTHON,FREEZE,RECORD): the lines of a pip freeze (FREEZE) that pin the
+# distributions pyproject.toml declares (the package's and its extras'; PYTHON reads it), their
+# names normalised and build tags dropped (torch 2.13.0+cpu is 2.13.0), compared with RECORD;
+# WRITE=1 writes them there.
+TESTED := .github/tested-versions
+DECLARED = import re, tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; \
+	r = p["dependencies"] + sum(p["optional-dependencies"].values(), []); \
+	n = {re.sub(r"[-_.]+", "[-_.]", re.match(r"[\w.-]+", x).group().lower()) for x in r}; \
+	print("|".join(sorted(n - {p["name"]})))
+record_versions = grep -i -E "^($$($(1) -c '$(DECLARED)'))==" $(2) | tr A-Z_ a-z- \
+	| sed -E 's/\+[^+]*$$//' | LC_ALL=C sort > $(2).tested && \
+	$(if $(WRITE),cp $(2).tested $(3),diff -u $(3) $(2).tested || \
+	{ echo "make: $(3) is not what this environment ran (WRITE=1 rewrites it)"; exit 1; })
+
 ## lint: ruff on the Python, actionlint on the GitHub workflows (its shellcheck and pyflakes checks
 ## off: neither is in the lock, so what they find would depend on the machine) and zizmor, their
-## security audit (--offline: the audits that ask GitHub's API are left out); then the README's
-## tested-versions table against .venv's versions (tools/tested_versions.py; WRITE=1 rewrites it)
+## security audit (--offline: the audits that ask GitHub's API are left out); deptry on the
+## notebooks (DEPTRY); then .github/tested-versions/locked-3.N.txt against .venv's versions
+## (record_versions; WRITE=1 rewrites it)
+# deptry: every module the notebooks import is the package's or a distribution that it or its
+# extras declare (pyproject.toml): the test extra is the tests' alone, so no notebook may import
+# it; jupyterlab is there to read them in, and myst-nb is imported by appendix A only in a book
+# build. It maps modules to distributions from .venv, which has them all.
+DEPTRY := $(VENV)/bin/deptry notebooks --known-first-party attnbook \
+	--optional-dependencies-dev-groups test \
+	--per-rule-ignores DEP002=jupyterlab,DEP001=myst_nb,DEP003=myst_nb
 lint: $(STAMP)
 	$(VENV)/bin/ruff check code tools tests book/_ext notebooks conftest.py
+	$(DEPTRY)
 	$(VENV)/bin/actionlint -shellcheck= -pyflakes= .github/workflows/*.yml
 	$(VENV)/bin/zizmor --offline --quiet .github/workflows/*.yml .github/dependabot.yml
 	$(PY) -m pip freeze --quiet > $(VENV)/freeze.txt
-	$(PY) tools/tested_versions.py $(if $(WRITE),--write) record \
-		locked-$$($(PY) -c 'import sys; print("%d.%d" % sys.version_info[:2])') $(VENV)/freeze.txt
-	$(PY) tools/tested_versions.py $(if $(WRITE),--write) table
+	$(call record_versions,$(PY),$(VENV)/freeze.txt,\
+		$(TESTED)/locked-$$($(PY) -c 'import sys; print("%d.%d" % sys.version_info[:2])').txt)
 
 NBVAL := --nbval --nbval-sanitize-with tests/nbval_sanitize.cfg -p no:cacheprovider
 # pytest-xdist: WORKERS processes share the test files out, each file (each notebook) whole on one
@@ -122,8 +149,8 @@ XDIST := $(if $(filter-out 0,$(WORKERS)),-n $(WORKERS) --dist loadfile)
 # OpenBLAS read): more threads than cores, and OpenMP's threads wait for one another (a chapter
 # ran 4.7 times slower so on the 2-core machine). The notebooks were recorded with every core,
 # so this run also checks that no compared output depends on the thread count. A thread count
-# already set in the environment is kept.
-WORKER_THREADS := $(if $(XDIST),$(shell python3 -c 'import os; print(max(1, (os.cpu_count() or 1) // $(WORKERS)))'))
+# already set in the environment is kept. `=`, not `:=`: Python runs only when a recipe uses it.
+WORKER_THREADS = $(if $(XDIST),$(shell python3 -c 'import os; print(max(1, (os.cpu_count() or 1) // $(WORKERS)))'))
 
 ## pytest: package tests, then every notebook re-executed and compared by nbval
 pytest: $(STAMP)
@@ -131,7 +158,7 @@ pytest: $(STAMP)
 
 ## test-package: the package's own tests (not the book's pipeline) with whatever Python runs them,
 ## for the CI matrix of Python versions: PYTHON=python3.13 make test-package, in an environment
-## that has the package, pytest and hypothesis (see .github/workflows/test.yml)
+## that has the package, pytest and hypothesis (see .github/workflows/ci.yml, job package)
 PACKAGE_TESTS := tests --ignore=tests/test_pipeline.py --ignore=tests/test_site_tools.py
 test-package:
 	$(or $(PYTHON),python3) -m pytest $(PACKAGE_TESTS) -p no:cacheprovider -q -rfEx
@@ -140,11 +167,16 @@ test-package:
 ## --resolution lowest-direct installs each dependency that the package and its test and notebook
 ## extras name at its floor (theirs at the newest that fit), from PyPI alone, into a fresh
 ## environment on LOWEST_PYTHON (3.11, the oldest supported; CI runs 3.13 too). On Linux that is
-## PyPI's CUDA torch, about 3 GB, with the Triton it pins. Then every module the chapters import is
-## imported (tools/notebook_imports.py), the package's tests run (make test-package), and what was
-## installed is checked against .github/tested-versions/ and the README's table (WRITE=1
-## rewrites them: tools/tested_versions.py).
+## PyPI's CUDA torch, about 3 GB, with the Triton it pins. Then the notebook extra's libraries are
+## imported (NOTEBOOK_IMPORTS), the package's tests run (make test-package), and what was
+## installed is checked against $(TESTED)/lowest-3.N.txt (record_versions; WRITE=1 rewrites it).
 LOWEST_PYTHON ?= 3.11
+# The libraries the notebooks import that the package's tests do not, imported at their floors, so
+# that a floor that cannot be imported beside the others (a matplotlib built for NumPy 1 beside
+# NumPy 2) fails here; `make lint`'s deptry checks that the notebook extra declares each. A chapter
+# that imports a new library adds it here.
+NOTEBOOK_IMPORTS := IPython.display, matplotlib.pyplot, safetensors, sklearn.datasets, \
+	sklearn.linear_model, tqdm
 # The interpreter uv takes for it: by default the first Python LOWEST_PYTHON it finds (a path
 # where that one is not on PATH).
 LOWEST_INTERPRETER ?= $(LOWEST_PYTHON)
@@ -157,11 +189,10 @@ test-lowest:
 		".[test,notebook]"
 	$(UV) pip check --no-config --python $(LOWEST)/venv/bin/python
 	$(UV) pip freeze --no-config --python $(LOWEST)/venv/bin/python > $(LOWEST)/freeze.txt
-	$(LOWEST)/venv/bin/python tools/notebook_imports.py
+	$(LOWEST)/venv/bin/python -c "import $(NOTEBOOK_IMPORTS)"
 	$(MAKE) --no-print-directory test-package PYTHON=$(LOWEST)/venv/bin/python
-	$(LOWEST)/venv/bin/python tools/tested_versions.py $(if $(WRITE),--write) record lowest-$(LOWEST_PYTHON) \
-		$(LOWEST)/freeze.txt
-	$(LOWEST)/venv/bin/python tools/tested_versions.py $(if $(WRITE),--write) table
+	$(call record_versions,$(LOWEST)/venv/bin/python,$(LOWEST)/freeze.txt,\
+		$(TESTED)/lowest-$(LOWEST_PYTHON).txt)
 
 ## dist: the wheel and the sdist in $(DIST) (python -m build), and a check that the sdist holds what
 ## the package's tests need beside the package: their conftest files, the lock (the compile
@@ -229,7 +260,7 @@ pdf: $(STAMP) $(MATHJAX) api-reference
 ## (ONLY="07 12" for some of them). Not part of `make test`, which checks that the record is current.
 gpu-profile: $(STAMP)
 	$(PY) tools/tangle.py
-	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) tools/gpu_profile.py $(ONLY)
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) tools/gpu_chapters_on_cpu.py $(ONLY)
 
 ## colab-check: every notebook alone, top to bottom, in an environment like Colab's (Python 3.12,
 ## the newest numpy, torch, matplotlib and transformers, none of requirements.txt), its own first

@@ -78,15 +78,13 @@ def test_modules_say_where_they_come_from():
         assert first_line.startswith("# Do not edit: tools/tangle.py generates this file from ")
 
 
-def test_notebooks_install_the_package_alone_at_one_commit():
+def test_notebooks_install_the_package_alone_from_their_branch():
     config = yaml.safe_load((ROOT / "_config.yml").read_text())["repository"]
-    pins = set()
     for path in (ROOT / "notebooks").glob("*.ipynb"):
         setup = "".join(json.loads(path.read_text())["cells"][0]["source"])
-        assert 'f"attnbook @ git+' + config["url"] + '@{COMMIT}"' in setup, path
+        assert 'f"attnbook @ git+' + config["url"] + '@{REF}"' in setup, path
         assert "[notebook]" not in setup and "myst" not in setup, path  # no book toolchain
-        pins.add(tangler.pinned_commit(nbformat.read(path, as_version=4)))
-    assert len(pins) == 1 and re.fullmatch(r"[0-9a-f]{40}|UNCOMMITTED", pins.pop())
+        assert tangler.installed_ref(nbformat.read(path, as_version=4)) == config["branch"], path
 
 
 def git(root: Path, *args: str) -> str:
@@ -94,29 +92,66 @@ def git(root: Path, *args: str) -> str:
                           check=True, capture_output=True, text=True).stdout.strip()
 
 
-def test_notebooks_pin_the_commit_of_their_package(book_copy):
+def test_a_commit_of_the_package_needs_no_second_commit(book_copy):
     git(book_copy, "init", "-q")
     git(book_copy, "add", "-A")
     git(book_copy, "commit", "-qm", "book")
-    first = git(book_copy, "rev-parse", "HEAD")
-    notebook = book_copy / "notebooks" / "06-masks.ipynb"
-    outputs = [c.get("outputs") for c in json.loads(notebook.read_text())["cells"]]
-    assert tangle(book_copy).returncode == 0
-    assert tangler.pinned_commit(nbformat.read(notebook, as_version=4)) == first
-    assert [c.get("outputs") for c in json.loads(notebook.read_text())["cells"]] == outputs
-    git(book_copy, "commit", "-qam", "pin")
-    assert "installs the package" not in tangle(book_copy, "--check").stderr
-
-    # A package change: while uncommitted it can't be pinned, and --check only says so ...
-    module = book_copy / "code" / "attnbook" / "masks.py"
-    module.write_text(module.read_text() + "\nEXTRA = 1\n")
-    result = tangle(book_copy, "--check")
-    assert "uncommitted changes" in result.stderr and "installs the package" not in result.stderr
-    # ... once committed, a notebook that still installs the old commit fails the check.
+    assert tangle(book_copy, "--check").returncode == 0
+    # A commit that changes the package (here its metadata, which no notebook shows) ...
+    (book_copy / "pyproject.toml").write_text((book_copy / "pyproject.toml").read_text() + "\n")
     git(book_copy, "commit", "-qam", "change the package")
+    # ... leaves the notebooks as they are: nothing to tangle, nothing to re-pin.
+    before = snapshot(book_copy)
+    assert tangle(book_copy).returncode == 0
+    assert snapshot(book_copy) == before
     result = tangle(book_copy, "--check")
-    assert result.returncode == 1
-    assert f"06-masks.ipynb: installs the package of commit {first}" in result.stderr
+    assert result.returncode == 0, result.stderr
+
+
+def test_a_new_setup_cell_keeps_the_notebooks_outputs(book_copy):
+    """The setup cell is the tangler's, not the chapter's: rewriting it (here from the commit pin
+    the notebooks once had) re-executes nothing and keeps every output."""
+    notebook = book_copy / "notebooks" / "06-masks.ipynb"
+    data = json.loads(notebook.read_text())
+    outputs = [c.get("outputs") for c in data["cells"]]
+    data["cells"][0]["source"] = ["# Setup. On Google Colab ...\n", 'COMMIT = "0d3536f"\n']
+    notebook.write_text(json.dumps(data, indent=1) + "\n")
+    assert "06-masks.ipynb: out of date" in tangle(book_copy, "--check").stderr
+    assert tangle(book_copy).returncode == 0
+    data = json.loads(notebook.read_text())
+    assert 'REF = "main"\n' in data["cells"][0]["source"]
+    assert [c.get("outputs") for c in data["cells"]] == outputs
+    assert tangle(book_copy, "--check").returncode == 0
+
+
+def test_the_site_copy_of_a_notebook_is_pinned_to_a_commit_with_its_outputs(tmp_path):
+    copy = tmp_path / "06-masks.ipynb"
+    shutil.copy(ROOT / "notebooks" / "06-masks.ipynb", copy)
+    sha = "0123456789abcdef0123456789abcdef01234567"
+    assert tangle(ROOT, "--pin", sha, str(copy)).returncode == 0
+    before = nbformat.read(ROOT / "notebooks" / "06-masks.ipynb", as_version=4)
+    after = nbformat.read(copy, as_version=4)
+    assert tangler.installed_ref(after) == sha
+    assert after.cells[0].source == before.cells[0].source.replace('REF = "main"', f'REF = "{sha}"')
+    assert after.cells[1:] == before.cells[1:] and after.cells[0].outputs == before.cells[0].outputs
+    with pytest.raises(ValueError, match="commit must be a hexadecimal commit id"):
+        tangler.pin(after, "main; rm -rf /")
+
+
+def test_the_generated_files_are_listed_as_generated():
+    """.gitattributes lists the committed files a command writes: every one tangle writes."""
+    chapters = tangler.read_chapters()
+    generated = [*tangler.package_files(chapters),
+                 *(tangler.notebook_path(c).relative_to(ROOT).as_posix() for c in chapters),
+                 "requirements.txt", "benchmarks/results/gpu-profile-on-cpu.json",
+                 *(p.relative_to(ROOT).as_posix() for p in (ROOT / ".github").glob("tested-*/*"))]
+    written_by_hand = ["chapters/01-queries-keys-values.md", "tools/tangle.py", "requirements.in",
+                       "code/attnbook/data/python-3.11.7-topics.json.gz", "Makefile"]
+    found = subprocess.run(["git", "check-attr", "linguist-generated", "--", *generated,
+                            *written_by_hand], cwd=ROOT, capture_output=True, text=True,
+                           check=True).stdout.splitlines()
+    marked = {line.split(": ")[0] for line in found if line.endswith(": set")}
+    assert marked == set(generated)
 
 
 def test_only_chapters_with_a_gpu_path_ask_colab_for_a_gpu():
@@ -129,31 +164,31 @@ def test_only_chapters_with_a_gpu_path_ask_colab_for_a_gpu():
 
 def test_every_gpu_chapter_has_a_current_gpu_profile_record():
     """make gpu-profile ran each gpu: true chapter, as it is now, with the GPU's sizes."""
-    import gpu_profile
+    import gpu_chapters_on_cpu
 
-    assert {p.stem for p in gpu_profile.gpu_chapters()} == {
+    assert {p.stem for p in gpu_chapters_on_cpu.gpu_chapters()} == {
         c.slug for c in tangler.read_chapters() if c.wants_gpu}
-    assert gpu_profile.check(gpu_profile.load()) == []
+    assert gpu_chapters_on_cpu.check(gpu_chapters_on_cpu.load()) == []
 
 
 def test_the_gpu_profile_check_sees_a_stale_or_failed_record(tmp_path, monkeypatch):
-    import gpu_profile
+    import gpu_chapters_on_cpu
 
-    chapter = gpu_profile.gpu_chapters()[0]
-    fresh = {"source_sha256": gpu_profile.sha256(chapter), "status": "ok"}
-    assert not [p for p in gpu_profile.check({"chapters": {chapter.stem: fresh}})
+    chapter = gpu_chapters_on_cpu.gpu_chapters()[0]
+    fresh = {"source_sha256": gpu_chapters_on_cpu.sha256(chapter), "status": "ok"}
+    assert not [p for p in gpu_chapters_on_cpu.check({"chapters": {chapter.stem: fresh}})
                 if p.startswith(chapter.stem)]
     for entry, says in [(None, "no GPU-profile record"),
                         ({**fresh, "source_sha256": "0" * 64}, "changed since"),
                         ({**fresh, "status": {"failed_cell": 3}}, "failed")]:
         record = {"chapters": {} if entry is None else {chapter.stem: entry}}
-        assert any(chapter.stem in p and says in p for p in gpu_profile.check(record))
+        assert any(chapter.stem in p and says in p for p in gpu_chapters_on_cpu.check(record))
 
 
 def test_no_glued_number_shows_digits_its_record_lacks():
-    import glue_check
+    import glue_digits_check
 
-    assert glue_check.check_book() == []
+    assert glue_digits_check.check_book() == []
 
 
 @pytest.mark.parametrize("spec, value, digits, bad", [
@@ -168,13 +203,13 @@ def test_no_glued_number_shows_digits_its_record_lacks():
     (".1e", "2.5e-07", 2, False), # 2.5e-07
     (",d", "1086", 4, False),     # 1,086
 ])
-def test_glue_check_catches_a_format_with_more_digits_than_the_record(spec, value, digits, bad):
-    import glue_check
+def test_glue_digits_check_catches_a_format_with_more_digits_than_the_record(spec, value, digits, bad):
+    import glue_digits_check
 
     chapter = f"The share is {{glue:text}}`x{':' + spec if spec else ''}`.\n"
-    found = glue_check.problems(chapter, {"x": value, "x__digits": str(digits)})
+    found = glue_digits_check.problems(chapter, {"x": value, "x__digits": str(digits)})
     assert bool(found) == bad, found
-    assert glue_check.problems(chapter, {"x": value}) == []  # not rounded: every digit is real
+    assert glue_digits_check.problems(chapter, {"x": value}) == []  # not rounded: every digit is real
 
 
 def test_glue_records_the_digits_it_kept_for_the_check(monkeypatch):
@@ -187,19 +222,20 @@ def test_glue_records_the_digits_it_kept_for_the_check(monkeypatch):
     monkeypatch.setitem(sys.modules, "myst_nb", fake)
     glue("share", 0.2549, digits=2)
     glue("count", 7)
-    assert records == {"share": 0.25, "share__digits": 2, "count": 7}
+    # the name the tools read (tangle.DIGITS_SUFFIX) is the one glue records
+    assert records == {"share": 0.25, "share" + tangler.DIGITS_SUFFIX: 2, "count": 7}
 
 
 def test_a_chapter_can_ask_colab_for_more_packages(book_copy):
     tangle_extra_chapter(book_copy, "  module: extra\n  colab_install: [some-package==1.0]\n",
                          "Extra", {"export": "A = 1"})
     setup = json.loads((book_copy / "notebooks" / "99-extra.ipynb").read_text())["cells"][0]
-    assert "@{COMMIT}\", 'some-package==1.0']" in "".join(setup["source"])
+    assert "@{REF}\", 'some-package==1.0']" in "".join(setup["source"])
 
 
 def test_setup_cell_runs_and_reports_what_it_did():
     chapter = tangler.read_chapters()[0]
-    printed = subprocess.run([sys.executable, "-c", tangler.setup_cell_source(chapter, "abc")],
+    printed = subprocess.run([sys.executable, "-c", tangler.setup_cell_source(chapter)],
                              capture_output=True, text=True, check=True).stdout
     assert re.fullmatch(r"attnbook \S+ \(not on Colab, nothing installed\); GPU: .+\n", printed)
 
@@ -208,8 +244,9 @@ def test_colab_check_installs_from_this_clone_under_a_stand_in_colab(tmp_path):
     import colab_check
 
     nb = nbformat.read(ROOT / "notebooks" / "01-queries-keys-values.ipynb", as_version=4)
-    setup = colab_check.pointed_at_this_clone(nb).cells[0].source
-    assert f"git+file://{ROOT}@{{COMMIT}}" in setup and "github.com" not in setup
+    setup = colab_check.pointed_at_this_clone(nb, "abc1234").cells[0].source
+    assert f"git+file://{ROOT}@{{REF}}" in setup and "github.com" not in setup
+    assert 'REF = "abc1234"' in setup
     folder = colab_check.stand_in(tmp_path)
     found = subprocess.run(
         [sys.executable, "-c", "import sys; print('google.colab' in sys.modules)"],
@@ -341,6 +378,55 @@ def test_a_prose_only_edit_keeps_the_outputs(book_copy):
     assert "01-queries-keys-values.ipynb" not in tangle(book_copy, "--check").stderr
 
 
+def test_make_notebooks_reruns_a_chapter_that_imports_a_changed_module(book_copy):
+    """Chapter 99 imports the module chapter 98 writes: a change to 98's exported cell changes
+    no cell of 99, yet 99 is executed again, and only then."""
+    def chapter(name, front_matter, tag, source):
+        (book_copy / "chapters" / name).write_text(
+            f"---\n{front_matter}---\n\n# {name}\n\n"
+            f"```{{code-cell}} ipython3\n:tags: [{tag}]\n\n{source}\n```\n")
+
+    def make_notebooks():
+        done = subprocess.run(
+            [sys.executable, str(book_copy / "tools" / "tangle.py"), "--execute", "98", "99"],
+            capture_output=True, text=True, cwd=book_copy, check=True,
+            env=dict(os.environ, PYTHONPATH=str(book_copy / "code")))
+        user = nbformat.read(book_copy / "notebooks" / "99-user.ipynb", as_version=4)
+        return done.stdout, "".join(o.get("text", "") for o in user.cells[-1].outputs)
+
+    chapter("98-extra.md", "attnbook:\n  module: extra\n", "export", "VALUE = 1")
+    chapter("99-user.md", "title: user\n", "user", "from attnbook.extra import VALUE\nprint(VALUE)")
+    printed, shown = make_notebooks()
+    assert "executing chapters/99-user.md" in printed and shown == "1\n"
+    assert "executing" not in make_notebooks()[0]  # nothing changed: nothing runs
+    chapter("98-extra.md", "attnbook:\n  module: extra\n", "export", "VALUE = 2")
+    assert "99-user.ipynb: ran another version of a module" in tangle(book_copy).stdout
+    printed, shown = make_notebooks()
+    assert "executing chapters/99-user.md (a module it runs changed)" in printed, printed
+    assert shown == "2\n"
+
+
+def test_a_notebook_runs_the_modules_it_imports_and_theirs():
+    chapters = {c.slug[:2]: c for c in tangler.read_chapters()}
+    files = tangler.package_files(list(chapters.values()))
+    changed = dict(files)
+    changed["code/attnbook/heads.py"] += "\nEXTRA = 1\n"
+    # chapter 10 imports attnbook.gpt, which imports heads; chapter 1 runs nothing of heads
+    assert "heads" in tangler.package_uses(chapters["10"], files)
+    for slug, reruns in [("03", True), ("10", True), ("01", False), ("02", False)]:
+        differs = tangler.package_digest(chapters[slug], files) != tangler.package_digest(
+            chapters[slug], changed)
+        assert differs == reruns, slug
+    assert tangler.imported_modules(
+        "import attnbook.heads\nfrom attnbook import masks as m, gpt\nattnbook.viz.draw()\n"
+        "from attnbook.bert import BERT  # attnbook.nothing\n", set(files_stems(files))) == {
+        "heads", "masks", "gpt", "viz", "bert"}
+
+
+def files_stems(files: dict[str, str]) -> list[str]:
+    return [Path(rel).stem for rel in files]
+
+
 def test_a_new_figure_caption_keeps_the_outputs_and_code_changes_drop_them(book_copy):
     chapter = book_copy / "chapters" / "01-queries-keys-values.md"
     notebook = book_copy / "notebooks" / "01-queries-keys-values.ipynb"
@@ -419,7 +505,7 @@ def test_solutions_are_hidden_in_jupyter_and_on_colab_as_on_the_site():
     # notebook must carry what each of them reads, or the solution sits under its exercise.
     solutions = 0
     for chapter in tangler.read_chapters():
-        nb = tangler.notebook_source(chapter, "0" * 40)
+        nb = tangler.notebook_source(chapter)
         for cell in nb.cells:
             if cell.cell_type != "code" or "hide-input" not in cell.metadata.get("tags", []):
                 continue

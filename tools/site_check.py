@@ -18,7 +18,7 @@ Debian's Chromium, driven by Playwright. A page passes when:
   notebooks/<chapter>.ipynb that Colab opens, and its .md source, the very file in chapters/;
 - every page has a favicon, a canonical link under _config.yml's html.baseurl and an "Open an
   issue" button; every page with a source has an "Edit this page" button opening a file of the
-  repository (except pages written at build time, book/_ext/site_fixes.py's GENERATED_PAGES);
+  repository (except pages written at build time, book/_ext/source_buttons.py's GENERATED_PAGES);
   sitemap.xml lists every chapter page, under html.baseurl, and only pages that exist;
 - every attention explorer (attnbook.viz, class attnbook-explorer) reacts: focusing one token and
   hovering another give two different pictures (the tokens' computed shading and the values they
@@ -75,7 +75,7 @@ TABS = 2  # pages open at once (the machines have 2 cores)
 
 sys.path.insert(0, str(ROOT / "book" / "_ext"))
 from colab_links import colab_url  # noqa: E402
-from site_fixes import GENERATED_PAGES  # noqa: E402
+from source_buttons import GENERATED_PAGES  # noqa: E402
 
 # Run in the page once it has loaded: wait for MathJax's first typesetting and for every image,
 # then report what the checks need.

@@ -11,21 +11,28 @@ the chapter's own module defaults to the chapter's title), and `attnbook: {main:
 `__all__`, and each of its cells follows a comment naming the chapter file and the section the
 cell sits in, so that any generated line leads back to the prose that explains it. The same chapter becomes `notebooks/<chapter>.ipynb`:
 its cells behind one setup cell that, on Colab only, installs the package from the repository named in
-`_config.yml`.
+`_config.yml`, at the branch named there (main): a notebook on main installs the package of main.
+The site offers its own copies of the notebooks, which CI pins to the commit it publishes.
 
     python tools/tangle.py              write code/ and the notebooks' sources (keeps outputs)
-    python tools/tangle.py --execute    ... and run every notebook whose source changed
+    python tools/tangle.py --execute    ... and run every notebook whose code changed, or
+                                        that ran another version of a module it runs
     python tools/tangle.py --check      fail if code/ or notebooks/ differ from the chapters
+    python tools/tangle.py --pin SHA NOTEBOOK...   make copies of notebooks install commit SHA
 
 The notebooks' text cells are plain Markdown, for Colab and Jupyter, which do not know MyST: a
 glossary term shows as its text, a citation as (Author et al., year) from book/references.bib, a
 dropdown admonition as an HTML <details>, and a glued number as the value the notebook's own
 outputs hold, formatted as on the site.
 
-The output depends only on the chapters, `_config.yml`, `pyproject.toml`, `book/references.bib`,
-the notebooks' outputs and the commit that last changed the package (which the notebooks install
-on Colab): running it twice gives the same bytes. While the package has uncommitted changes, the
-notebooks keep the commit they name; after committing, `make tangle` pins the new one.
+An executed notebook records in its metadata (`attnbook: {package: <digest>}`) a digest of the
+modules it runs: those its code cells import and, in turn, theirs. `--execute` runs it again when
+the chapters now write those modules otherwise, so a change to a module re-executes every chapter
+that uses it, not only the one that writes it.
+
+The output depends only on the chapters, `_config.yml`, `pyproject.toml`, `book/references.bib`
+and the notebooks' outputs, not on git: running it twice gives the same bytes, and a commit needs
+no second commit to follow it.
 """
 
 from __future__ import annotations
@@ -34,8 +41,8 @@ import argparse
 import ast
 import copy
 import difflib
+import hashlib
 import re
-import subprocess
 import sys
 import textwrap
 import tomllib
@@ -275,53 +282,46 @@ def package_files(chapters: list[Chapter]) -> dict[str, str]:
     return files
 
 
-# The package a notebook installs on Colab is the one it was executed with: the commit that last
-# changed these paths, while the working tree holds no other change to them.
-PACKAGE_PATHS = ("code", "pyproject.toml")
-UNPINNED = "UNCOMMITTED"  # what a notebook names before its package is committed
+# The line of the setup cell that names what it installs: a branch in the committed notebooks, a
+# commit in the copies the site publishes (pin).
+REF_LINE = re.compile(r'^REF = "([^"]*)"$', re.MULTILINE)
 
 
-def git(*args: str) -> str | None:
-    try:
-        done = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True)
-    except FileNotFoundError:
-        return None
-    return done.stdout.strip() if done.returncode == 0 else None
-
-
-def package_commit() -> str | None:
-    """The commit whose package the working tree holds, or None when code/ or pyproject.toml has
-    uncommitted changes (or this is no git clone), so that no commit holds it yet."""
-    if git("status", "--porcelain", "--untracked-files=all", "--", *PACKAGE_PATHS) != "":
-        return None
-    return git("log", "-1", "--format=%H", "--", *PACKAGE_PATHS) or None
-
-
-def pinned_commit(nb: nbformat.NotebookNode | None) -> str | None:
-    """The commit a notebook's setup cell installs."""
-    if nb is None or not nb.cells:
-        return None
-    found = re.search(r'^COMMIT = "(\w+)"$', nb.cells[0].source, re.MULTILINE)
+def installed_ref(nb: nbformat.NotebookNode) -> str | None:
+    """The branch or commit of the repository that a notebook's setup cell installs on Colab."""
+    found = REF_LINE.search(nb.cells[0].source) if nb.cells else None
     return found.group(1) if found else None
 
 
-def setup_cell_source(chapter: Chapter, commit: str) -> str:
-    url, _ = repository()
+def pin(nb: nbformat.NotebookNode, commit: str) -> nbformat.NotebookNode:
+    """`nb` installing the package of `commit` instead of its branch; nothing else changes, its
+    outputs included (the deploy pins the site's copies; tools/colab_check.py pins this clone's)."""
+    if not re.fullmatch(r"[0-9a-f]{7,40}", commit):
+        raise ValueError(f"commit must be a hexadecimal commit id, got commit={commit!r}")
+    if installed_ref(nb) is None:
+        raise ValueError("the notebook's first cell is not the tangler's setup cell")
+    nb.cells[0].source = REF_LINE.sub(f'REF = "{commit}"', nb.cells[0].source, count=1)
+    return nb
+
+
+def setup_cell_source(chapter: Chapter) -> str:
+    url, branch = repository()
     extra = "".join(f", {requirement!r}" for requirement in chapter.colab_install)
     return (
-        "# Setup. On Google Colab this installs the book's package, at the commit this notebook\n"
-        "# was executed with, and nothing that Colab already has; anywhere else it only reports\n"
-        "# the package and the hardware the notebook runs on.\n"
+        "# Setup. On Google Colab this installs the book's package from its repository at REF (the\n"
+        "# branch this notebook is on; the site's copy names the commit it was published from),\n"
+        "# and nothing that Colab already has; anywhere else it only reports the package and the\n"
+        "# hardware the notebook runs on.\n"
         "import subprocess\n"
         "import sys\n"
         "from importlib.metadata import version\n"
         "\n"
         "import torch\n"
         "\n"
-        f'COMMIT = "{commit}"\n'
+        f'REF = "{branch}"\n'
         "\n"
         'if "google.colab" in sys.modules:\n'
-        f'    packages = [f"attnbook @ git+{url}@{{COMMIT}}"{extra}]\n'
+        f'    packages = [f"attnbook @ git+{url}@{{REF}}"{extra}]\n'
         '    pip = subprocess.run([sys.executable, "-m", "pip", "install", *packages],\n'
         "                         capture_output=True, text=True)\n"
         "    if pip.returncode != 0:\n"
@@ -340,6 +340,11 @@ def setup_cell_source(chapter: Chapter, commit: str) -> str:
 TERM = re.compile(r"\{term\}`([^`]*?)(?:\s*<[^`]*>)?`")  # {term}`text <entry>` or {term}`entry`
 CITE = re.compile(r"\{cite(?::p)?\}`([^`]*)`")  # {cite}`key` and {cite:p}`key, key`
 GLUE = re.compile(r"\{glue:text\}`([^`]*)`")
+GLUE_RECORD = "application/papermill.record/text/plain"  # myst-nb's glue output
+# attnbook.notebook.glue(name, value, digits=2) also records name + DIGITS_SUFFIX = 2. The same
+# constant is attnbook.notebook.DIGITS_SUFFIX: the tools keep this copy so that they run without
+# the package (tests/test_pipeline.py checks that the two agree).
+DIGITS_SUFFIX = "__digits"
 ADMONITION = re.compile(
     r"^(?P<fence>`{3,}|:{3,})\{admonition\}[ \t]*(?P<title>[^\n]*)\n"
     r"(?P<options>(?::[\w-]+:[^\n]*\n)*)"
@@ -383,17 +388,24 @@ def plain_markdown(text: str, cited: dict[str, str]) -> str:
     return CITE.sub(cite, text)
 
 
+def glued_values(nb: nbformat.NotebookNode) -> dict[str, str]:
+    """Each name an executed notebook glued, with the text of its record: the one reader of glued
+    values, shared by fill_glue, tools/glue_digits_check.py and tools/gpu_chapters_on_cpu.py."""
+    values = {}
+    for cell in nb.cells:
+        for output in cell.get("outputs", []) if cell.cell_type == "code" else []:
+            name = output.get("metadata", {}).get("scrapbook", {}).get("name")
+            if name and GLUE_RECORD in output.get("data", {}):
+                values[name] = output["data"][GLUE_RECORD]
+    return values
+
+
 def fill_glue(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
     """Replace each {glue:text}`name:format` of the text cells by the value the notebook's
     outputs hold for `name`, formatted as myst-nb formats it on the site."""
     from myst_nb.core.variables import format_plain_text
 
-    values = {}
-    for cell in nb.cells:
-        for output in cell.get("outputs", []) if cell.cell_type == "code" else []:
-            name = output.get("metadata", {}).get("scrapbook", {}).get("name")
-            if name:
-                values[name] = output["data"]["application/papermill.record/text/plain"]
+    values = glued_values(nb)
 
     def paste(match):
         name, _, spec = match.group(1).partition(":")
@@ -433,10 +445,10 @@ def hide_source(cell: nbformat.NotebookNode, section: str | None) -> None:
     cell.metadata["cellView"] = "form"
 
 
-def notebook_source(chapter: Chapter, commit: str) -> nbformat.NotebookNode:
+def notebook_source(chapter: Chapter) -> nbformat.NotebookNode:
     """The chapter as a Jupyter notebook, without outputs (and so with glue roles unfilled),
-    whose setup cell installs the package at `commit` on Colab."""
-    setup = nbformat.v4.new_code_cell(setup_cell_source(chapter, commit))
+    whose setup cell installs the package on Colab."""
+    setup = nbformat.v4.new_code_cell(setup_cell_source(chapter))
     setup.metadata["tags"] = ["nbval-ignore-output"]
     cells = [setup]
     cited = citations()
@@ -468,9 +480,54 @@ def notebook_source(chapter: Chapter, commit: str) -> nbformat.NotebookNode:
     return nb
 
 
+# The modules of the package a chapter's notebook runs, found in its code cells and, in turn, in
+# those modules: `attnbook.heads` (in `import attnbook.heads`, `from attnbook.heads import ...`
+# or `attnbook.heads.attend(...)`) and `from attnbook import heads, masks as m`.
+IMPORTED = re.compile(r"\battnbook\.(\w+)|^[ \t]*from attnbook import ([\w ,]+)", re.MULTILINE)
+# Notebook metadata that its execution writes: `{"package": digest}`, a digest of the modules of
+# the package it ran (package_digest). Like the outputs, kept while its code is unchanged.
+RUN_METADATA = "attnbook"
+
+
+def imported_modules(source: str, modules: set[str]) -> set[str]:
+    """The modules among `modules` that Python source (a cell, a module) imports or uses."""
+    found = set()
+    for dotted, names in IMPORTED.findall(source):
+        found.update([dotted] if dotted else [n.split(" as ")[0].strip() for n in names.split(",")])
+    return found & modules
+
+
+def package_uses(chapter: Chapter, files: dict[str, str]) -> set[str]:
+    """The modules a chapter's notebook runs: those its code cells name (its own among them) and
+    every module that those import, in turn. `files` is package_files' output."""
+    sources = {Path(rel).stem: text for rel, text in files.items() if not rel.endswith("__init__.py")}
+    code = "\n".join(cell.source for cell in chapter.notebook.cells if cell.cell_type == "code")
+    todo, used = imported_modules(code, set(sources)) | set(chapter.exports()), set()
+    while todo:
+        module = todo.pop()
+        used.add(module)
+        todo |= imported_modules(sources[module], set(sources)) - used
+    return used
+
+
+def package_digest(chapter: Chapter, files: dict[str, str]) -> str:
+    """A digest of the modules a chapter's notebook runs, as the chapters now write them: when it
+    differs from the one the notebook recorded, the notebook ran another package."""
+    digest = hashlib.sha256()
+    for module in sorted(package_uses(chapter, files)):
+        digest.update(f"{module}\n{files[f'code/attnbook/{module}.py']}\n".encode())
+    return digest.hexdigest()[:16]
+
+
+def recorded_digest(nb: nbformat.NotebookNode | None) -> str | None:
+    return None if nb is None else nb.metadata.get(RUN_METADATA, {}).get("package")
+
+
 def strip_outputs(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
-    """What of a notebook the chapter determines: cells and their sources, not outputs."""
+    """What of a notebook the chapter determines: cells and their sources, not outputs (nor what
+    the run recorded of the package)."""
     nb = copy.deepcopy(nb)
+    nb.metadata.pop(RUN_METADATA, None)
     for cell in nb.cells:
         for key in VOLATILE_CELL_METADATA:
             cell.metadata.pop(key, None)
@@ -500,7 +557,10 @@ def same_code(a: nbformat.NotebookNode, b: nbformat.NotebookNode) -> bool:
 
 
 def with_outputs_of(executed: nbformat.NotebookNode, fresh: nbformat.NotebookNode):
-    """`fresh` with the outputs of `executed`, a notebook with the same code cells."""
+    """`fresh` with the outputs of `executed`, a notebook with the same code cells, and its record
+    of the package it ran."""
+    if RUN_METADATA in executed.metadata:
+        fresh.metadata[RUN_METADATA] = copy.deepcopy(executed.metadata[RUN_METADATA])
     done = iter([c for c in executed.cells if c.cell_type == "code"])
     for cell in fresh.cells:
         if cell.cell_type == "code":
@@ -509,10 +569,10 @@ def with_outputs_of(executed: nbformat.NotebookNode, fresh: nbformat.NotebookNod
     return fresh
 
 
-def expected_notebook(chapter: Chapter, old: nbformat.NotebookNode | None, commit: str):
-    """What the chapter makes of its notebook, installing the package at `commit`: with `old`'s
-    outputs (and glued values) where `old` ran the same code, otherwise without outputs."""
-    fresh = notebook_source(chapter, commit)
+def expected_notebook(chapter: Chapter, old: nbformat.NotebookNode | None):
+    """What the chapter makes of its notebook: with `old`'s outputs (and glued values) where `old`
+    ran the same code (its setup cell may differ: see same_code), otherwise without outputs."""
+    fresh = notebook_source(chapter)
     if old is not None and same_code(old, fresh) and not never_executed(old):
         return fill_glue(with_outputs_of(old, fresh))
     return fresh
@@ -562,17 +622,23 @@ def write(execute_changed: bool, force: bool, only: list[str]) -> None:
             continue
         path = notebook_path(chapter)
         old = nbformat.read(path, as_version=4) if path.exists() else None
-        commit = package_commit() or pinned_commit(old) or UNPINNED
-        fresh = expected_notebook(chapter, old, commit)
-        unchanged = old is not None and dumps(strip_outputs(old)) == dumps(strip_outputs(fresh))
-        if unchanged and not force and not (execute_changed and never_executed(old)):
+        fresh = expected_notebook(chapter, old)
+        digest = package_digest(chapter, expected)
+        # Outputs are kept while the notebook's code is the chapter's (its prose may differ) ...
+        kept = old is not None and same_code(old, fresh) and not never_executed(old)
+        # ... but they may come from another version of the modules it runs (another chapter's).
+        other_package = kept and recorded_digest(old) != digest
+        if force or (execute_changed and (not kept or other_package)):
+            why = " (a module it runs changed)" if kept and not force else ""
+            print(f"executing {chapter.relpath}{why} ...", flush=True)
+            fresh = fill_glue(execute(notebook_source(chapter)))
+            fresh.metadata[RUN_METADATA] = {"package": digest}
+        elif old is not None and dumps(strip_outputs(old)) == dumps(strip_outputs(fresh)):
+            if other_package:
+                print(f"{path.relative_to(ROOT)}: ran another version of a module it runs "
+                      "(make notebooks)")
             continue
-        if old is not None and not force and same_code(old, fresh) and not never_executed(old):
-            pass  # only prose changed: outputs depend on code alone, and were kept
-        elif execute_changed or force:
-            print(f"executing {chapter.relpath} ...", flush=True)
-            fresh = fill_glue(execute(notebook_source(chapter, commit)))
-        elif old is not None:
+        elif old is not None and not kept:
             print(f"{path.relative_to(ROOT)}: source changed, outputs dropped (make notebooks)")
         path.write_text(dumps(fresh))
         print(f"wrote {path.relative_to(ROOT)}")
@@ -605,10 +671,6 @@ def check() -> int:
             problems.append(f"{rel}: differs from its chapter (run make tangle)\n" + "\n".join(diff))
 
     wanted = {notebook_path(c): c for c in chapters}
-    commit = package_commit()
-    if commit is None:
-        print("tangle check: code/ or pyproject.toml has uncommitted changes, so the commit that "
-              "the notebooks install is not checked (commit, then make tangle)", file=sys.stderr)
     for path in sorted(set(NOTEBOOKS.glob("*.ipynb")) - set(wanted)):
         problems.append(f"{path.relative_to(ROOT)}: no chapter produces it")
     for path, chapter in sorted(wanted.items()):
@@ -617,11 +679,7 @@ def check() -> int:
             problems.append(f"{rel}: missing (run make notebooks)")
             continue
         committed = nbformat.read(path, as_version=4)
-        pinned = pinned_commit(committed)
-        if commit is not None and pinned != commit:
-            problems.append(f"{rel}: installs the package of commit {pinned}, but the package is "
-                            f"that of {commit} (run make tangle and commit the notebooks)")
-        expected = strip_outputs(expected_notebook(chapter, committed, commit or pinned or UNPINNED))
+        expected = strip_outputs(expected_notebook(chapter, committed))
         if dumps(strip_outputs(committed)) != dumps(expected):
             problems.append(f"{rel}: out of date with {chapter.relpath} (run make notebooks)")
         elif never_executed(committed):
@@ -638,10 +696,20 @@ def main() -> int:
     parser.add_argument("--check", action="store_true", help="compare, write nothing")
     parser.add_argument("--execute", action="store_true", help="run notebooks whose source changed")
     parser.add_argument("--force", action="store_true", help="run every (selected) notebook")
-    parser.add_argument("only", nargs="*", help="chapter prefixes to (re)execute, e.g. 01")
+    parser.add_argument("--pin", metavar="SHA", help="make the notebooks named install commit SHA")
+    parser.add_argument("only", nargs="*", help="chapter prefixes to (re)execute, e.g. 01; with "
+                        "--pin, the notebook files to pin")
     args = parser.parse_args()
     if args.check:
         return check()
+    if args.pin:
+        if not args.only:
+            parser.error("--pin needs the notebook files to pin")
+        for name in args.only:
+            path = Path(name)
+            path.write_text(dumps(pin(nbformat.read(path, as_version=4), args.pin)))
+        print(f"tangle: {len(args.only)} notebooks install the package of {args.pin}")
+        return 0
     write(execute_changed=args.execute, force=args.force, only=args.only)
     return 0
 

@@ -1,14 +1,10 @@
-"""Sphinx extension: fixes for what every page shows or logs.
+"""Sphinx extension: workarounds for what Sphinx and the theme show or log on every page.
 
 - Sphinx 7.4 writes a script that has a body and no file twice when an extension adds it after
   the builder starts (sphinx-thebe does), so the browser raises "Identifier 'THEBE_JS_URL' has
   already been declared" on every page. Each page keeps the first copy of such a script.
 - pydata-sphinx-theme logs "Got invalid theme mode" on a reader's first visit when no
   `default_mode` is set; it is set to "auto" (follow the reader's system), the theme's fallback.
-
-- The repository menu's buttons read "Edit this page" and "Open an issue", and a page that a
-  tool writes at build time (book/api.md, from tools/api_reference.py) has no edit button: the
-  file it would open is not in the repository.
 
 sitemap.xml is sphinx-sitemap's (_config.yml: html.baseurl, sitemap_url_scheme), and every page's
 canonical link is Sphinx's own, from the same html.baseurl.
@@ -17,8 +13,6 @@ tools/site_check.py (make site-check) checks each of these on the built pages.
 """
 
 from __future__ import annotations
-
-GENERATED_PAGES = {"book/api"}  # written by tools/api_reference.py, not committed
 
 
 def set_default_mode(app, config) -> None:
@@ -41,21 +35,7 @@ def drop_duplicate_scripts(app, pagename, templatename, context, doctree) -> Non
     context["script_files"] = unique
 
 
-def relabel_source_buttons(app, pagename, templatename, context, doctree) -> None:
-    """After sphinx-book-theme's add_source_buttons (priority 501) has made the menu."""
-    names = {"source-edit-button": "Edit this page", "source-issues-button": "Open an issue"}
-    for group in context.get("header_buttons", []):
-        if group.get("label") != "source-buttons":
-            continue
-        group["buttons"] = [
-            {**button, "text": names.get(button.get("label"), button.get("text"))}
-            for button in group["buttons"]
-            if not (button.get("label") == "source-edit-button" and pagename in GENERATED_PAGES)
-        ]
-
-
 def setup(app):
     app.connect("config-inited", set_default_mode)
     app.connect("html-page-context", drop_duplicate_scripts, priority=900)
-    app.connect("html-page-context", relabel_source_buttons, priority=600)
     return {"version": "1.0", "parallel_read_safe": True, "parallel_write_safe": True}

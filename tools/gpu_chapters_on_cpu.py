@@ -14,8 +14,8 @@ its record written to benchmarks/results/gpu-profile-on-cpu.json:
   `INTERPRETED` or `torch.cuda`): on the CPU they run their other branch, so they are listed
   for a GPU run (benchmarks/gpu_session.sh --chapters) to cover.
 
-    python tools/gpu_profile.py [NN ...] [--out FILE]   # default: every gpu: true chapter
-    python tools/gpu_profile.py --check                 # fail if a record is missing or stale
+    python tools/gpu_chapters_on_cpu.py [NN ...] [--out FILE]   # default: every gpu: true chapter
+    python tools/gpu_chapters_on_cpu.py --check                 # fail if a record is missing or stale
 
 A run of some chapters keeps the other chapters' records.
 """
@@ -34,7 +34,7 @@ from pathlib import Path
 
 import nbformat
 import yaml
-from glue_check import recorded  # every glued value of an executed notebook
+from tangle import glued_values  # every glued value of an executed notebook
 
 ROOT = Path(__file__).resolve().parents[1]
 CHAPTERS, NOTEBOOKS = ROOT / "chapters", ROOT / "notebooks"
@@ -96,7 +96,7 @@ def run(chapter: Path) -> dict:
                   "first_line": first_line(nb.cells[failed].source) if failed is not None else "",
                   "error": str(error).strip().splitlines()[-1][:300]}
     return {"source_sha256": sha256(chapter), "status": status,
-            "seconds": round(time.perf_counter() - start), "glued": recorded(nb),
+            "seconds": round(time.perf_counter() - start), "glued": glued_values(nb),
             "needs_gpu": gpu_cells(nb)}
 
 

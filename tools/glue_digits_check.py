@@ -9,7 +9,7 @@ the committed notebook recorded, as the site does, and fails when the text shows
 significant digits than that. Values glued
 without `digits` are exact (counts, sizes) and may show all their digits.
 
-    python tools/glue_check.py      # exit 1 and list the glue roles that show too many digits
+    python tools/glue_digits_check.py      # exit 1 and list the glue roles that show too many digits
 """
 
 from __future__ import annotations
@@ -19,22 +19,9 @@ import sys
 from pathlib import Path
 
 import nbformat
+from tangle import DIGITS_SUFFIX, GLUE, glued_values  # the one reader of glue roles, records
 
 ROOT = Path(__file__).resolve().parents[1]
-GLUE = re.compile(r"\{glue:text\}`([^`]*)`")
-RECORD = "application/papermill.record/text/plain"
-DIGITS_SUFFIX = "__digits"  # attnbook.notebook.glue records name__digits beside name
-
-
-def recorded(notebook: nbformat.NotebookNode) -> dict[str, str]:
-    """Each glued name of an executed notebook, with the text of its record."""
-    values = {}
-    for cell in notebook.cells:
-        for output in cell.get("outputs", []) if cell.cell_type == "code" else []:
-            name = output.get("metadata", {}).get("scrapbook", {}).get("name")
-            if name and RECORD in output.get("data", {}):
-                values[name] = output["data"][RECORD]
-    return values
 
 
 def shown_digits(text: str) -> int | None:
@@ -77,12 +64,12 @@ def check_book(root: Path = ROOT) -> list[str]:
         notebook = root / "notebooks" / f"{chapter.stem}.ipynb"
         if not notebook.exists():
             continue
-        values = recorded(nbformat.read(notebook, as_version=4))
+        values = glued_values(nbformat.read(notebook, as_version=4))
         found += [f"{chapter.name}: {p}" for p in problems(chapter.read_text(), values)]
     return found
 
 
 if __name__ == "__main__":
     found = check_book()
-    print("\n".join(found) or "glue_check: every glued number shows only the digits it has")
+    print("\n".join(found) or "glue_digits_check: every glued number shows only the digits it has")
     sys.exit(1 if found else 0)
