@@ -68,7 +68,7 @@ def glue(name: str, value, *, digits: int | None = None):
     except ImportError:  # not a book build: nobody reads the record
         return _quiet(value)
     record(name, value, display=False)
-    if digits is not None:  # the precision kept, for tools/glue_check.py to hold the prose to
+    if digits is not None:  # the precision kept, for tools/glue_digits_check.py to hold the prose to
         record(name + DIGITS_SUFFIX, digits, display=False)
     return _quiet(value)
 
