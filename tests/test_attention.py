@@ -211,7 +211,7 @@ def test_large_float16_inputs_are_computed_in_float32(seed):
     np.testing.assert_allclose(weights.astype(np.float64).sum(-1), 1.0, rtol=2e-3)
 
 
-# --- issue 12: no silent wrong answers --------------------------------------------------------
+# --- No silent wrong answers --------------------------------------------------------
 
 
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
@@ -282,7 +282,7 @@ def test_check_qkv_is_public_and_returns_real_arrays():
 
 
 def test_the_numpy_chapters_modules_import_without_torch():
-    # Issue 26: attention, scaling and tiling (chapters 1, 2 and 13) need only NumPy; torch is
+    # Attention, scaling and tiling (chapters 1, 2 and 13) need only NumPy; torch is
     # made unimportable, so that any import of it, however indirect, fails.
     import subprocess
     import sys

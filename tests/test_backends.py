@@ -1,4 +1,4 @@
-"""Issue 26: the attention backends (chapter 3, "The fast path") agree on every model, forward and
+"""The attention backends (chapter 3, "The fast path") agree on every model, forward and
 gradients, with padding and causal masks and fully masked rows; the models check their inputs
 once, at the entry point."""
 

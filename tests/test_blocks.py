@@ -294,7 +294,7 @@ def test_bad_mask_is_refused():
         block(torch.randn(1, 3, 8), mask=torch.ones(4, 4, dtype=torch.bool))
 
 
-# Issue 12: one way to check arguments, no silent wrong answers --------------------------------
+# One way to check arguments, no silent wrong answers --------------------------------
 
 
 @pytest.mark.parametrize(("make", "error", "match"), [

@@ -215,7 +215,7 @@ UNSIGNED = (torch.uint8, torch.uint16, torch.uint32, torch.uint64)
 
 @pytest.mark.parametrize("dtype", UNSIGNED)
 def test_unsigned_token_ids_become_int64_or_are_refused_by_value(dtype):
-    """Issue 29: PyTorch has no min or max for uint16/32/64 ("min_all" NotImplementedError)."""
+    """PyTorch has no min or max for uint16/32/64 ("min_all" NotImplementedError)."""
     ids = c.check_token_ids("ids", torch.tensor([[3, 0, 9]], dtype=dtype), 10)
     assert ids.dtype == torch.int64 and ids.tolist() == [[3, 0, 9]]
     assert c.check_token_ids("ids", torch.zeros(0, 2, dtype=dtype), 10).shape == (0, 2)
@@ -269,7 +269,7 @@ def test_token_ids_on_the_meta_device_are_refused_by_name():
 
 
 def test_a_device_this_machine_lacks_is_refused(monkeypatch):
-    """Issue 37's attack on conventions: "mps" (or "xpu") on a machine without it, and a GPU
+    """A device the machine lacks, "mps" (or "xpu"), and a GPU
     index past the last one, passed check_device and failed later, deep inside PyTorch."""
     for kind, backend in (("mps", torch.backends.mps), ("xpu", getattr(torch, "xpu", None))):
         if backend is not None and not backend.is_available():

@@ -45,7 +45,7 @@ def _damaged(data: bytes, how: str) -> bytes:
 
 @pytest.mark.parametrize("how", ["truncated", "empty", "not gzip", "flipped byte", "flipped crc"])
 def test_a_damaged_file_gives_the_promised_runtime_error(how, tmp_path, monkeypatch):
-    """Issue 37: a truncated or bit-flipped .gz raised EOFError or zlib.error, naming neither the
+    """A truncated or bit-flipped .gz raised EOFError or zlib.error, naming neither the
     file nor the damage; read_snapshot promises a RuntimeError."""
     original = (corpus.resources.files("attnbook") / "data" / corpus.SNAPSHOT).read_bytes()
     (tmp_path / "data").mkdir()

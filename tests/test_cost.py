@@ -275,7 +275,7 @@ def test_bad_input(call, error, match):
         call()
 
 
-# --- issue 12: no silent wrong answers -------------------------------------------------------
+# --- No silent wrong answers -------------------------------------------------------
 
 
 def test_numpy_peak_bytes_nested_keeps_the_outer_peak():

@@ -13,7 +13,7 @@ bottom-right (query i sees key j iff j <= i + Lk - Lq); a query with no allowed 
 PyTorch's own answer for such a row depends on the version (SDPA gives zeros in recent versions,
 nn.MultiheadAttention gives NaN), so the reference replaces those rows by zeros and module
 outputs are compared only on rows that see at least one key.
-A NaN in the data, unlike a forbidden key, comes out as NaN, as in PyTorch (issue 12).
+A NaN in the data, unlike a forbidden key, comes out as NaN, as in PyTorch.
 
 At the end, a table of bad inputs: every public function with validation in attention, heads,
 positions, masks, tiling, kernels and scaling raises ValueError or TypeError naming the argument.
@@ -544,7 +544,7 @@ def test_block_schedule_visits_exactly_the_needed_tiles(lq, lk, block_size, caus
 @example(batch=1, h=1, lq=64, lk=64, d=64, dtype=torch.float32, causal=True, scale=None,
          transposed=True, seed=1)
 # one key: the true dK is exactly 0, and the kernel's is float32 rounding of Lq x 128 products
-# (issue 37: Hypothesis 6.100 drew the first's sizes, at 4.4e-5 over a fixed 4e-5; the
+# (Hypothesis 6.100 drew the first's sizes, at 4.4e-5 over a fixed 4e-5; the
 # second is 7.5e-5 off on this machine)
 @example(batch=1, h=1, lq=31, lk=1, d=128, dtype=torch.float32, causal=False, scale=1.0,
          transposed=False, seed=22)
@@ -702,7 +702,7 @@ def test_queries_before_every_key_give_zeros(run, dtype):
                                  pytest.param(run_triton, marks=needs_triton)])
 @pytest.mark.parametrize("causal", [False, True])
 def test_nan_in_a_key_gives_nan_not_zeros(run, causal):
-    # Issue 12: a NaN is an error upstream, not a forbidden key. Every query that may see the
+    # A NaN is an error upstream, not a forbidden key. Every query that may see the
     # broken key gets NaN, as in PyTorch; with Lq > Lk, the queries that see no key keep zeros.
     gen = torch.Generator().manual_seed(12)
     q, k, v = (torch.randn(1, 2, n, 16, generator=gen) for n in (9, 4, 4))

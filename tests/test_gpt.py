@@ -338,7 +338,7 @@ def test_char_tokenizer_round_trip_and_errors():
         CharTokenizer("")
 
 
-# --- issue 12: one way to check, no silent wrong answers ------------------------------------
+# --- One way to check, no silent wrong answers ------------------------------------
 
 def test_imports_no_private_name_of_another_module():
     import ast

@@ -500,7 +500,7 @@ def test_cache_arguments_are_checked():
         assert cache.length == 4
 
 
-# Issue 12: one way to check arguments, no silent wrong answers --------------------------------
+# One way to check arguments, no silent wrong answers --------------------------------
 
 
 def _private_imports(module) -> list[str]:
@@ -668,7 +668,7 @@ def test_head_helpers_refuse_bad_input():
 
 @pytest.mark.parametrize("bias", [True, False])
 def test_from_torch_of_a_sequence_first_layer_gives_its_output_on_the_same_tensor(bias):
-    """Issue 29: nn.MultiheadAttention(batch_first=False) reads (L, B, d_model); so does its copy."""
+    """nn.MultiheadAttention(batch_first=False) reads (L, B, d_model); so does its copy."""
     g = torch.Generator().manual_seed(3)
     module = nn.MultiheadAttention(16, 4, bias=bias, dtype=DOUBLE)  # batch_first=False
     with torch.no_grad():
@@ -694,7 +694,7 @@ def test_from_torch_of_a_sequence_first_layer_gives_its_output_on_the_same_tenso
         ours(x[0])  # (B, d_model): refused by the layer's own check, naming x
 
 
-# Issue 37: what one backend accepts, every backend accepts, with the explicit backend's answer --
+# What one backend accepts, every backend accepts, with the explicit backend's answer --
 
 
 BACKENDS = ["explicit", "sdpa", "triton"]
@@ -774,7 +774,7 @@ def test_the_triton_backend_takes_what_its_kernel_does_not(d_model, heads, dtype
 
 @torch.no_grad()
 def test_a_cache_refuses_storage_that_append_cannot_write_apart():
-    """Issue 37's attack on heads: keys and values in one tensor made every value overwrite its
+    """Keys and values in one tensor made every value overwrite its
     key silently; an expanded (stride 0) storage failed inside torch at the first append."""
     storage = torch.zeros(2, 2, 8, 4)
     with pytest.raises(ValueError, match="keys and values are the same memory"):

@@ -438,7 +438,7 @@ SPELLINGS = ["1", "true", "TRUE", "True", "on", "ON", "yes", "YES", "Yes", "y", 
 
 @pytest.mark.parametrize("value", SPELLINGS)
 def test_use_triton_interpreter_reads_the_variable_as_triton_does(value, monkeypatch):
-    """Issue 37: TRITON_INTERPRET=yes made Triton interpret while use_triton_interpreter()
+    """TRITON_INTERPRET=yes made Triton interpret while use_triton_interpreter()
     said False. The reference is the installed Triton's own reader of boolean variables."""
     from triton._C.libtriton import getenv_bool
 
@@ -462,7 +462,7 @@ def test_use_triton_interpreter_reads_the_variable_as_triton_does(value, monkeyp
     (dict(capability="80"), TypeError, "capability"),
 ])
 def test_launch_settings_name_what_they_have_no_entry_for(kwargs, error, match):
-    """Issue 37: a bare KeyError (or, on a GPU, another head size's settings) before."""
+    """A bare KeyError (or, on a GPU, another head size's settings) before."""
     from attnbook.kernels import launch_settings
 
     args = dict(kernel="forward", element_size=2, head_dim=64, capability=None) | kwargs

@@ -280,7 +280,7 @@ def test_bad_input_names_the_argument(function, args, kwargs, error, message):
         function(*args, **kwargs)
 
 
-# Issue 12: one way to check arguments -----------------------------------------------------
+# One way to check arguments -----------------------------------------------------
 
 
 @pytest.mark.parametrize("call", [
@@ -306,7 +306,7 @@ def test_a_bad_device_is_named(call):
     (np.array(3), ValueError, r"lengths must be 1-D, got shape \(\)"),
 ])
 def test_padding_mask_refuses_lengths_without_an_order(lengths, error, match):
-    """Issue 37's attack on masks: a dict's keys ({0: 3, 1: 2} gave lengths 0 and 1) and a
+    """A dict's keys ({0: 3, 1: 2} gave lengths 0 and 1) and a
     set's arbitrary order were read silently as lengths; a 2-D array named lengths[0]."""
     with pytest.raises(error, match=match):
         padding_mask(lengths)

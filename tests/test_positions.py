@@ -364,7 +364,7 @@ def test_alibi_floating_dtypes(dtype):
                                rtol=1e-2, atol=0)
 
 
-# ---------------------------------------------------------------- issue 12
+# --- No silent wrong answers -----------------------------------------------
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

@@ -228,7 +228,7 @@ def test_softmax_jacobian_bad_input(scores, error, match):
 
 
 def test_softmax_jacobian_of_non_finite_scores_is_nan_not_zero():
-    # issue 12: a NaN or inf score is an error upstream, not a masked key: it must show
+    # A NaN or inf score is an error upstream, not a masked key: it must show
     with np.errstate(invalid="ignore"):
         for row in ([np.nan, 1.0, 2.0], [np.inf, 1.0, 2.0]):
             assert np.isnan(softmax_jacobian(np.array(row))).all()

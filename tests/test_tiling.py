@@ -315,7 +315,7 @@ def test_numpy_bools_and_scalar_scales_are_accepted():
                                reference(Q, K, V, scale=0.5), atol=1e-12)
 
 
-# --- issue 12: no silent wrong answers ------------------------------------------------------
+# --- No silent wrong answers ------------------------------------------------------
 
 
 @pytest.mark.parametrize("where", ["Q", "K"])
@@ -531,7 +531,7 @@ def test_bad_traffic_and_roofline_inputs(call, error, message):
     ("Tesla T40", None), ("NVIDIA H1000", None), ("NVIDIA XA100", None),
 ])
 def test_find_gpu_matches_whole_model_names(name, key):
-    """Issue 37: a key inside a longer model name ("T400", "RTX A1000") is another GPU, whose
+    """A key inside a longer model name ("T400", "RTX A1000") is another GPU, whose
     peaks are not the key's (4x to 25x off): refused, naming the GPU."""
     if key is None:
         with pytest.raises(ValueError, match=f"got device_name='{name}'"):
@@ -547,7 +547,7 @@ def test_find_gpu_matches_whole_model_names(name, key):
     (np.zeros(2, complex), np.zeros(2), TypeError, "m must hold real numbers"),
 ])
 def test_online_softmax_update_names_a_running_state_that_does_not_fit(m, l, error, match):
-    """Issue 37's attack on tiling: numpy's broadcasting error or a UFuncTypeError before."""
+    """Bad input: numpy's broadcasting error or a UFuncTypeError before."""
     with pytest.raises(error, match=match):
         online_softmax_update(m, l, np.zeros((2, 3)))
 
@@ -558,7 +558,7 @@ def test_online_softmax_update_names_a_running_state_that_does_not_fit(m, l, err
     ("bandwidth", "320e9", TypeError), ("name", None, TypeError), ("source", 3, TypeError),
 ])
 def test_a_gpu_spec_with_impossible_peaks_is_refused(field, value, error):
-    """Issue 37's attack on tiling: a NaN bandwidth gave roofline_seconds a finite 1.0 and a
+    """A NaN bandwidth gave roofline_seconds a finite 1.0 and a
     zero one a ZeroDivisionError; a spec is checked when made or replaced."""
     with pytest.raises(error, match=field):
         dataclasses.replace(GPUS["T4"], **{field: value})

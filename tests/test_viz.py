@@ -148,7 +148,7 @@ def test_bad_options_name_the_option():
 @pytest.mark.parametrize("uid", ['x" onmouseover="alert(1)', 'a");alert(1);("', "a b", "a<b>",
                                  "", "1abc", "a\\nb", "é", 3, None])
 def test_explorer_html_refuses_a_uid_that_could_inject(uid):
-    """Issue 29: the uid goes into attributes and into the script, so it is validated."""
+    """The uid goes into attributes and into the script, so it is validated."""
     from attnbook.viz import explorer_html
 
     with pytest.raises(ValueError, match="uid"):
@@ -178,7 +178,7 @@ def test_explorer_html_checks_its_arguments_and_escapes_every_string():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_weights_rounded_to_a_two_byte_dtype_are_accepted(dtype):
-    """Issue 37: a bfloat16 layer's weights sum to 1 only within its rounding (0.9985): the
+    """A bfloat16 layer's weights sum to 1 only within its rounding (0.9985): the
     default tolerance follows the dtype, and still refuses what rounding cannot explain."""
     torch.manual_seed(0)
     layer = MultiHeadAttention(64, 4).to(dtype).eval()
