@@ -405,7 +405,7 @@ def test_config_has_one_dropout_rate_in_gpt2s_three_places():
     model = GPT(GPTConfig(vocab_size=50, context_length=8, d_model=16, num_layers=1, num_heads=2,
                           dropout=0.3))
     block = model.blocks[0]
-    assert (model.drop.p, block.self_attn.dropout, block.dropout.p) == (0.3, 0.3, 0.3)
+    assert (model.drop.p, block.self_attn.config.dropout, block.dropout.p) == (0.3, 0.3, 0.3)
     assert block.ff.dropout.p == 0.0  # GPT-2 has no dropout between the two feed-forward layers
 
 
@@ -415,7 +415,7 @@ def test_conversion_refuses_gpt2_dropout_rates_that_differ():
         GPT.from_hf_gpt2(hf)
     same = GPT.from_hf_gpt2(random_hf_gpt2(spread=0, embd_pdrop=0.2, attn_pdrop=0.2,
                                            resid_pdrop=0.2))
-    assert (same.drop.p, same.blocks[1].self_attn.dropout, same.blocks[1].dropout.p) == \
+    assert (same.drop.p, same.blocks[1].self_attn.config.dropout, same.blocks[1].dropout.p) == \
         (0.2, 0.2, 0.2)
 
 

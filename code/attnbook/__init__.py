@@ -8,8 +8,9 @@ Modules, in the order the book builds them:
 - attnbook.scaling (chapters/02-scaling.md): Why scores are divided by the square root of d:
   random scores, the softmax's peak and its Jacobian.
 - attnbook.layers (chapters/03-heads.md): The layers of a Transformer: multi-head attention with
-  its fast path and KV cache, the feed-forward network, RMSNorm and the block, each a core built
-  from a config and a checked public layer.
+  its fast path and KV cache, the feed-forward network, RMSNorm and the block; attention and the
+  block are unchecked cores built from a frozen config, each with a checked public layer around
+  it.
 - attnbook.positions (chapters/05-positions.md): Positions: sinusoidal encodings, rotary
   embeddings (RoPE) and ALiBi biases.
 - attnbook.masks (chapters/06-masks.md): Boolean attention masks: causal, padding, and both
@@ -40,10 +41,11 @@ Modules, in the order the book builds them:
 - attnbook.vit (chapters/18-vision-transformer.md): The Vision Transformer: images cut into
   patches, a class token and learned positions, on the book's Transformer blocks.
 - attnbook.checks (chapters/a1-conventions.md): The package's argument checks: one error policy,
-  one check per concept. It imports PyTorch only when a tensor is checked, so the NumPy chapters
+  one check per concept. It imports PyTorch only when a tensor is checked, so the NumPy modules
   use it without loading PyTorch.
 - attnbook.notebook (chapters/a1-conventions.md): What a chapter uses to run as a notebook:
-  numbers glued into the prose, timings, and whether pretrained weights can be downloaded.
+  numbers glued into the prose, timings, FLOP counts, and whether pretrained weights can be
+  downloaded.
 - attnbook.corpus (chapters/a1-conventions.md): The book's training text: a fixed snapshot of
   the Python documentation's topics.
 - attnbook.train_command (chapters/a2-training-at-scale.md): The attnbook-train command line:

@@ -1,6 +1,6 @@
 # Do not edit: tools/tangle.py generates this file from chapters/a1-conventions.md.
 """The package's argument checks: one error policy, one check per concept. It imports PyTorch only
-when a tensor is checked, so the NumPy chapters use it without loading PyTorch.
+when a tensor is checked, so the NumPy modules use it without loading PyTorch.
 
 Built and explained in the book's chapter chapters/a1-conventions.md.
 """
@@ -19,6 +19,7 @@ __all__ = [
     "check_callable",
     "check_array",
     "check_device",
+    "check_float_dtype",
     "check_token_ids",
     "check_tensor",
     "check_mask",
@@ -104,7 +105,7 @@ def check_choice(name: str, value, choices: Collection[str]) -> str:
 
 
 def check_divisible(name: str, value: int, by_name: str, by: int) -> int:
-    """`value`, which `by` divides: a width that heads share, heads that groups share."""
+    """`value`, which `by` divides: a width split into heads, query heads into key/value groups."""
     if value % by:
         raise ValueError(f"{name}={value} is not divisible by {by_name}={by}")
     return value
@@ -177,6 +178,15 @@ def _same_device(actual: "torch.device", wanted) -> bool:
         actual, wanted = (torch.device("cuda", current if d.index is None else d.index)
                           for d in (actual, wanted))
     return actual.index is None or wanted.index is None or actual.index == wanted.index
+
+
+def check_float_dtype(name: str, dtype) -> "torch.dtype":
+    """`dtype`, a floating-point torch.dtype, such as torch.float32."""
+    import torch
+
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise type_error(name, dtype, "a floating-point torch.dtype")
+    return dtype
 
 
 def check_token_ids(name: str, ids, vocab_size: int, shape: tuple[int | None, ...] | None = None,

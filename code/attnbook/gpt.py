@@ -23,6 +23,7 @@ from torch import nn
 from attnbook.checks import (
     check_bool,
     check_device,
+    check_float_dtype,
     check_instance,
     check_int,
     check_positive,
@@ -228,6 +229,7 @@ class KVCache:
         sizes = dict(num_layers=num_layers, batch_size=batch_size, num_heads=num_heads,
                      capacity=capacity, head_dim=head_dim)
         shape = tuple(check_int(name, value, minimum=1) for name, value in sizes.items())
+        dtype = check_float_dtype("dtype", dtype)
         device = None if device is None else check_device("device", device)
         self.keys, self.values = (torch.zeros(shape, dtype=dtype, device=device) for _ in range(2))
         self.layers = [LayerCache._over(k, v) for k, v in zip(self.keys, self.values)]  # views

@@ -1,7 +1,7 @@
 # Do not edit: tools/tangle.py generates this file from chapters/03-heads.md and chapters/04-heads-at-work.md and chapters/07-blocks.md.
 """The layers of a Transformer: multi-head attention with its fast path and KV cache, the feed-
-forward network, RMSNorm and the block, each a core built from a config and a checked public
-layer.
+forward network, RMSNorm and the block; attention and the block are unchecked cores built from a
+frozen config, each with a checked public layer around it.
 
 Built and explained in the book's chapters chapters/03-heads.md and chapters/04-heads-at-work.md and chapters/07-blocks.md.
 """
@@ -50,7 +50,7 @@ from attnbook.checks import (
 
 
 def _causal_mask(q_len: int, k_len: int, device: torch.device | None) -> torch.Tensor:
-    """causal_mask's computation, for sizes the caller has checked."""
+    """causal_mask's computation, for sizes the caller has checked: the book's layers call it."""
     query_positions = torch.arange(q_len, device=device)[:, None] + (k_len - q_len)  # (Lq, 1)
     return torch.arange(k_len, device=device)[None, :] <= query_positions  # (Lq, Lk)
 
@@ -117,7 +117,8 @@ ATTENTION_BACKENDS = ("explicit", "sdpa", "triton")  # attend, PyTorch's SDPA, c
 def _fast_attention(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     mask: torch.Tensor | None, is_causal: bool, dropout_p: float) -> torch.Tensor:
     """attend's outputs (B, H, Lq, dv) without the weights, by SDPA or chapter 15's kernel;
-    `is_causal` aligns bottom-right and a query with no allowed key gets zeros, as in attend."""
+    `is_causal` aligns bottom-right and a query with no allowed key gets zeros, as in attend.
+    A mask has two dimensions at least (the checks of a call make it so)."""
     if backend == "triton" and _kernel_takes(q, k, v, mask, dropout_p):
         return _kernel_attention(q, k, v, is_causal)
     (lq, lk), shared = (q.shape[2], k.shape[2]), q.shape[1] != k.shape[1]
@@ -153,7 +154,8 @@ def _kernel_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
     if q.device.type == "cuda" and torch.cuda.get_device_capability(q.device) >= (8, 0):
         dtypes += (torch.bfloat16,)
     return (mask is None and dropout_p == 0.0 and min(q.numel(), k.numel()) > 0
-            and q.dtype in dtypes            and q.shape[-1] in (16, 32, 64, 128) and v.shape[-1] == q.shape[-1])
+            and q.dtype in dtypes and q.shape[-1] in (16, 32, 64, 128)
+            and v.shape[-1] == q.shape[-1])
 
 
 # chapters/03-heads.md, "The module"
@@ -169,7 +171,8 @@ class AttentionConfig:
     backend: str = "sdpa"  # one of ATTENTION_BACKENDS, used when the weights are not asked for
 
     def __post_init__(self) -> None:
-        for name in ("d_model", "num_heads") + (("num_kv_heads",) * (self.num_kv_heads is not None)):
+        counts = ["d_model", "num_heads"] + ([] if self.num_kv_heads is None else ["num_kv_heads"])
+        for name in counts:
             object.__setattr__(self, name, check_int(name, getattr(self, name), 1))
         check_divisible("d_model", self.d_model, "num_heads", self.num_heads)
         check_divisible("num_heads", self.num_heads, "num_kv_heads", self.kv_heads)
@@ -188,13 +191,13 @@ class AttentionConfig:
 # chapters/03-heads.md, "The module"
 class Attention(nn.Module):
     """Multi-head attention built from an AttentionConfig; its calls are not checked (see
-    MultiHeadAttention). Weights start Xavier-uniform and biases at zero, as in PyTorch's."""
+    MultiHeadAttention). Each projection's weight starts Xavier-uniform, its bias at zero."""
 
     def __init__(self, config: AttentionConfig) -> None:
         super().__init__()
         self.config, width, kv_width = config, config.d_model, config.kv_heads * config.head_dim
-        self.d_model, self.num_heads, self.num_kv_heads = width, config.num_heads, config.kv_heads
-        self.head_dim, self.dropout, self.backend = config.head_dim, config.dropout, config.backend
+        self.d_model, self.num_heads = config.d_model, config.num_heads  # sizes the checks and
+        self.num_kv_heads, self.head_dim = config.kv_heads, config.head_dim  # chapter 4 read
         self.q_proj, self.k_proj, self.v_proj, self.out_proj = (  # nn.Linear(d_model, width)
             nn.Linear(width, w, bias=config.bias) for w in (width, kv_width, kv_width, width))
         for proj in (self.q_proj, self.k_proj, self.v_proj, self.out_proj):
@@ -205,25 +208,26 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, context: torch.Tensor | None = None,
                 mask: torch.Tensor | None = None, is_causal: bool = False,
                 return_weights: bool = False, cache: "LayerCache | None" = None  # noqa: F821
-                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Attend from x (B, Lq, d_model) to context (B, Lk, d_model; default x): the outputs
         (B, Lq, d_model) and, with `return_weights`, the weights (B, nh, Lq, Lk), else None.
         `is_causal` aligns bottom-right; `cache` (self-attention only) is a LayerCache that x's
-        keys and values join first."""
+        keys and values join first; a mask has two dimensions at least."""
+        c = self.config
         q = _split_heads(self.q_proj(x), self.num_heads)  # (B, nh, Lq, hs)
         source = x if context is None else context
         k, v = (_split_heads(p(source), self.num_kv_heads) for p in (self.k_proj, self.v_proj))
         if cache is not None:
             k, v = cache._append(k, v)  # this chunk's and every earlier position: (B, nkv, Lk, hs)
-        dropout_p = self.dropout if self.training else 0.0
+        dropout_p = c.dropout if self.training else 0.0
         two_bytes_on_cpu = q.device.type == "cpu" and q.element_size() == 2
-        if return_weights or self.backend == "explicit" or two_bytes_on_cpu:
+        if return_weights or c.backend == "explicit" or two_bytes_on_cpu:
             if is_causal:
                 causal = _causal_mask(q.shape[2], k.shape[2], x.device)
                 mask = causal if mask is None else mask & causal
             out, weights = _attend(q, k, v, mask, dropout_p, self.head_dim ** -0.5)
         else:
-            out, weights = _fast_attention(self.backend, q, k, v, mask, is_causal, dropout_p), None
+            out, weights = _fast_attention(c.backend, q, k, v, mask, is_causal, dropout_p), None
         return self.out_proj(out.transpose(1, 2).flatten(2)), weights  # (B, Lq, d_model), ...
 
 
@@ -253,10 +257,11 @@ class MultiHeadAttention(Attention):
         return (out, weights) if return_weights else out
 
 
+# chapters/03-heads.md, "The module"
 def _check_attention_call(layer: Attention, x, context, mask, is_causal, return_weights,
                           cache) -> torch.Tensor | None:
-    """Refuse, naming the argument, what Attention.forward cannot compute; the mask, with two
-    dimensions at least."""
+    """Refuse, naming the argument, what Attention.forward cannot compute; return the mask with
+    two dimensions at least."""
     x = _check_tokens("x", x, layer.q_proj.weight)
     if context is not None:
         _check_tokens("context", context, layer.k_proj.weight, batch=x.shape[0])
@@ -282,17 +287,6 @@ def _check_tokens(name: str, t, weight: torch.Tensor, batch: int | None = None) 
         dtype = weight.dtype
     return check_tensor(name, t, dtype=dtype, device=weight.device,
                         shape=(batch, None, weight.shape[1]))  # (B, L, d_model)
-
-
-def _projected_dtype(weight: torch.Tensor) -> torch.dtype:
-    """The dtype of what nn.Linear with `weight` gives: autocast's, when autocast is on for its
-    device (and the weight is not float64, which autocast leaves), else the weight's."""
-    try:
-        if torch.is_autocast_enabled(weight.device.type) and weight.dtype != torch.float64:
-            return torch.get_autocast_dtype(weight.device.type)
-    except RuntimeError:  # a device with no autocast at all, such as meta
-        pass
-    return weight.dtype
 
 
 # chapters/03-heads.md, "Checking against PyTorch's MultiheadAttention"
@@ -391,15 +385,26 @@ def _check_fits(cache: LayerCache, n: int, requires_grad: bool) -> None:
         raise ValueError("k and v require grad: use a LayerCache under torch.no_grad()")
 
 
-def _check_cache(cache: LayerCache, layer: Attention, x: torch.Tensor) -> None:  # noqa: F821
+def _projected_dtype(weight: torch.Tensor) -> torch.dtype:
+    """The dtype of what nn.Linear with `weight` gives: autocast's, when autocast is on for its
+    device (and the weight is not float64, which autocast leaves), else the weight's."""
+    try:
+        if torch.is_autocast_enabled(weight.device.type) and weight.dtype != torch.float64:
+            return torch.get_autocast_dtype(weight.device.type)
+    except RuntimeError:  # a device with no autocast at all, such as meta
+        pass
+    return weight.dtype
+
+
+def _check_cache(cache: LayerCache, layer: Attention, x: torch.Tensor) -> None:
     """A cache that the keys and values of `layer` for x (B, n, d_model) fit, as append checks."""
     b, hkv, hs, w = x.shape[0], layer.num_kv_heads, layer.head_dim, layer.k_proj.weight
     for name in ("keys", "values"):
         check_tensor(f"cache.{name}", getattr(cache, name), 4, device=w.device,
                      shape=(b, hkv, None, hs))
-    if cache.keys.dtype != _projected_dtype(w):  # noqa: F821 (chapter 3's; rounded, or refused)
+    if cache.keys.dtype != _projected_dtype(w):  # else rounded, or refused by SDPA
         raise ValueError(f"cache holds {cache.keys.dtype}, but the layer's keys and values are "
-                         f"{_projected_dtype(w)}: allocate the cache in the layer's dtype")  # noqa: F821
+                         f"{_projected_dtype(w)}: allocate the cache in the layer's dtype")
     _check_fits(cache, x.shape[1], x.requires_grad or w.requires_grad)
 
 
@@ -438,7 +443,8 @@ _ACTIVATIONS = {"gelu": nn.GELU, "gelu_tanh": lambda: nn.GELU(approximate="tanh"
 
 # chapters/07-blocks.md, "The feed-forward network"
 class FeedForward(nn.Module):
-    """fc2(dropout(act(fc1(x)))) at each position on its own; d_ff defaults to 4 * d_model."""
+    """fc2(dropout(act(fc1(x)))) at each position on its own; d_ff defaults to 4 * d_model.
+    Its settings are checked; x is left to PyTorch, as nn.Linear leaves it (a block checks it)."""
 
     def __init__(self, d_model: int, d_ff: int | None = None, activation: str = "gelu",
                  dropout: float = 0.0, bias: bool = True) -> None:
@@ -456,7 +462,8 @@ class FeedForward(nn.Module):
 
 # chapters/07-blocks.md, "Normalisation"
 class RMSNorm(nn.Module):
-    """x / sqrt(mean(x**2) + eps) * weight over the last axis, in float32 for float16/bfloat16."""
+    """x / sqrt(mean(x**2) + eps) * weight over the last axis, in float32 for float16/bfloat16.
+    Its settings are checked; x is left to PyTorch, as nn.LayerNorm leaves it."""
 
     def __init__(self, d_model: int, eps: float = 1e-6) -> None:
         super().__init__()
@@ -560,8 +567,15 @@ def _make_norm(c: BlockConfig) -> nn.Module:
 class TransformerBlock(Block):
     """A Block whose calls are checked; the arguments are BlockConfig's fields."""
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(BlockConfig(*args, **kwargs))
+    def __init__(self, d_model: int, num_heads: int, d_ff: int | None = None,
+                 dropout: float = 0.0, norm_first: bool = True, cross_attention: bool = False,
+                 activation: str = "gelu", norm: str = "layernorm", eps: float = 1e-5,
+                 num_kv_heads: int | None = None, bias: bool = True,
+                 attn_dropout: float | None = None, ff_dropout: float | None = None,
+                 backend: str = "sdpa") -> None:
+        super().__init__(BlockConfig(d_model, num_heads, d_ff, dropout, norm_first,
+                                     cross_attention, activation, norm, eps, num_kv_heads, bias,
+                                     attn_dropout, ff_dropout, backend))
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None,
                 is_causal: bool = False, context: torch.Tensor | None = None,

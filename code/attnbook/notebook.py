@@ -1,6 +1,6 @@
 # Do not edit: tools/tangle.py generates this file from chapters/a1-conventions.md.
-"""What a chapter uses to run as a notebook: numbers glued into the prose, timings, and whether
-pretrained weights can be downloaded.
+"""What a chapter uses to run as a notebook: numbers glued into the prose, timings, FLOP counts,
+and whether pretrained weights can be downloaded.
 
 Built and explained in the book's chapter chapters/a1-conventions.md.
 """
@@ -134,14 +134,15 @@ def median_seconds(*calls: Callable[[], object], repeats: int = 5, batch_seconds
     return [statistics.median(column) for column in zip(*rounds)]
 
 
-# chapters/a1-conventions.md, "Counting FLOPs on every path"
+# chapters/a1-conventions.md, "Counting FLOPs on the fast path"
 _CPU_SDPA = {"_scaled_dot_product_flash_attention_for_cpu": "sdpa_flop",
              "_scaled_dot_product_flash_attention_for_cpu_backward": "sdpa_backward_flop"}
 
 
 def flop_counter():
     """PyTorch's FlopCounterMode(display=False), told the formulas of SDPA's fused CPU kernel
-    (PyTorch's own, which it uses for the GPU kernels), so that every path counts the same."""
+    (PyTorch's own, which it uses for the GPU kernels): a forward pass counts the same on the
+    fast path as on the explicit one."""
     import torch
     from torch.utils import flop_counter as counter  # imports Triton: only when counting
 

@@ -21,6 +21,7 @@ from attnbook.attention import compute_dtype
 from attnbook.checks import (
     check_array,
     check_device,
+    check_float_dtype,
     check_int,
     check_positive,
     check_tensor,
@@ -76,7 +77,7 @@ def alibi_slopes(num_heads: int, *, dtype: torch.dtype = torch.float32,
     """ALiBi's slopes (num_heads,): 2**(-8/n), 2**(-16/n), ..., 2**(-8) for a power of two n, as in
     Press et al. (2022); else, as in their code, those of the power of two n' below, then every
     other one of 2n'."""
-    num_heads, dtype = check_int("num_heads", num_heads, minimum=1), _check_float_dtype(dtype)
+    num_heads, dtype = check_int("num_heads", num_heads, minimum=1), check_float_dtype("dtype", dtype)
     device = None if device is None else check_device("device", device)
     lower = 2 ** int(math.log2(num_heads))
     slopes = _geometric_slopes(lower) + _geometric_slopes(2 * lower)[0::2][: num_heads - lower]
@@ -88,12 +89,6 @@ def _geometric_slopes(n: int) -> list[float]:
     return [start ** (h + 1) for h in range(n)]
 
 
-def _check_float_dtype(dtype) -> torch.dtype:
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise TypeError(f"dtype must be a floating-point torch.dtype, got dtype={dtype!r}")
-    return dtype
-
-
 # chapters/05-positions.md, "ALiBi: a penalty for distance"
 def alibi_bias(num_heads: int, q_len: int, k_len: int | None = None, *,
                dtype: torch.dtype = torch.float32,
@@ -103,7 +98,7 @@ def alibi_bias(num_heads: int, q_len: int, k_len: int | None = None, *,
     computed in float32, where a distance past 65,504 is finite, and rounded back."""
     q_len = check_int("q_len", q_len, minimum=1)
     k_len = q_len if k_len is None else check_int("k_len", k_len, minimum=1)
-    work = compute_dtype(_check_float_dtype(dtype))
+    work = compute_dtype(check_float_dtype("dtype", dtype))
     slopes = alibi_slopes(num_heads, dtype=work, device=device)  # (nh,)
     query_at = torch.arange(q_len, device=slopes.device) + (k_len - q_len)
     distance = (query_at[:, None] - torch.arange(k_len, device=slopes.device)).abs()  # (Lq, Lk)
