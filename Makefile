@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 BOOK_FLAGS := -W -n --keep-going
 export PYTHONHASHSEED := 0
 
-.PHONY: book test test-package test-portable colab-check gpu-profile tangle notebooks check-sync lint lock pytest site-verified \
+.PHONY: print-notebook-imports book test test-package test-portable colab-check gpu-profile tangle notebooks check-sync lint lock pytest site-verified \
 	site-check api-reference pdf mathjax venv clean test-lowest lab dist
 VERIFIED := _build/verified
 # MathJax is served by the site itself (no CDN: math is typeset offline). It comes once from the
@@ -177,6 +177,8 @@ LOWEST_PYTHON ?= 3.11
 # that imports a new library adds it here.
 NOTEBOOK_IMPORTS := IPython.display, matplotlib.pyplot, safetensors, sklearn.datasets, \
 	sklearn.linear_model, tqdm
+print-notebook-imports:  # for CI's notebook-extra job
+	@echo '$(NOTEBOOK_IMPORTS)'
 # The interpreter uv takes for it: by default the first Python LOWEST_PYTHON it finds (a path
 # where that one is not on PATH).
 LOWEST_INTERPRETER ?= $(LOWEST_PYTHON)

@@ -410,17 +410,17 @@ def test_a_notebook_runs_the_modules_it_imports_and_theirs():
     chapters = {c.slug[:2]: c for c in tangler.read_chapters()}
     files = tangler.package_files(list(chapters.values()))
     changed = dict(files)
-    changed["code/attnbook/heads.py"] += "\nEXTRA = 1\n"
-    # chapter 10 imports attnbook.gpt, which imports heads; chapter 1 runs nothing of heads
-    assert "heads" in tangler.package_uses(chapters["10"], files)
+    changed["code/attnbook/layers.py"] += "\nEXTRA = 1\n"
+    # chapter 10 imports attnbook.gpt, which imports layers; chapter 1 runs nothing of layers
+    assert "layers" in tangler.package_uses(chapters["10"], files)
     for slug, reruns in [("03", True), ("10", True), ("01", False), ("02", False)]:
         differs = tangler.package_digest(chapters[slug], files) != tangler.package_digest(
             chapters[slug], changed)
         assert differs == reruns, slug
     assert tangler.imported_modules(
-        "import attnbook.heads\nfrom attnbook import masks as m, gpt\nattnbook.viz.draw()\n"
+        "import attnbook.layers\nfrom attnbook import masks as m, gpt\nattnbook.viz.draw()\n"
         "from attnbook.bert import BERT  # attnbook.nothing\n", set(files_stems(files))) == {
-        "heads", "masks", "gpt", "viz", "bert"}
+        "layers", "masks", "gpt", "viz", "bert"}
 
 
 def files_stems(files: dict[str, str]) -> list[str]:

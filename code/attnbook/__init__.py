@@ -8,9 +8,8 @@ Modules, in the order the book builds them:
 - attnbook.scaling (chapters/02-scaling.md): Why scores are divided by the square root of d:
   random scores, the softmax's peak and its Jacobian.
 - attnbook.layers (chapters/03-heads.md): The layers of a Transformer: multi-head attention with
-  its fast path and KV cache, the feed-forward network, RMSNorm and the block; attention and the
-  block are unchecked cores built from a frozen config, each with a checked public layer around
-  it.
+  its fast path and KV cache, the block and its parts. Attention and the block are unchecked
+  cores built from a frozen config, each with a checked public layer around it.
 - attnbook.positions (chapters/05-positions.md): Positions: sinusoidal encodings, rotary
   embeddings (RoPE) and ALiBi biases.
 - attnbook.masks (chapters/06-masks.md): Boolean attention masks: causal, padding, and both

@@ -41,7 +41,8 @@ if TYPE_CHECKING:  # for the annotations only: the tensor checks import torch wh
 
 def type_error(name: str, value, wanted: str) -> TypeError:
     """The TypeError of the package's policy: `name` must be `wanted`, and what it got."""
-    return TypeError(f"{name} must be {wanted}, got {name}={value!r} of type {type(value).__name__}")
+    shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."  # not a tensor
+    return TypeError(f"{name} must be {wanted}, got {name}={shown} of type {type(value).__name__}")
 
 
 def check_int(name: str, value, minimum: int | None = None, maximum: int | None = None) -> int:

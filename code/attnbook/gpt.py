@@ -210,6 +210,9 @@ def _check_kv_cache(model: GPT, kv_cache, shape: torch.Size) -> None:
     if cache.length + n > cache.capacity:
         raise ValueError(f"idx of length {n} does not fit: kv_cache holds {cache.length} "
                          f"positions of its capacity {cache.capacity}")
+    if cache.length + n > c.context_length:  # a KVCache made by hand may hold more
+        raise ValueError(f"idx of length {n} after the {cache.length} positions of kv_cache "
+                         f"passes context_length={c.context_length}")
 
 
 # chapters/10-gpt.md, "GPT-2's weights"

@@ -1,7 +1,7 @@
 # Do not edit: tools/tangle.py generates this file from chapters/03-heads.md and chapters/04-heads-at-work.md and chapters/07-blocks.md.
-"""The layers of a Transformer: multi-head attention with its fast path and KV cache, the feed-
-forward network, RMSNorm and the block; attention and the block are unchecked cores built from a
-frozen config, each with a checked public layer around it.
+"""The layers of a Transformer: multi-head attention with its fast path and KV cache, the block and
+its parts. Attention and the block are unchecked cores built from a frozen config, each with a
+checked public layer around it.
 
 Built and explained in the book's chapters chapters/03-heads.md and chapters/04-heads-at-work.md and chapters/07-blocks.md.
 """
@@ -147,9 +147,13 @@ def _kernel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 def _kernel_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                   dropout_p: float) -> bool:
-    """Whether chapter 15's kernel computes this call: no mask, no dropout, no empty tensor, a
-    head size of 16, 32, 64 or 128 for q, k and v, and float16, float32 or (on a GPU that has
-    it) bfloat16."""
+    """Whether chapter 15's kernel computes this call: a device it runs on (a GPU, or any with
+    Triton's interpreter), no mask, no dropout, no empty tensor, a head size of 16, 32, 64 or 128
+    for q, k and v, and float16, float32 or (on a GPU that has it) bfloat16."""
+    from attnbook.kernels import INTERPRETED  # imports Triton, only when its backend is asked for
+
+    if q.is_meta or not (INTERPRETED or q.device.type == "cuda"):
+        return False
     dtypes = (torch.float16, torch.float32)
     if q.device.type == "cuda" and torch.cuda.get_device_capability(q.device) >= (8, 0):
         dtypes += (torch.bfloat16,)
@@ -177,7 +181,8 @@ class AttentionConfig:
         check_divisible("d_model", self.d_model, "num_heads", self.num_heads)
         check_divisible("num_heads", self.num_heads, "num_kv_heads", self.kv_heads)
         object.__setattr__(self, "dropout", check_probability("dropout", self.dropout))
-        check_bool("bias", self.bias), check_choice("backend", self.backend, ATTENTION_BACKENDS)
+        object.__setattr__(self, "bias", check_bool("bias", self.bias))
+        check_choice("backend", self.backend, ATTENTION_BACKENDS)
 
     @property
     def kv_heads(self) -> int:
@@ -195,6 +200,7 @@ class Attention(nn.Module):
 
     def __init__(self, config: AttentionConfig) -> None:
         super().__init__()
+        config = check_instance("config", config, AttentionConfig)
         self.config, width, kv_width = config, config.d_model, config.kv_heads * config.head_dim
         self.d_model, self.num_heads = config.d_model, config.num_heads  # sizes the checks and
         self.num_kv_heads, self.head_dim = config.kv_heads, config.head_dim  # chapter 4 read
@@ -204,6 +210,14 @@ class Attention(nn.Module):
             nn.init.xavier_uniform_(proj.weight)
             if config.bias:
                 nn.init.zeros_(proj.bias)
+
+    @property
+    def backend(self) -> str:  # the config's, read-only: a new backend is a new config
+        return self.config.backend
+
+    @property
+    def dropout(self) -> float:
+        return self.config.dropout
 
     def forward(self, x: torch.Tensor, context: torch.Tensor | None = None,
                 mask: torch.Tensor | None = None, is_causal: bool = False,
@@ -463,7 +477,7 @@ class FeedForward(nn.Module):
 # chapters/07-blocks.md, "Normalisation"
 class RMSNorm(nn.Module):
     """x / sqrt(mean(x**2) + eps) * weight over the last axis, in float32 for float16/bfloat16.
-    Its settings are checked; x is left to PyTorch, as nn.LayerNorm leaves it."""
+    Its settings are checked, and the width of x, which would otherwise broadcast."""
 
     def __init__(self, d_model: int, eps: float = 1e-6) -> None:
         super().__init__()
@@ -471,6 +485,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(check_int("d_model", d_model, 1)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1:] != self.weight.shape:  # a width of 1 would broadcast: a wrong answer
+            raise ValueError(f"x must end in a dimension of size {self.weight.shape[0]}, "
+                             f"got shape {tuple(x.shape)}")
         work = x.to(compute_dtype(x.dtype))
         normed = work * torch.rsqrt(work.pow(2).mean(dim=-1, keepdim=True) + self.eps)
         return (normed * self.weight).to(x.dtype)
@@ -498,15 +515,20 @@ class BlockConfig:
     backend: str = "sdpa"
 
     def __post_init__(self) -> None:
+        def keep(name: str, check, *args) -> None:  # the checked value, as a plain Python one
+            object.__setattr__(self, name, check(name, getattr(self, name), *args))
+
         for name in ("dropout", "attn_dropout", "ff_dropout"):
             if name == "dropout" or getattr(self, name) is not None:
-                check_probability(name, getattr(self, name))
-        self.attention  # noqa: B018 (AttentionConfig checks the attention's settings)
-        check_bool("norm_first", self.norm_first), check_bool("cross_attention", self.cross_attention)
-        check_choice("activation", self.activation, _ACTIVATIONS)
-        check_choice("norm", self.norm, ("layernorm", "rmsnorm")), check_positive("eps", self.eps)
+                keep(name, check_probability)
+        attention = self.attention  # AttentionConfig checks the attention's settings
+        for name in ("d_model", "num_heads", "num_kv_heads", "bias"):
+            object.__setattr__(self, name, getattr(attention, name))
+        keep("norm_first", check_bool), keep("cross_attention", check_bool)
+        keep("activation", check_choice, _ACTIVATIONS)
+        keep("norm", check_choice, ("layernorm", "rmsnorm")), keep("eps", check_positive)
         if self.d_ff is not None:
-            check_int("d_ff", self.d_ff, 1)
+            keep("d_ff", check_int, 1)
 
     @property
     def attention(self) -> AttentionConfig:
@@ -522,7 +544,7 @@ class Block(nn.Module):
 
     def __init__(self, config: BlockConfig) -> None:
         super().__init__()
-        c = self.config = config
+        c = self.config = check_instance("config", config, BlockConfig)
         self.self_attn, self.attn_norm = Attention(c.attention), _make_norm(c)
         self.cross_attn = Attention(c.attention) if c.cross_attention else None
         self.cross_norm = _make_norm(c) if c.cross_attention else None

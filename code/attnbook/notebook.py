@@ -141,8 +141,8 @@ _CPU_SDPA = {"_scaled_dot_product_flash_attention_for_cpu": "sdpa_flop",
 
 def flop_counter():
     """PyTorch's FlopCounterMode(display=False), told the formulas of SDPA's fused CPU kernel
-    (PyTorch's own, which it uses for the GPU kernels): a forward pass counts the same on the
-    fast path as on the explicit one."""
+    (PyTorch's own, which it uses for the GPU kernels): a forward pass counts the same by SDPA
+    as by the explicit path (the Triton kernel is not counted)."""
     import torch
     from torch.utils import flop_counter as counter  # imports Triton: only when counting
 
