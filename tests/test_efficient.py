@@ -6,6 +6,8 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from test_backends import check_calls
+from test_gpt import host_reads_during
 
 from attnbook.efficient import (
     block_sparse_attention,
@@ -370,7 +372,7 @@ def test_block_sparse_attention_empty_and_keyless_inputs():
     q = randn(1, 2, 6, 4)
     empty = block_sparse_attention(q[:, :, :0], q, q, torch.ones(0, 6, dtype=torch.bool), 4)
     assert empty.shape == (1, 2, 0, 4)
-    with pytest.raises(ValueError, match=r"k\.shape\[2\]"):  # attend refuses no keys too
+    with pytest.raises(ValueError, match=r"k\.shape\[-2\]"):  # attend refuses no keys too
         block_sparse_attention(q, q[:, :, :0], q[:, :, :0], torch.ones(6, 0, dtype=torch.bool))
     with pytest.raises(ValueError, match="mask"):
         block_sparse_attention(q, q, q, torch.ones(3, 6, 6, dtype=torch.bool))
@@ -665,3 +667,47 @@ def test_tiny_lm_compiles_whole(kind):
     idx = torch.randint(0, 20, (2, 16), generator=torch.Generator().manual_seed(1))
     compiled = torch.compile(model, fullgraph=True, backend="eager")  # no graph break
     torch.testing.assert_close(compiled(idx), model(idx))
+
+
+# --- checked once, at the entry point ------------------------------------------------------
+
+
+def test_block_sparse_attention_checks_as_much_at_any_length():
+    """Its checks do not grow with the tiles: it calls tile_layout's core, and no public
+    function per tile row."""
+    def calls(length, block):
+        q = randn(1, 2, length, 16, dtype=torch.float32)
+        mask = sliding_window_mask(length, length, 2 * block)
+        layout = tile_layout(mask, block)
+        return (check_calls(lambda: block_sparse_attention(q, q, q, mask, block)),
+                check_calls(lambda: block_sparse_attention(q, q, q, layout=layout,
+                                                           block_size=block, causal=True)))
+    short, long = calls(256, 32), calls(1024, 32)
+    assert short == long == calls(256, 16), (short, long)
+    assert max(short) <= 27, short  # 31 when it called the public tile_layout
+
+
+def test_performer_checks_its_inputs_once_and_reads_nothing_on_the_host(monkeypatch):
+    """performer_attention runs the cores of random_features and linear_attention: no second
+    check of q, k and v, and no check of its own features that reads them on the host."""
+    q, k, v = (randn(1, 2, 64, 16, seed=s, dtype=torch.float32) for s in range(3))
+    g = torch.Generator().manual_seed(0)
+    linear = check_calls(lambda: linear_attention(q, k, v, True))
+    performer = check_calls(lambda: performer_attention(q, k, v, 32, True, g))
+    assert performer <= linear + 2, (performer, linear)  # + num_features, orthogonal - eps, chunk
+    assert host_reads_during(lambda: performer_attention(q, k, v, 32, True, g), monkeypatch) == 0
+    # the default feature map, elu + 1, is positive by construction: nothing to read either
+    assert host_reads_during(lambda: linear_attention(q, k, v, True), monkeypatch) == 0
+
+
+@pytest.mark.parametrize("fn", [
+    lambda q, k, v: linear_attention(q, k, v, causal=True),
+    lambda q, k, v: retention(q, k, v, 0.9, "chunkwise", 16),
+    lambda q, k, v: retention_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], 0.9),
+    lambda q, k, v: block_sparse_attention(q, k, v, layout=torch.ones(1, 1, dtype=torch.bool),
+                                           block_size=q.shape[2]),
+])
+def test_qkv_are_checked_by_one_validator_whose_cost_does_not_grow(fn):
+    short, long = (check_calls(lambda n=n: fn(*(randn(2, 4, n, 8, seed=s) for s in range(3))))
+                   for n in (16, 128))
+    assert short == long, (short, long)

@@ -1,9 +1,12 @@
 """Tests of attnbook.encdec (chapter 11) against torch.nn.Transformer and the model's properties."""
 
+import dataclasses
 import warnings
 
 import pytest
 import torch
+from test_backends import check_calls
+from test_gpt import host_reads_during
 from torch import nn
 
 from attnbook.encdec import EncoderDecoder, EncoderDecoderConfig
@@ -101,7 +104,7 @@ def _torch_copy(ours, norm_first):
     c = ours.config
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="enable_nested_tensor")
-        theirs = nn.Transformer(c.d_model, c.num_heads, c.num_layers, c.num_decoder_layers,
+        theirs = nn.Transformer(c.d_model, c.num_heads, c.num_layers, len(ours.decoder),
                                 c.d_ff, dropout=0.0, activation=c.activation, batch_first=True,
                                 norm_first=norm_first, dtype=torch.float64).eval()
     theirs.encoder.use_nested_tensor = False  # keep its reference path simple
@@ -205,7 +208,7 @@ class _Scripted(EncoderDecoder):
                                               num_heads=2, context_length=12))
         self.stop = torch.tensor(stop)
 
-    def decode(self, tgt_in, memory, src_padding=None, return_weights=False):
+    def _decode(self, tgt_in, memory, src_padding, return_weights=False):
         b, t = tgt_in.shape
         logits = torch.zeros(b, t, VOCAB)
         position = torch.arange(t)[None, :].expand(b, t)
@@ -223,10 +226,10 @@ def test_greedy_stops_at_eos_per_row():
     assert torch.equal(out, expected)
 
 
-def test_greedy_respects_max_len():
+def test_greedy_respects_max_new_tokens():
     model = _Scripted([20, 20])
-    assert model.greedy_decode(torch.full((2, 3), 4), max_len=6).shape == (2, 6)
-    assert model.greedy_decode(torch.full((2, 3), 4)).shape == (2, 12)  # config.max_len
+    assert model.greedy_decode(torch.full((2, 3), 4), max_new_tokens=6).shape == (2, 6)
+    assert model.greedy_decode(torch.full((2, 3), 4)).shape == (2, 12)  # config.context_length
 
 
 def test_greedy_eos_forced_by_bias():
@@ -243,9 +246,9 @@ def test_greedy_eos_forced_by_bias():
 def test_greedy_batched_equals_one_by_one(seed):
     model = _model(seed, dtype=torch.float32)
     src, _, lengths = _batch(seed, b=4)
-    together = model.greedy_decode(src, max_len=8, src_lengths=lengths)
+    together = model.greedy_decode(src, max_new_tokens=8, src_lengths=lengths)
     for i in range(4):
-        alone = model.greedy_decode(src[i : i + 1, : lengths[i]], max_len=8)[0]
+        alone = model.greedy_decode(src[i : i + 1, : lengths[i]], max_new_tokens=8)[0]
         assert torch.equal(together[i, : len(alone)], alone)
         assert (together[i, len(alone):] == PAD).all()
         assert EOS not in alone[:-1].tolist()
@@ -269,8 +272,8 @@ def _bad_calls():
         (lambda: model(src, torch.full((2, 3), VOCAB + 2)), ValueError, "tgt_in must lie in"),
         (lambda: model(src, tgt, src_lengths=[5, 6]), ValueError, "src_lengths"),
         (lambda: model.decode(tgt, memory[..., :8]), ValueError, "memory"),
-        (lambda: model.greedy_decode(src, max_len=13), ValueError, "max_len=13"),
-        (lambda: model.greedy_decode(src, max_len=0), ValueError, "max_len=0"),
+        (lambda: model.greedy_decode(src, max_new_tokens=13), ValueError, "max_new_tokens=13"),
+        (lambda: model.greedy_decode(src, max_new_tokens=0), ValueError, "max_new_tokens=0"),
     ]
 
 
@@ -330,15 +333,15 @@ def test_decode_checks_src_padding():
 def test_greedy_decode_runs_in_eval_mode_and_restores_the_mode():
     model = _model(seed=3, dtype=torch.float32, dropout=0.5)
     src = torch.randint(3, VOCAB, (16, 7), generator=torch.Generator().manual_seed(0))
-    expected = model.eval().greedy_decode(src, max_len=8)
+    expected = model.eval().greedy_decode(src, max_new_tokens=8)
     model.train()
-    first, second = model.greedy_decode(src, max_len=8), model.greedy_decode(src, max_len=8)
+    first, second = model.greedy_decode(src, max_new_tokens=8), model.greedy_decode(src, max_new_tokens=8)
     assert torch.equal(first, expected) and torch.equal(second, expected)
     assert model.training and all(m.training for m in model.modules())
     with pytest.raises(ValueError, match="src_lengths"):
         model.greedy_decode(src, src_lengths=[7])
     assert model.training
-    assert not model.eval().greedy_decode(src, max_len=2).requires_grad and not model.training
+    assert not model.eval().greedy_decode(src, max_new_tokens=2).requires_grad and not model.training
 
 
 def test_small_integer_ids_work_like_int64():
@@ -349,11 +352,60 @@ def test_small_integer_ids_work_like_int64():
         torch.testing.assert_close(model(src.to(dtype), tgt_in.to(dtype), lengths), logits)
 
 
-def test_forward_and_greedy_decode_check_the_source_once():
-    model = _model(dtype=torch.float32)
-    src, tgt, calls = torch.randint(3, VOCAB, (2, 5)), torch.full((2, 3), BOS), []
-    check = model.source_padding
-    model.source_padding = lambda *args: calls.append(args) or check(*args)
-    model(src, tgt, [5, 3])
-    model.greedy_decode(src, max_len=2)
-    assert len(calls) == 2
+def test_max_len_is_no_longer_a_name_of_greedy_decode():
+    """One name per idea: the number of tokens to decode is max_new_tokens, as in GPT.generate."""
+    with pytest.raises(TypeError, match="max_len"):
+        _model(dtype=torch.float32).greedy_decode(torch.full((1, 3), 4), max_len=2)
+
+
+# Frozen config, derived sizes -------------------------------------------------------------
+
+
+def test_config_is_frozen_and_replace_keeps_derived_sizes_consistent():
+    config = EncoderDecoderConfig(src_vocab=9, tgt_vocab=9, d_model=16, num_heads=4,
+                                  num_layers=2)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.num_layers = 3
+    deeper = EncoderDecoder(dataclasses.replace(config, num_layers=3))
+    assert len(deeper.encoder) == 3 and len(deeper.decoder) == 3  # None: as many as the encoder
+    wider = EncoderDecoder(dataclasses.replace(config, d_model=32, num_heads=4))
+    assert wider.decoder[0].ff.fc1.out_features == 128  # d_ff None: 4 * the new d_model
+    assert dataclasses.replace(config, num_decoder_layers=1).num_decoder_layers == 1
+    with pytest.raises(ValueError, match="dropout"):  # the blocks' settings, checked at once
+        EncoderDecoderConfig(src_vocab=9, tgt_vocab=9, d_model=16, num_heads=4, dropout=1.5)
+
+
+# Checked once, at the entry points --------------------------------------------------------
+
+
+def _never_ends(steps_model):
+    with torch.no_grad():  # EOS can never win: greedy decoding runs all its steps
+        steps_model.lm_head.bias[EOS] = -1e9
+    return steps_model
+
+
+def _entry_point_checks(layers):
+    model = _never_ends(_model(dtype=torch.float32, num_layers=layers, context_length=24))
+    src, tgt_in, lengths = _batch(0)
+    memory = model.encode(src)
+    return dict(forward=check_calls(lambda: model(src, tgt_in, lengths)),
+                encode=check_calls(lambda: model.encode(src, lengths)),
+                decode=check_calls(lambda: model.decode(tgt_in, memory, src != PAD)),
+                ten=check_calls(lambda: model.greedy_decode(src, 10, lengths)),
+                twenty=check_calls(lambda: model.greedy_decode(src, 20, lengths)))
+
+
+def test_entry_points_check_once_whatever_the_depth_and_the_steps():
+    counts = _entry_point_checks(1)
+    assert counts["ten"] == counts["twenty"] <= 30, counts  # none per token
+    assert max(counts.values()) <= 30, counts
+    assert _entry_point_checks(4) == counts  # none per layer
+
+
+def test_greedy_decode_reads_one_result_per_step_its_stop_test(monkeypatch):
+    """The loop's only host sync is `done.all()`: 10 more steps, 10 more reads."""
+    model = _never_ends(_model(dtype=torch.float32, context_length=24))
+    src, _, lengths = _batch(1)
+    ten, twenty = (host_reads_during(lambda n=n: model.greedy_decode(src, n, lengths), monkeypatch)
+                   for n in (10, 20))
+    assert twenty - ten == 10, (ten, twenty)

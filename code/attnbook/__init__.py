@@ -23,8 +23,6 @@ Modules, in the order the book builds them:
   of a run.
 - attnbook.encdec (chapters/11-encoder-decoder.md): The original Transformer's encoder-decoder,
   with greedy decoding.
-- attnbook.models (chapters/11-encoder-decoder.md): The book's three models, BERT, GPT and the
-  encoder-decoder, in one place.
 - attnbook.cost (chapters/12-cost.md): What attention costs: operations, time, the memory of the
   scores, of saved tensors and of the KV cache.
 - attnbook.tiling (chapters/13-tiling.md): FlashAttention's algorithm in NumPy: the online
@@ -72,7 +70,6 @@ __all__ = [
     "gpt",
     "recipe",
     "encdec",
-    "models",
     "cost",
     "tiling",
     "triton_mode",

@@ -90,29 +90,39 @@ def block_sparse_mask(layout: torch.Tensor, block_size: int, lq: int | None = No
 def tile_layout(mask: torch.Tensor, block_size: int = 64) -> torch.Tensor:
     """The tiles of `mask` (Lq, Lk) that hold an allowed entry: a bool tensor
     (ceil(Lq / block_size), ceil(Lk / block_size)). The other tiles need not be computed."""
-    block_size = check_int("block_size", block_size, 1)
     mask = check_mask("mask", mask, tuple(getattr(mask, "shape", ())))
     if mask.dim() != 2:
         raise ValueError(f"mask must have shape (Lq, Lk), got shape {tuple(mask.shape)}")
-    (lq, lk), b = mask.shape, block_size
-    nq, nk = -(-lq // b), -(-lk // b)
-    padded = F.pad(mask, (0, nk * b - lk, 0, nq * b - lq))  # pads with False
-    return padded.view(nq, b, nk, b).any(dim=3).any(dim=1)  # (nq, nk)
+    return _tile_layout(mask, check_int("block_size", block_size, 1))
+
+
+def _tile_layout(mask: torch.Tensor, b: int) -> torch.Tensor:  # (Lq, Lk) -> (nq, nk)
+    (lq, lk), (nq, nk) = mask.shape, (-(-mask.shape[0] // b), -(-mask.shape[1] // b))
+    return F.pad(mask, (0, nk * b - lk, 0, nq * b - lq)).view(nq, b, nk, b).any(3).any(1)
 
 
 # chapters/17-efficient-attention.md, "Skipping the tiles a mask leaves empty"
+def _check_qkv(q, k, v, ndim=tuple(range(2, 9)), same_length=False, keys=True) -> tuple:
+    """Chapter 17's one check of q (..., Lq, D), k (..., Lk, D) and v (..., Lk, Dv)."""
+    q = check_tensor("q", q, ndim)
+    d, lk = q.shape[-1], q.shape[-2] if same_length else None  # k's length: Lq, or any
+    k = check_tensor("k", k, q.dim(), dtype=q.dtype, device=q.device, shape=(*q.shape[:-2], lk, d))
+    v = check_tensor("v", v, q.dim(), dtype=q.dtype, device=q.device, shape=(*k.shape[:-1], None))
+    if keys:  # at least one key and one feature
+        check_int("k.shape[-2]", k.shape[-2], 1), check_int("q.shape[-1]", d, 1)
+    return q, k, v
+
+
 def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            mask: torch.Tensor | None = None, block_size: int = 64, *,
                            layout: torch.Tensor | None = None,
                            causal: bool = False) -> torch.Tensor:
     """Attention (B, H, Lq, dv) computing only the block_size x block_size tiles that the bool
     `layout` (ceil(Lq / block_size), ceil(Lk / block_size)) marks, all their entries allowed
-    (with `causal`, j <= i + Lk - Lq); or heads.attend(q, k, v, mask)'s output for a bool `mask`
+    (with `causal`, j <= i + Lk - Lq); or layers.attend(q, k, v, mask)'s output for a bool `mask`
     (B, H, Lq, Lk), whose layout tile_layout finds. A query with no allowed key gets zeros."""
-    q = check_tensor("q", q, 4)
-    k = check_tensor("k", k, 4, dtype=q.dtype, device=q.device, shape=(*q.shape[:2], None, None))
-    v = check_tensor("v", v, 4, dtype=q.dtype, device=q.device, shape=(*k.shape[:3], None))
-    (b, h, lq, _), lk = q.shape, check_int("k.shape[2]", k.shape[2], 1)  # a key, as in attend
+    q, k, v = _check_qkv(q, k, v, 4)  # at least a key and a feature, as in attend
+    (b, h, lq, _), lk = q.shape, k.shape[2]
     bs, causal = check_int("block_size", block_size, 1), check_bool("causal", causal)
     tiles = (-(-lq // bs), -(-lk // bs))  # (nq, nk)
     if (mask is None) == (layout is None):
@@ -123,7 +133,7 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     else:
         mask = check_mask("mask", mask, (b, h, lq, lk), q.device)
         mask = mask.reshape((1,) * (4 - mask.dim()) + mask.shape).expand(-1, -1, lq, lk)
-        layout = tile_layout(mask.flatten(0, 1).any(dim=0), bs)  # reads all Lq x Lk entries
+        layout = _tile_layout(mask.flatten(0, 1).any(dim=0), bs)  # reads all Lq x Lk entries
     work = compute_dtype(q.dtype)
     return _block_sparse(q.to(work), k.to(work), v.to(work), layout, bs, mask, causal).to(q.dtype)
 
@@ -160,18 +170,6 @@ def elu_feature_map(x: torch.Tensor) -> torch.Tensor:
     return F.elu(check_tensor("x", x)) + 1.0
 
 
-def _check_qkv_any(q, k, v) -> tuple[torch.Tensor, ...]:
-    """q (..., Lq, D), k (..., Lk, D) and v (..., Lk, Dv), with the same leading dimensions,
-    dtype and device, and at least one key and one feature."""
-    q = check_tensor("q", q, tuple(range(2, 9)))
-    d = q.shape[-1]
-    k = check_tensor("k", k, q.dim(), dtype=q.dtype, device=q.device, shape=(*q.shape[:-2], None, d))
-    v = check_tensor("v", v, q.dim(), dtype=q.dtype, device=q.device, shape=(*k.shape[:-1], None))
-    check_int("k.shape[-2]", k.shape[-2], 1)
-    check_int("q.shape[-1]", d, 1)
-    return q, k, v
-
-
 # chapters/17-efficient-attention.md, "Linear attention"
 def linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
                      feature_map=None, eps: float = 1e-6, chunk_size: int = 64) -> torch.Tensor:
@@ -179,19 +177,25 @@ def linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: 
     S = sum_j phi(k_j) v_j^T and z = sum_j phi(k_j) over the keys i may see: all, or with
     `causal` j <= i + Lk - Lq, then in chunks of `chunk_size` keys (memory O(N D + D Dv)).
     q (..., Lq, D), k (..., Lk, D), v (..., Lk, Dv) -> (..., Lq, Dv); phi defaults to elu + 1."""
-    q, k, v = _check_qkv_any(q, k, v)
+    q, k, v = _check_qkv(q, k, v)
     causal, eps = check_bool("causal", causal), check_positive("eps", eps)
-    phi = elu_feature_map if feature_map is None else check_callable("feature_map", feature_map)
     chunk_size, work = check_int("chunk_size", chunk_size, 1), compute_dtype(q.dtype)
-    fq, fk, v = phi(q.to(work)), phi(k.to(work)), v.to(work)  # (..., Lq, D'), (..., Lk, D')
-    for name, x, fx in (("q", q, fq), ("k", k, fk)):  # D' features per row, none negative
+    phi = (lambda x: F.elu(x) + 1.0) if feature_map is None else check_callable(
+        "feature_map", feature_map)  # elu + 1 is positive: nothing to check below
+    fq, fk = phi(q.to(work)), phi(k.to(work))  # (..., Lq, D'), (..., Lk, D')
+    for name, x, fx in () if feature_map is None else (("q", q, fq), ("k", k, fk)):
         check_tensor(f"feature_map({name})", fx, shape=(*x.shape[:-1], None))
         if bool((fx < 0).any()):  # phi(q_i) . z could then be 0 or negative
             raise ValueError(f"feature_map({name}) must be non-negative, got {float(fx.min()):.3g}")
-    if not causal:
-        state = fk.transpose(-2, -1) @ v  # (..., D, Dv): one state for every query
-        return (fq @ state / (fq @ fk.sum(dim=-2)[..., None] + eps)).to(q.dtype)
-    return _causal_linear(fq, fk, v, eps, chunk_size).to(q.dtype)
+    return _linear_attention(fq, fk, v.to(work), causal, eps, chunk_size).to(q.dtype)
+
+
+def _linear_attention(fq, fk, v, causal: bool, eps: float, chunk: int) -> torch.Tensor:
+    """Linear attention on the features fq (..., Lq, D') and fk (..., Lk, D'), none negative."""
+    if causal:
+        return _causal_linear(fq, fk, v, eps, chunk)
+    state = fk.transpose(-2, -1) @ v  # (..., D', Dv): one state for every query
+    return fq @ state / (fq @ fk.sum(dim=-2)[..., None] + eps)  # (..., Lq, Dv)
 
 
 # chapters/17-efficient-attention.md, "Linear attention"
@@ -228,6 +232,10 @@ def random_features(num_features: int, dim: int, orthogonal: bool = True,
         raise TypeError(f"dtype must be a floating-point torch.dtype, got dtype={dtype!r}")
     if generator is not None:
         check_instance("generator", generator, torch.Generator)
+    return _random_features(m, d, orthogonal, generator, dtype)
+
+
+def _random_features(m: int, d: int, orthogonal: bool, generator, dtype) -> torch.Tensor:
     w = torch.randn(m, d, generator=generator, dtype=torch.float64)  # (m, d)
     if orthogonal:
         blocks = []
@@ -259,15 +267,17 @@ def performer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_f
     """FAVOR+ (Choromanski et al. 2021): softmax(q k^T / sqrt(D)) v estimated with
     `num_features` positive random features drawn from `generator` (orthogonal by default), in
     linear time. q (..., Lq, D), k (..., Lk, D), v (..., Lk, Dv) -> (..., Lq, Dv)."""
-    q, k, v = _check_qkv_any(q, k, v)
+    q, k, v = _check_qkv(q, k, v)
     causal, work = check_bool("causal", causal), compute_dtype(q.dtype)
-    w = random_features(num_features, q.shape[-1], orthogonal, generator, work).to(q.device)
+    m, orthogonal = check_int("num_features", num_features, 1), check_bool("orthogonal", orthogonal)
+    check_instance("generator", generator, (torch.Generator, type(None)))
+    w = _random_features(m, q.shape[-1], orthogonal, generator, work).to(q.device)  # (m, D)
     scale = q.shape[-1] ** -0.25  # q.k / sqrt(D) = (q D^-1/4) . (k D^-1/4)
     logq, logk = (_log_features(x.to(work) * scale, w) for x in (q, k))  # (..., L, m)
     logq = logq - logq.amax(dim=-1, keepdim=True)  # a constant per query: it cancels
     logk = logk - logk.amax(dim=(-2, -1), keepdim=True)  # one for all keys: it cancels
     tiny = torch.finfo(work).tiny  # no bias: 0 / tiny = 0 only for a query that sees no key
-    out = linear_attention(logq, logk, v.to(work), causal, torch.exp, eps=tiny)  # phi = exp
+    out = _linear_attention(logq.exp(), logk.exp(), v.to(work), causal, tiny, 64)  # (..., Lq, Dv)
     return out.to(q.dtype)
 
 
@@ -304,9 +314,7 @@ def retention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gamma,
     no softmax, scale or normalisation. q, k (B, H, L, D), v (B, H, L, Dv) -> (B, H, L, Dv);
     `gamma` a float or an (H,) tensor in (0, 1]; `mode` "parallel", "recurrent" (a D x Dv state)
     or "chunkwise" (chunks of `chunk_size`): the same result."""
-    q = check_tensor("q", q, 4)
-    k = check_tensor("k", k, 4, dtype=q.dtype, device=q.device, shape=q.shape)
-    v = check_tensor("v", v, 4, dtype=q.dtype, device=q.device, shape=(*q.shape[:3], None))
+    q, k, v = _check_qkv(q, k, v, 4, same_length=True, keys=False)
     mode = check_choice("mode", mode, ("parallel", "recurrent", "chunkwise"))
     chunk_size, dtype, work = check_int("chunk_size", chunk_size, 1), q.dtype, compute_dtype(q.dtype)
     g = _check_gamma(gamma, q.shape[1], q.device).to(work)[None, :, None, None]  # (1, H, 1, 1)
@@ -337,9 +345,7 @@ def retention_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gamma,
     """One step of retention: q, k (B, H, D) and v (B, H, Dv) of a new position and the state
     (B, H, D, Dv) of those before (None: none) -> (output (B, H, Dv), the new state), whose size
     does not depend on the number of steps."""
-    q = check_tensor("q", q, 3)
-    k = check_tensor("k", k, 3, dtype=q.dtype, device=q.device, shape=q.shape)
-    v = check_tensor("v", v, 3, dtype=q.dtype, device=q.device, shape=(*q.shape[:2], None))
+    q, k, v = _check_qkv(q, k, v, 3, same_length=True, keys=False)  # (B, H, D): H in Lq's place
     work, shape = compute_dtype(q.dtype), (*q.shape, v.shape[-1])
     state = torch.zeros(shape, dtype=work, device=q.device) if state is None else \
         check_tensor("state", state, 4, dtype=work, device=q.device, shape=shape)

@@ -11,7 +11,7 @@ __all__ = [
 
 # chapters/11-encoder-decoder.md, "The model"
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -26,15 +26,17 @@ from attnbook.checks import (
     check_tensor,
     check_token_ids,
 )
-from attnbook.layers import ATTENTION_BACKENDS, Block, BlockConfig
-from attnbook.masks import attention_mask, padding_mask
+from attnbook.layers import ATTENTION_BACKENDS, Block, BlockConfig, _causal_mask
+from attnbook.masks import padding_mask
 from attnbook.positions import sinusoidal_encoding
 
 
-@dataclass
+@dataclass(frozen=True)
 class EncoderDecoderConfig:
-    """The sizes of an EncoderDecoder; `context_length` is the longest source or target. By default num_decoder_layers = num_layers and
-    d_ff = 4 * d_model; norm_first=False is post-norm; `backend` as in chapter 10's GPTConfig."""
+    """The sizes of an EncoderDecoder; `context_length` is the longest source or target.
+    num_decoder_layers None means num_layers, d_ff None means 4 * d_model (both resolved where
+    they are used, so that dataclasses.replace keeps them consistent); norm_first=False is
+    post-norm; `backend` as in chapter 10's GPTConfig."""
 
     src_vocab: int
     tgt_vocab: int
@@ -54,22 +56,35 @@ class EncoderDecoderConfig:
     backend: str = "sdpa"
 
     def __post_init__(self) -> None:
-        if self.num_decoder_layers is None:
-            self.num_decoder_layers = self.num_layers
+        def keep(name, value):  # the checked value, in a frozen dataclass
+            object.__setattr__(self, name, value)
+
         for name in ("src_vocab", "tgt_vocab", "d_model", "num_heads", "num_layers",
-                     "num_decoder_layers", "context_length"):
-            setattr(self, name, check_int(name, getattr(self, name), minimum=1))
-        self.backend = check_choice("backend", self.backend, ATTENTION_BACKENDS)
-        self.d_ff = None if self.d_ff is None else check_int("d_ff", self.d_ff, minimum=1)
-        self.positions = check_choice("positions", self.positions, ("sinusoidal", "learned"))
-        self.norm_first = check_bool("norm_first", self.norm_first)
+                     "context_length"):
+            keep(name, check_int(name, getattr(self, name), minimum=1))
+        for name in ("num_decoder_layers", "d_ff"):  # None: derived, where they are used
+            if getattr(self, name) is not None:
+                keep(name, check_int(name, getattr(self, name), minimum=1))
+        keep("backend", check_choice("backend", self.backend, ATTENTION_BACKENDS))
+        keep("positions", check_choice("positions", self.positions, ("sinusoidal", "learned")))
+        keep("norm_first", check_bool("norm_first", self.norm_first))
         check_divisible("d_model", self.d_model, "num_heads", self.num_heads)
         for name, vocab in (("pad_id", min(self.src_vocab, self.tgt_vocab)),
                             ("bos_id", self.tgt_vocab), ("eos_id", self.tgt_vocab)):
-            setattr(self, name, check_int(name, getattr(self, name), minimum=0, maximum=vocab - 1))
+            keep(name, check_int(name, getattr(self, name), minimum=0, maximum=vocab - 1))
         if len({self.pad_id, self.bos_id, self.eos_id}) < 3:
             raise ValueError(f"pad_id={self.pad_id}, bos_id={self.bos_id} and "
                              f"eos_id={self.eos_id} must be three different tokens")
+        self.encoder_block  # noqa: B018 (BlockConfig checks the rest: dropout, activation)
+
+    @property
+    def encoder_block(self) -> BlockConfig:
+        return BlockConfig(self.d_model, self.num_heads, self.d_ff, self.dropout, self.norm_first,
+                           activation=self.activation, backend=self.backend)
+
+    @property
+    def decoder_block(self) -> BlockConfig:  # with cross-attention to the encoder's output
+        return replace(self.encoder_block, cross_attention=True)
 
 
 # chapters/11-encoder-decoder.md, "The model"
@@ -102,37 +117,48 @@ class EncoderDecoder(nn.Module):
     def __init__(self, config: EncoderDecoderConfig) -> None:
         super().__init__()
         self.config = c = check_instance("config", config, EncoderDecoderConfig)
-        sizes = dict(d_model=c.d_model, num_heads=c.num_heads, d_ff=c.d_ff, dropout=c.dropout,
-                     norm_first=c.norm_first, activation=c.activation, backend=c.backend)
+        depth = c.num_layers if c.num_decoder_layers is None else c.num_decoder_layers
         self.src_embed, self.tgt_embed = _Embedding(c.src_vocab, c), _Embedding(c.tgt_vocab, c)
-        self.encoder = nn.ModuleList(Block(BlockConfig(**sizes)) for _ in range(c.num_layers))
-        self.decoder = nn.ModuleList(Block(BlockConfig(**sizes, cross_attention=True))
-                                     for _ in range(c.num_decoder_layers))
+        self.encoder = nn.ModuleList(Block(c.encoder_block) for _ in range(c.num_layers))
+        self.decoder = nn.ModuleList(Block(c.decoder_block) for _ in range(depth))
         norm = nn.LayerNorm if c.norm_first else (lambda d: nn.Identity())
         self.encoder_norm, self.decoder_norm = norm(c.d_model), norm(c.d_model)
         self.lm_head = nn.Linear(c.d_model, c.tgt_vocab)
 
-    def source_padding(self, src: torch.Tensor, src_lengths=None) -> torch.Tensor:
-        """(B, Ls) bool, True at real source tokens (chapter 6's padding mask)."""
-        src = _check_ids("src", src, self.config.src_vocab, self.config.context_length)
-        if src_lengths is None:
-            return src != self.config.pad_id
-        b, ls = src.shape
-        lengths = torch.as_tensor(src_lengths, device=src.device)  # (B,)
-        if lengths.shape != (b,) or not ((lengths >= 1) & (lengths <= ls)).all():
-            raise ValueError(f"src_lengths must hold {b} lengths in [1, {ls}], got {src_lengths=}")
-        return padding_mask(lengths, ls)
+    def _encode(self, src: torch.Tensor, src_padding: torch.Tensor) -> torch.Tensor:
+        """The encoder's output, the `memory` (B, Ls, d_model), for int64 ids src (B, Ls)."""
+        x, mask = self.src_embed(src), src_padding[:, None, None, :]  # mask (B, 1, 1, Ls)
+        for block in self.encoder:
+            x = block(x, mask=mask)  # (B, Ls, d_model)
+        return self.encoder_norm(x)
+
+    def _decode(self, tgt_in: torch.Tensor, memory: torch.Tensor,
+                src_padding: torch.Tensor | None, return_weights: bool = False):
+        """Logits (B, Lt, tgt_vocab), and with `return_weights` the cross-attention weights."""
+        lt = tgt_in.shape[1]  # the target's own padding and the causal mask: (B, 1, Lt, Lt)
+        self_mask = (tgt_in != self.config.pad_id)[:, None, None, :] & _causal_mask(
+            lt, lt, tgt_in.device)
+        cross_mask = None if src_padding is None else src_padding[:, None, None, :]  # (B,1,1,Ls)
+        x, weights = self.tgt_embed(tgt_in), []  # (B, Lt, d_model)
+        for block in self.decoder:
+            x = block(x, mask=self_mask, context=memory, context_mask=cross_mask,
+                      return_weights=return_weights)
+            if return_weights:  # only then do the blocks compute the weights
+                x, _, cross_weights = x
+                weights.append(cross_weights)
+        logits = self.lm_head(self.decoder_norm(x))
+        return (logits, weights) if return_weights else logits
+
+    # The entry points: each checks its arguments once, then runs the cores above.
+    def forward(self, src: torch.Tensor, tgt_in: torch.Tensor, src_lengths=None) -> torch.Tensor:
+        src, src_padding = self._source(src, src_lengths)
+        tgt_in = _check_ids("tgt_in", tgt_in, self.config.tgt_vocab, self.config.context_length,
+                            batch=src.shape[0])
+        return self._decode(tgt_in, self._encode(src, src_padding), src_padding)
 
     def encode(self, src: torch.Tensor, src_lengths=None) -> torch.Tensor:
         """The encoder's output, the `memory` (B, Ls, d_model)."""
-        return self._encode(src, src_lengths)[0]
-
-    def _encode(self, src: torch.Tensor, src_lengths) -> tuple[torch.Tensor, torch.Tensor]:
-        src_padding = self.source_padding(src, src_lengths)  # (B, Ls); checks src
-        x, mask = self.src_embed(src.long()), attention_mask(src_padding)  # (B, Ls, d_model)
-        for block in self.encoder:
-            x = block(x, mask=mask)  # mask (B, 1, Ls, Ls)
-        return self.encoder_norm(x), src_padding
+        return self._encode(*self._source(src, src_lengths))
 
     def decode(self, tgt_in: torch.Tensor, memory: torch.Tensor,
                src_padding: torch.Tensor | None = None, return_weights: bool = False):
@@ -148,51 +174,57 @@ class EncoderDecoder(nn.Module):
             check_mask("src_padding", src_padding, shape)
             if src_padding.shape != shape:  # a (1, Ls) mask would broadcast over the batch
                 raise ValueError(f"src_padding of shape {tuple(src_padding.shape)} is not {shape}")
-        self_mask = attention_mask(tgt_in != c.pad_id, causal=True)  # (B, 1, Lt, Lt)
-        cross_mask = None if src_padding is None else src_padding[:, None, None, :]  # (B,1,1,Ls)
-        x, weights = self.tgt_embed(tgt_in), []  # (B, Lt, d_model)
-        for block in self.decoder:
-            x = block(x, mask=self_mask, context=memory, context_mask=cross_mask,
-                      return_weights=return_weights)
-            if return_weights:  # only then do the blocks compute the weights
-                x, _, cross_weights = x
-                weights.append(cross_weights)
-        logits = self.lm_head(self.decoder_norm(x))
-        return (logits, weights) if return_weights else logits
+        return self._decode(tgt_in, memory, src_padding, return_weights)
 
-    def forward(self, src: torch.Tensor, tgt_in: torch.Tensor, src_lengths=None) -> torch.Tensor:
-        return self.decode(tgt_in, *self._encode(src, src_lengths))
-
-    def greedy_decode(self, src: torch.Tensor, max_len: int | None = None,
+    def greedy_decode(self, src: torch.Tensor, max_new_tokens: int | None = None,
                       src_lengths=None) -> torch.Tensor:
-        """Target ids (B, T <= max_len, default config.context_length): each row the tokens
-        after BOS up to EOS, then pad_id. Runs in eval mode without gradients, then restores the mode."""
-        return _greedy_decode(self, src, max_len, src_lengths)
+        """Target ids (B, T <= max_new_tokens, default config.context_length): each row the
+        tokens after BOS up to EOS, then pad_id. Runs in eval mode without gradients, then
+        restores the mode."""
+        c = self.config
+        src, src_padding = self._source(src, src_lengths)
+        steps = c.context_length if max_new_tokens is None else check_int(
+            "max_new_tokens", max_new_tokens, 1, c.context_length)
+        return _greedy_decode(self, src, src_padding, steps)
+
+    def source_padding(self, src: torch.Tensor, src_lengths=None) -> torch.Tensor:
+        """(B, Ls) bool, True at real source tokens (chapter 6's padding mask)."""
+        return self._source(src, src_lengths)[1]
+
+    def _source(self, src, src_lengths) -> tuple[torch.Tensor, torch.Tensor]:
+        """`src` checked, as int64 ids (B, Ls), and its padding mask (B, Ls)."""
+        src = _check_ids("src", src, self.config.src_vocab, self.config.context_length)
+        if src_lengths is None:
+            return src, src != self.config.pad_id
+        b, ls = src.shape
+        lengths = torch.as_tensor(src_lengths, device=src.device)  # (B,)
+        if lengths.shape != (b,) or not ((lengths >= 1) & (lengths <= ls)).all():
+            raise ValueError(f"src_lengths must hold {b} lengths in [1, {ls}], got {src_lengths=}")
+        return src, padding_mask(lengths, ls)
 
 
-def _check_ids(name: str, ids, vocab: int, max_len: int, batch: int | None = None) -> torch.Tensor:
+def _check_ids(name: str, ids, vocab: int, longest: int, batch: int | None = None) -> torch.Tensor:
     ids = check_token_ids(name, ids, vocab, shape=(batch, None))
-    check_int(f"{name}'s length", ids.shape[1], minimum=1, maximum=max_len)
+    check_int(f"{name}'s length", ids.shape[1], minimum=1, maximum=longest)
     return ids
 
 
 # chapters/11-encoder-decoder.md, "Greedy decoding"
 @torch.no_grad()
-def _greedy_decode(model: EncoderDecoder, src: torch.Tensor, max_len: int | None,
-                   src_lengths) -> torch.Tensor:
+def _greedy_decode(model: EncoderDecoder, src: torch.Tensor, src_padding: torch.Tensor,
+                   steps: int) -> torch.Tensor:
+    """Up to `steps` tokens for the checked ids src (B, Ls) of padding src_padding (B, Ls)."""
     c, was_training = model.config, model.training
-    max_len = c.context_length if max_len is None else check_int("max_len", max_len, 1,
-                                                                 c.context_length)
     model.eval()  # no dropout: the same source always gives the same output
     try:
-        memory, src_padding = model._encode(src, src_lengths)  # (B, Ls, d_model), (B, Ls)
+        memory = model._encode(src, src_padding)  # (B, Ls, d_model), once for every step
         out = torch.full((src.shape[0], 1), c.bos_id, device=src.device)  # (B, 1 + steps)
         done = torch.zeros(src.shape[0], dtype=torch.bool, device=src.device)  # (B,)
-        for _ in range(max_len):
-            next_id = model.decode(out, memory, src_padding)[:, -1].argmax(-1)  # (B,)
+        for _ in range(steps):
+            next_id = model._decode(out, memory, src_padding)[:, -1].argmax(-1)  # (B,)
             out = torch.cat([out, next_id.masked_fill(done, c.pad_id)[:, None]], dim=1)
             done |= next_id == c.eos_id
-            if done.all():
+            if done.all():  # the one read of a result per step: every row has ended
                 break
     finally:
         model.train(was_training)
