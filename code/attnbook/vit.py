@@ -19,7 +19,6 @@ from torch import nn
 
 from attnbook.checks import (
     check_bool,
-    check_choice,
     check_divisible,
     check_instance,
     check_int,
@@ -27,7 +26,15 @@ from attnbook.checks import (
     check_probability,
     check_tensor,
 )
-from attnbook.layers import ATTENTION_BACKENDS, Block, BlockConfig
+from attnbook.layers import Block, BlockConfig
+
+
+def _patchify(images: torch.Tensor, p: int) -> torch.Tensor:
+    """patchify's computation, on images already checked (by patchify, or by ViT.forward)."""
+    b, c, h, w = images.shape
+    x = images.reshape(b, c, h // p, p, w // p, p)  # (B, C, rows, p, cols, p)
+    x = x.permute(0, 2, 4, 1, 3, 5)  # (B, rows, cols, C, p, p)
+    return x.reshape(b, (h // p) * (w // p), c * p * p)  # (B, N, C p p)
 
 
 def patchify(images: torch.Tensor, patch_size: int) -> torch.Tensor:
@@ -35,23 +42,13 @@ def patchify(images: torch.Tensor, patch_size: int) -> torch.Tensor:
     in (channel, row, column) order: F.unfold(images, p, stride=p).transpose(1, 2). Chapter 18."""
     images = check_tensor("images", images, 4)
     p = check_int("patch_size", patch_size, minimum=1)
-    b, c, h, w = images.shape
-    if h % p or w % p:
-        raise ValueError(f"images' height and width must be multiples of patch_size={p}, "
-                         f"got images of shape {tuple(images.shape)}")
+    check_divisible("images.shape[2]", images.shape[2], "patch_size", p)  # the height
+    check_divisible("images.shape[3]", images.shape[3], "patch_size", p)  # the width
     return _patchify(images, p)
 
 
-def _patchify(images: torch.Tensor, p: int) -> torch.Tensor:
-    # patchify's computation, on images already checked (by patchify, or by ViT.forward)
-    b, c, h, w = images.shape
-    x = images.reshape(b, c, h // p, p, w // p, p)  # (B, C, rows, p, cols, p)
-    x = x.permute(0, 2, 4, 1, 3, 5)  # (B, rows, cols, C, p, p)
-    return x.reshape(b, (h // p) * (w // p), c * p * p)  # (B, N, C p p)
-
-
 # chapters/18-vision-transformer.md, "The model"
-@dataclass
+@dataclass(frozen=True)
 class ViTConfig:
     """The sizes of a Vision Transformer, by default ViT-B/16's (chapter 18): square images of
     image_size pixels, cut into patches of patch_size, for num_classes classes."""
@@ -69,20 +66,31 @@ class ViTConfig:
     backend: str = "sdpa"  # the attention's fast path, as in chapter 10's GPTConfig
 
     def __post_init__(self) -> None:
-        self.backend = check_choice("backend", self.backend, ATTENTION_BACKENDS)
         for name in ("image_size", "patch_size", "in_channels", "num_classes", "d_model",
                      "num_layers", "num_heads", "d_ff"):
-            setattr(self, name, check_int(name, getattr(self, name), minimum=1))
-        self.dropout = check_probability("dropout", self.dropout)
-        self.eps = check_positive("eps", self.eps)
-        if self.image_size % self.patch_size:
-            raise ValueError(f"image_size={self.image_size} is not a multiple of "
-                             f"patch_size={self.patch_size}")
-        check_divisible("d_model", self.d_model, "num_heads", self.num_heads)
+            object.__setattr__(self, name, check_int(name, getattr(self, name), 1))
+        object.__setattr__(self, "dropout", check_probability("dropout", self.dropout))
+        object.__setattr__(self, "eps", check_positive("eps", self.eps))
+        check_divisible("image_size", self.image_size, "patch_size", self.patch_size)
+        self.block  # noqa: B018 (BlockConfig checks the rest: the heads and the backend)
 
     @property
     def num_patches(self) -> int:
         return (self.image_size // self.patch_size) ** 2
+
+    @property
+    def patch_dim(self) -> int:  # the numbers in one patch
+        return self.in_channels * self.patch_size**2
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.num_heads
+
+    @property
+    def block(self) -> BlockConfig:
+        """Every block's settings: pre-norm, with exact GELU, as in the paper."""
+        return BlockConfig(self.d_model, self.num_heads, self.d_ff, self.dropout, norm_first=True,
+                           activation="gelu", eps=self.eps, backend=self.backend)
 
 
 # chapters/18-vision-transformer.md, "The model"
@@ -92,15 +100,12 @@ class ViT(nn.Module):
     def __init__(self, config: ViTConfig) -> None:
         super().__init__()
         self.config = c = check_instance("config", config, ViTConfig)
-        self.patch_embed = nn.Linear(c.in_channels * c.patch_size**2, c.d_model)  # E
+        self.patch_embed = nn.Linear(c.patch_dim, c.d_model)  # E
         self.cls_token = nn.Parameter(torch.zeros(1, 1, c.d_model))
         self.position = nn.Parameter(torch.empty(1, c.num_patches + 1, c.d_model))  # E_pos
         nn.init.normal_(self.position, std=0.02)
         self.dropout = nn.Dropout(c.dropout)
-        self.blocks = nn.ModuleList(
-            Block(BlockConfig(c.d_model, c.num_heads, c.d_ff, c.dropout, norm_first=True,
-                              activation="gelu", eps=c.eps, backend=c.backend))  # unchecked
-            for _ in range(c.num_layers))
+        self.blocks = nn.ModuleList(Block(c.block) for _ in range(c.num_layers))  # unchecked
         self.norm = nn.LayerNorm(c.d_model, eps=c.eps)
         self.head = nn.Linear(c.d_model, c.num_classes)
 
@@ -110,8 +115,8 @@ class ViT(nn.Module):
         c, weight = self.config, self.patch_embed.weight
         images = check_tensor("images", images, 4, dtype=weight.dtype, device=weight.device,
                               shape=(None, c.in_channels, c.image_size, c.image_size))
-        return_weights = check_bool("return_weights", return_weights)
-        x = self.patch_embed(_patchify(images, c.patch_size))  # (B, N, d_model): checked above
+        return_weights = check_bool("return_weights", return_weights)  # the checks: no more
+        x = self.patch_embed(_patchify(images, c.patch_size))  # (B, N, d_model)
         cls = self.cls_token.expand(x.shape[0], -1, -1)  # (B, 1, d_model)
         x = self.dropout(torch.cat([cls, x], dim=1) + self.position)  # (B, 1 + N, d_model)
         weights = []  # only with return_weights: else the blocks take the fast path
