@@ -205,7 +205,7 @@ def check_token_ids(name: str, ids, vocab_size: int, shape: tuple[int | None, ..
     if ids.dtype != torch.int64 or ids.is_meta:  # int64 ids, with values, need no conversion
         ids = _as_int64(name, ids, vocab_size)
     _check_shape_and_device(name, ids, shape, device)
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+    if ids.numel() and bool(((ids < 0) | (ids >= vocab_size)).any()):  # one read of the device
         raise ValueError(f"{name} must lie in [0, vocab_size={vocab_size}), got values from "
                          f"{int(ids.min())} to {int(ids.max())}")
     return ids
@@ -230,8 +230,10 @@ def _as_int64(name: str, ids: "torch.Tensor", vocab_size: int) -> "torch.Tensor"
 
 
 def _check_shape_and_device(name: str, x: "torch.Tensor", shape, device) -> None:
-    if shape is not None and (x.dim() != len(shape)
-                              or any(s not in (None, n) for s, n in zip(shape, x.shape))):
+    fits = shape is None or x.dim() == len(shape)
+    for wanted_size, size in zip(shape or (), x.shape):  # a loop: no generator to resume
+        fits = fits and wanted_size in (None, size)
+    if not fits:
         wanted = ", ".join("*" if s is None else str(s) for s in shape)
         raise ValueError(f"{name} must have shape ({wanted}), got shape {tuple(x.shape)}")
     if device is not None and x.device != device and not _same_device(x.device, device):
@@ -270,11 +272,13 @@ def check_mask(name: str, mask, shape: tuple[int, ...], device: "torch.device | 
         got = f"dtype {mask.dtype}" if isinstance(mask, torch.Tensor) else type(mask).__name__
         raise TypeError(f"{name} must be a torch.bool tensor, True = may attend (a float mask, "
                         f"which PyTorch adds to the scores, is not accepted), got {got}")
-    pairs = zip(mask.shape[::-1], shape[::-1])  # the sizes, aligned from the right
-    if mask.dim() > len(shape) or any(m not in (1, s) for m, s in pairs):
+    fits = mask.dim() <= len(shape)
+    for size, wanted in zip(mask.shape[::-1], shape[::-1]):  # aligned from the right
+        fits = fits and size in (1, wanted)
+    if not fits:
         raise ValueError(f"{name} of shape {tuple(mask.shape)} does not broadcast to "
                          f"{tuple(shape)}")
-    if device is not None and not _same_device(mask.device, device):
+    if device is not None and mask.device != device and not _same_device(mask.device, device):
         raise ValueError(f"{name} must be on device {device}, got {name} on {mask.device}")
     return mask
 
