@@ -202,22 +202,24 @@ def check_token_ids(name: str, ids, vocab_size: int, shape: tuple[int | None, ..
     vocab_size = check_int("vocab_size", vocab_size, 1)
     if not isinstance(ids, torch.Tensor):
         raise type_error(name, ids, "a torch.Tensor of integer ids")
-    if ids.dtype != torch.int64 or ids.is_meta:  # int64 ids, with values, need no conversion
-        ids = _as_int64(name, ids, vocab_size)
-    _check_shape_and_device(name, ids, shape, device)
+    if ids.dtype == torch.int64 and not ids.is_meta:  # the usual ids: no conversion
+        _check_shape_and_device(name, ids, shape, device)
+    else:
+        ids = _as_int64(name, ids, vocab_size, shape, device)
     if ids.numel() and bool(((ids < 0) | (ids >= vocab_size)).any()):  # one read of the device
         raise ValueError(f"{name} must lie in [0, vocab_size={vocab_size}), got values from "
                          f"{int(ids.min())} to {int(ids.max())}")
     return ids
 
 
-def _as_int64(name: str, ids: "torch.Tensor", vocab_size: int) -> "torch.Tensor":
-    """Integer ids of any dtype as int64; a float, bool or complex dtype, or a tensor with no
-    values (on the meta device), is refused."""
+def _as_int64(name: str, ids: "torch.Tensor", vocab_size: int, shape, device) -> "torch.Tensor":
+    """Integer ids of any dtype, of `shape` on `device`, as int64; a float, bool or complex dtype,
+    or a tensor with no values (on the meta device), is refused."""
     import torch
 
     if ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex():
         raise TypeError(f"{name} must hold integer ids, got dtype {ids.dtype}")
+    _check_shape_and_device(name, ids, shape, device)
     if ids.is_meta:  # a meta tensor has a shape but no values to check
         raise ValueError(f"{name} must hold values, got a tensor on the meta device")
     if ids.dtype == torch.uint64:  # PyTorch has no min or max for uint16, uint32 and uint64;
