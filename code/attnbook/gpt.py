@@ -191,14 +191,12 @@ def _check_idx(model: GPT, idx, kv_cache=None, crop: bool = False) -> torch.Tens
     idx = check_token_ids("idx", idx, c.vocab_size, shape=(None, None), device=device)
     longest = c.context_length if kv_cache is None and not crop else None
     check_int("idx.shape[0]", idx.shape[0], 1), check_int("idx.shape[1]", idx.shape[1], 1, longest)
-    if kv_cache is not None:
-        _check_kv_cache(model, kv_cache, idx.shape)
-    return idx
+    return idx if kv_cache is None else _check_kv_cache(model, kv_cache, idx)
 
 
-def _check_kv_cache(model: GPT, kv_cache, shape: torch.Size) -> None:
-    """A KVCache of the model that (B, n) more positions fit."""
-    c, (b, n) = model.config, shape
+def _check_kv_cache(model: GPT, kv_cache, idx: torch.Tensor) -> torch.Tensor:
+    """idx (B, n), after checking that kv_cache is the model's and that n more positions fit."""
+    c, (b, n) = model.config, idx.shape
     cache = check_instance("kv_cache", kv_cache, KVCache)
     layers, batch = cache.keys.shape[:2]
     if (layers, batch) != (c.num_layers, b):
@@ -213,6 +211,7 @@ def _check_kv_cache(model: GPT, kv_cache, shape: torch.Size) -> None:
     if cache.length + n > c.context_length:  # a KVCache made by hand may hold more
         raise ValueError(f"idx of length {n} after the {cache.length} positions of kv_cache "
                          f"passes context_length={c.context_length}")
+    return idx
 
 
 # chapters/10-gpt.md, "GPT-2's weights"
