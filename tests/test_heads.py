@@ -477,7 +477,7 @@ def test_cache_arguments_are_checked():
     for values, error in [(torch.zeros(2, 2, 5, 4), ValueError),  # another capacity
                           (torch.zeros(1, 2, 6, 4), ValueError),  # another batch
                           (torch.zeros(2, 1, 6, 4), ValueError),  # other heads
-                          (torch.zeros(2, 2, 6, 4).double(), ValueError)]:  # another dtype
+                          (torch.zeros(2, 2, 6, 4).double(), TypeError)]:  # another dtype
         with pytest.raises(error, match="values must"):
             LayerCache(torch.zeros(2, 2, 6, 4), values)
     cache = LayerCache(torch.zeros(2, 2, 6, 4), torch.zeros(2, 2, 6, 3))  # d_v may differ from d_k

@@ -303,6 +303,17 @@ def _check_tokens(name: str, t, weight: torch.Tensor, batch: int | None = None) 
                         shape=(batch, None, weight.shape[1]))  # (B, L, d_model)
 
 
+def _projected_dtype(weight: torch.Tensor) -> torch.dtype:
+    """The dtype of what nn.Linear with `weight` gives: autocast's, when autocast is on for its
+    device (and the weight is not float64, which autocast leaves), else the weight's."""
+    try:
+        if torch.is_autocast_enabled(weight.device.type) and weight.dtype != torch.float64:
+            return torch.get_autocast_dtype(weight.device.type)
+    except RuntimeError:  # a device with no autocast at all, such as meta
+        pass
+    return weight.dtype
+
+
 # chapters/03-heads.md, "Checking against PyTorch's MultiheadAttention"
 def from_torch(module: nn.MultiheadAttention) -> MultiHeadAttention:
     """A MultiHeadAttention with the weights, device, dtype and mode of `module`. The book's layer
@@ -346,12 +357,8 @@ class LayerCache:
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         self.keys = check_tensor("keys", keys, 4)  # (B, num_kv_heads, capacity, head_dim)
-        self.values = check_tensor("values", values, 4)  # (B, num_kv_heads, capacity, d_v)
-        if (values.shape[:3], values.dtype, values.device) != (keys.shape[:3], keys.dtype,
-                                                                 keys.device):
-            raise ValueError(f"values must have the batch, heads, capacity, dtype and device of "
-                             f"keys, {tuple(keys.shape[:3])} {keys.dtype} {keys.device}, got "
-                             f"{tuple(values.shape[:3])} {values.dtype} {values.device}")
+        self.values = check_tensor("values", values, 4, dtype=keys.dtype, device=keys.device,
+                                   shape=(*keys.shape[:3], None))  # (B, nkv, capacity, d_v)
         check_writable("keys", keys), check_writable("values", values)
         if keys.numel() and not keys.is_meta and keys.data_ptr() == values.data_ptr():
             raise ValueError("keys and values are the same memory: give each its own storage")
@@ -359,8 +366,7 @@ class LayerCache:
 
     @classmethod
     def _over(cls, keys: torch.Tensor, values: torch.Tensor) -> "LayerCache":
-        """A LayerCache over storage that its caller allocated itself (chapter 10's KVCache), so
-        that there is nothing to check."""
+        """A LayerCache over storage its caller made itself (chapter 10's KVCache): unchecked."""
         cache = cls.__new__(cls)
         cache.keys, cache.values, cache.length = keys, values, 0
         return cache
@@ -399,26 +405,15 @@ def _check_fits(cache: LayerCache, n: int, requires_grad: bool) -> None:
         raise ValueError("k and v require grad: use a LayerCache under torch.no_grad()")
 
 
-def _projected_dtype(weight: torch.Tensor) -> torch.dtype:
-    """The dtype of what nn.Linear with `weight` gives: autocast's, when autocast is on for its
-    device (and the weight is not float64, which autocast leaves), else the weight's."""
-    try:
-        if torch.is_autocast_enabled(weight.device.type) and weight.dtype != torch.float64:
-            return torch.get_autocast_dtype(weight.device.type)
-    except RuntimeError:  # a device with no autocast at all, such as meta
-        pass
-    return weight.dtype
-
-
 def _check_cache(cache: LayerCache, layer: Attention, x: torch.Tensor) -> None:
     """A cache that the keys and values of `layer` for x (B, n, d_model) fit, as append checks."""
     b, hkv, hs, w = x.shape[0], layer.num_kv_heads, layer.head_dim, layer.k_proj.weight
     for name in ("keys", "values"):
         check_tensor(f"cache.{name}", getattr(cache, name), 4, device=w.device,
                      shape=(b, hkv, None, hs))
-    if cache.keys.dtype != _projected_dtype(w):  # else rounded, or refused by SDPA
+    if cache.keys.dtype != _projected_dtype(w):  # noqa: F821 (chapter 3's; else rounded)
         raise ValueError(f"cache holds {cache.keys.dtype}, but the layer's keys and values are "
-                         f"{_projected_dtype(w)}: allocate the cache in the layer's dtype")
+                         f"{_projected_dtype(w)}: allocate the cache in the layer's dtype")  # noqa: F821
     _check_fits(cache, x.shape[1], x.requires_grad or w.requires_grad)
 
 
