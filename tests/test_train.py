@@ -528,8 +528,11 @@ def test_ctrl_c_stops_cleanly_and_says_how_to_resume(tmp_path):
     out = tmp_path / "run"
     args = ["gpt", *TINY, "--steps", "100000", "--checkpoint-every", "1", "--print-every", "0",
             "--out", str(out)]
+    # Ctrl-C as at a terminal: a shell that starts a job in the background (nohup, `&`) leaves
+    # SIGINT ignored in it, and an ignored SIGINT is inherited; the test must not hang on that
     process = subprocess.Popen([sys.executable, "-m", "attnbook.train", *args],
-                               stderr=subprocess.PIPE, text=True, env=ENV)
+                               stderr=subprocess.PIPE, text=True, env=ENV,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         for line in process.stderr:  # every step is printed: wait for the third
             if line.startswith("step 3/"):
