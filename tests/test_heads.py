@@ -800,3 +800,19 @@ def test_mask_heads_names_heads_that_are_not_a_sequence(heads):
     with pytest.raises(TypeError, match="heads must be a sequence of head indices, got heads="):
         mask_heads(layer, heads)
     assert layer.out_proj.weight.ne(0).all()  # nothing silenced
+
+
+@pytest.mark.parametrize("backend", ["explicit", "sdpa"])
+def test_a_row_of_minus_infinity_scores_from_the_data_gives_nan_not_zeros(backend):
+    """Appendix A's policy: only the mask forbids a key. SDPA reads a row of -inf scores as
+    forbidden and gives zeros; the package's layers give NaN, so that the bad datum is seen."""
+    q = torch.tensor([[[[-float("inf"), 0.0]]]])  # every score -inf: the data, not a mask
+    k, v = torch.tensor([[[[1.0, 0.0], [2.0, 0.0]]]]), torch.ones(1, 1, 2, 3)
+    assert (F.scaled_dot_product_attention(q, k, v) == 0).all()  # PyTorch's reading
+    assert attend(q, k, v)[0].isnan().all()
+    layer = MultiHeadAttention(2, 1, backend=backend)
+    with torch.no_grad():
+        for proj in (layer.q_proj, layer.k_proj, layer.v_proj):
+            proj.weight.copy_(torch.eye(2)), proj.bias.zero_()
+    x = torch.tensor([[[-float("inf"), 0.0], [1.0, 0.0]]])
+    assert layer(x)[:, 0].isnan().all()

@@ -199,24 +199,25 @@ def check_token_ids(name: str, ids, vocab_size: int, shape: tuple[int | None, ..
     """
     import torch
 
-    vocab_size = check_int("vocab_size", vocab_size, 1)
-    if not isinstance(ids, torch.Tensor):
-        raise type_error(name, ids, "a torch.Tensor of integer ids")
-    if ids.dtype == torch.int64 and not ids.is_meta:  # the usual ids: no conversion
+    if type(vocab_size) is not int or vocab_size < 1:  # a model's own vocab_size: no call
+        vocab_size = check_int("vocab_size", vocab_size, 1)
+    if not isinstance(ids, torch.Tensor) or ids.dtype != torch.int64 or ids.is_meta:
+        ids = _as_int64(name, ids, vocab_size, shape, device)  # refuses what holds no ids
+    elif shape is not None or device is not None:
         _check_shape_and_device(name, ids, shape, device)
-    else:
-        ids = _as_int64(name, ids, vocab_size, shape, device)
-    if ids.numel() and bool(((ids < 0) | (ids >= vocab_size)).any()):  # one read of the device
+    if bool(((ids < 0) | (ids >= vocab_size)).any()):  # one read of the device
         raise ValueError(f"{name} must lie in [0, vocab_size={vocab_size}), got values from "
                          f"{int(ids.min())} to {int(ids.max())}")
     return ids
 
 
-def _as_int64(name: str, ids: "torch.Tensor", vocab_size: int, shape, device) -> "torch.Tensor":
-    """Integer ids of any dtype, of `shape` on `device`, as int64; a float, bool or complex dtype,
-    or a tensor with no values (on the meta device), is refused."""
+def _as_int64(name: str, ids, vocab_size: int, shape, device) -> "torch.Tensor":
+    """Integer ids of any dtype, of `shape` on `device`, as int64; what is not a tensor, a float,
+    bool or complex dtype, and a tensor with no values (on the meta device) are refused."""
     import torch
 
+    if not isinstance(ids, torch.Tensor):
+        raise type_error(name, ids, "a torch.Tensor of integer ids")
     if ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex():
         raise TypeError(f"{name} must hold integer ids, got dtype {ids.dtype}")
     _check_shape_and_device(name, ids, shape, device)

@@ -108,8 +108,8 @@ def _check_qkv(q, k, v, ndim=tuple(range(2, 9)), same_length=False, keys=True) -
     d, lk = q.shape[-1], q.shape[-2] if same_length else None  # k's length: Lq, or any
     k = check_tensor("k", k, q.dim(), dtype=q.dtype, device=q.device, shape=(*q.shape[:-2], lk, d))
     v = check_tensor("v", v, q.dim(), dtype=q.dtype, device=q.device, shape=(*k.shape[:-1], None))
-    if keys:  # at least one key and one feature
-        check_int("k.shape[-2]", k.shape[-2], 1), check_int("q.shape[-1]", d, 1)
+    if keys and 0 in (k.shape[-2], d):  # at least one key and one feature
+        raise ValueError(f"k.shape[-2] and q.shape[-1] must be at least 1, got {k.shape[-2]}, {d}")
     return q, k, v
 
 

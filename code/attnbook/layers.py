@@ -111,21 +111,31 @@ def _check_qkv(q, k, v) -> tuple[torch.Tensor, ...]:
 
 
 # chapters/03-heads.md, "The fast path"
-ATTENTION_BACKENDS = ("explicit", "sdpa", "triton")  # attend, PyTorch's SDPA, chapter 15's kernel
+def _explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        mask: torch.Tensor | None, is_causal: bool, dropout_p: float) -> torch.Tensor:
+    """attend's outputs (B, H, Lq, dv), `is_causal` aligned bottom-right. A mask has two
+    dimensions at least (the checks of a call make it so), as in the other backends."""
+    return _attend(q, k, v, _with_causal(mask, is_causal, q, k), dropout_p, q.shape[-1] ** -0.5)[0]
 
 
-def _fast_attention(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    mask: torch.Tensor | None, is_causal: bool, dropout_p: float) -> torch.Tensor:
-    """attend's outputs (B, H, Lq, dv) without the weights, by SDPA or chapter 15's kernel;
-    `is_causal` aligns bottom-right and a query with no allowed key gets zeros, as in attend.
-    A mask has two dimensions at least (the checks of a call make it so)."""
-    if backend == "triton" and _kernel_takes(q, k, v, mask, dropout_p):
-        return _kernel_attention(q, k, v, is_causal)
-    (lq, lk), shared = (q.shape[2], k.shape[2]), q.shape[1] != k.shape[1]
-    is_causal = is_causal and lq > 1  # one query, the last position, may see every key
-    if is_causal and (mask is not None or lq != lk):  # SDPA's is_causal is top-left
-        causal = _causal_mask(lq, lk, q.device)
-        mask, is_causal = (causal if mask is None else mask & causal), False
+def _with_causal(mask: torch.Tensor | None, is_causal: bool, q: torch.Tensor,
+                 k: torch.Tensor) -> torch.Tensor | None:
+    """`mask` and, with `is_causal`, the bottom-right causal mask: a key must pass both."""
+    if not is_causal or q.shape[2] == 1:  # one query, the last position: it sees every key
+        return mask
+    causal = _causal_mask(q.shape[2], k.shape[2], q.device)  # (Lq, Lk)
+    return causal if mask is None else mask & causal
+
+
+def _sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                    is_causal: bool, dropout_p: float) -> torch.Tensor:
+    """attend's outputs by PyTorch's SDPA. float16 and bfloat16 on a CPU go to attend, which
+    computes in float32 anyway: SDPA's CPU kernel does not run them on every processor."""
+    if q.device.type == "cpu" and q.element_size() == 2:
+        return _explicit_attention(q, k, v, mask, is_causal, dropout_p)
+    if is_causal and (mask is not None or q.shape[2] != k.shape[2]):  # SDPA's is top-left
+        mask, is_causal = _with_causal(mask, True, q, k), False
+    shared = q.shape[1] != k.shape[1]  # key/value heads shared by groups of query heads
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=is_causal,
                                               enable_gqa=shared)
@@ -135,31 +145,39 @@ def _fast_attention(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     return out.masked_fill(~seen, 0.0)  # the rows that saw nothing: zeros, as in attend
 
 
-def _kernel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      is_causal: bool) -> torch.Tensor:
-    """Chapter 15's kernel, which has no shared heads: they are repeated for it."""
+# chapters/03-heads.md, "The fast path"
+def _triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      mask: torch.Tensor | None, is_causal: bool, dropout_p: float) -> torch.Tensor:
+    """attend's outputs by chapter 15's kernel when it takes the call, else by SDPA."""
+    if not _kernel_takes(q, k, v, mask, dropout_p):
+        return _sdpa_attention(q, k, v, mask, is_causal, dropout_p)
     from attnbook.kernels import _flash_attention  # imports Triton, only when asked for
 
-    group = q.shape[1] // k.shape[1]
+    group = q.shape[1] // k.shape[1]  # the kernel has no shared heads: they are repeated for it
     k, v = (t.repeat_interleave(group, dim=1) for t in (k, v))
     return _flash_attention(q, k, v, is_causal, q.shape[-1] ** -0.5)
 
 
 def _kernel_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                   dropout_p: float) -> bool:
-    """Whether chapter 15's kernel computes this call: a device it runs on (a GPU, or any with
-    Triton's interpreter), no mask, no dropout, no empty tensor, a head size of 16, 32, 64 or 128
-    for q, k and v, and float16, float32 or (on a GPU that has it) bfloat16."""
+    """Whether chapter 15's kernel computes this call: a GPU, or a CPU with Triton's interpreter
+    (float32 only there); no mask, no dropout, no empty tensor; a head size of 16, 32, 64 or 128
+    for q, k and v; float16, float32 or (on a GPU that has it) bfloat16."""
     from attnbook.kernels import INTERPRETED  # imports Triton, only when its backend is asked for
 
-    if q.is_meta or not (INTERPRETED or q.device.type == "cuda"):
-        return False
-    dtypes = (torch.float16, torch.float32)
-    if q.device.type == "cuda" and torch.cuda.get_device_capability(q.device) >= (8, 0):
-        dtypes += (torch.bfloat16,)
+    if q.device.type != "cuda":
+        dtypes = (torch.float32,) if INTERPRETED and not q.is_meta else ()
+    elif torch.cuda.get_device_capability(q.device) >= (8, 0):
+        dtypes = (torch.float16, torch.float32, torch.bfloat16)
+    else:
+        dtypes = (torch.float16, torch.float32)
     return (mask is None and dropout_p == 0.0 and min(q.numel(), k.numel()) > 0
             and q.dtype in dtypes and q.shape[-1] in (16, 32, 64, 128)
             and v.shape[-1] == q.shape[-1])
+
+
+_BACKENDS = {"explicit": _explicit_attention, "sdpa": _sdpa_attention, "triton": _triton_attention}
+ATTENTION_BACKENDS = tuple(_BACKENDS)  # the names a layer's backend may take
 
 
 # chapters/03-heads.md, "The module"
@@ -227,21 +245,17 @@ class Attention(nn.Module):
         (B, Lq, d_model) and, with `return_weights`, the weights (B, nh, Lq, Lk), else None.
         `is_causal` aligns bottom-right; `cache` (self-attention only) is a LayerCache that x's
         keys and values join first; a mask has two dimensions at least."""
-        c = self.config
         q = _split_heads(self.q_proj(x), self.num_heads)  # (B, nh, Lq, hs)
         source = x if context is None else context
         k, v = (_split_heads(p(source), self.num_kv_heads) for p in (self.k_proj, self.v_proj))
         if cache is not None:
             k, v = cache._append(k, v)  # this chunk's and every earlier position: (B, nkv, Lk, hs)
-        dropout_p = c.dropout if self.training else 0.0
-        two_bytes_on_cpu = q.device.type == "cpu" and q.element_size() == 2
-        if return_weights or c.backend == "explicit" or two_bytes_on_cpu:
-            if is_causal:
-                causal = _causal_mask(q.shape[2], k.shape[2], x.device)
-                mask = causal if mask is None else mask & causal
+        dropout_p = self.config.dropout if self.training else 0.0
+        if return_weights:  # only the explicit computation has them
+            mask = _with_causal(mask, is_causal, q, k)
             out, weights = _attend(q, k, v, mask, dropout_p, self.head_dim ** -0.5)
         else:
-            out, weights = _fast_attention(c.backend, q, k, v, mask, is_causal, dropout_p), None
+            out, weights = _BACKENDS[self.config.backend](q, k, v, mask, is_causal, dropout_p), None
         return self.out_proj(out.transpose(1, 2).flatten(2)), weights  # (B, Lq, d_model), ...
 
 
@@ -554,23 +568,25 @@ class Block(nn.Module):
         """(B, L, d_model) -> (B, L, d_model), and with `return_weights` the self- and cross-
         attention weights (or None). `mask`, `is_causal` and `cache` go to the self-attention,
         `context` (B, Lc, d_model) and `context_mask` to the cross-attention, if the block has it."""
-        drop, cross, cross_w = self.dropout, self.cross_attn is not None, None
-        if self.config.norm_first:  # pre-norm: x + f(norm(x))
-            h, self_w = self.self_attn(self.attn_norm(x), None, mask, is_causal, return_weights,
-                                       cache)
-            x = x + drop(h)
-            if cross:
-                h, cross_w = self.cross_attn(self.cross_norm(x), context, context_mask, False,
-                                             return_weights)
-                x = x + drop(h)
-            x = x + drop(self.ff(self.ff_norm(x)))
-        else:  # post-norm: norm(x + f(x))
-            h, self_w = self.self_attn(x, None, mask, is_causal, return_weights, cache)
-            x = self.attn_norm(x + drop(h))
-            if cross:
-                h, cross_w = self.cross_attn(x, context, context_mask, False, return_weights)
-                x = self.cross_norm(x + drop(h))
-            x = self.ff_norm(x + drop(self.ff(x)))
+        if not self.config.norm_first:
+            return self._post_norm(x, mask, is_causal, context, context_mask, return_weights, cache)
+        h, self_w = self.self_attn(self.attn_norm(x), None, mask, is_causal, return_weights, cache)
+        x, cross_w = x + self.dropout(h), None  # pre-norm: x + f(norm(x)) for each sublayer f
+        if self.cross_attn is not None:
+            h, cross_w = self.cross_attn(self.cross_norm(x), context, context_mask, False,
+                                         return_weights)
+            x = x + self.dropout(h)
+        x = x + self.dropout(self.ff(self.ff_norm(x)))
+        return (x, self_w, cross_w) if return_weights else x
+
+    def _post_norm(self, x, mask, is_causal, context, context_mask, return_weights, cache):
+        """forward with norm_first=False: norm(x + f(x)) for each sublayer f."""
+        h, self_w = self.self_attn(x, None, mask, is_causal, return_weights, cache)
+        x, cross_w = self.attn_norm(x + self.dropout(h)), None
+        if self.cross_attn is not None:
+            h, cross_w = self.cross_attn(x, context, context_mask, False, return_weights)
+            x = self.cross_norm(x + self.dropout(h))
+        x = self.ff_norm(x + self.dropout(self.ff(x)))
         return (x, self_w, cross_w) if return_weights else x
 
 
