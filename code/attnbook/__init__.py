@@ -45,8 +45,6 @@ Modules, in the order the book builds them:
   downloaded.
 - attnbook.corpus (chapters/a1-conventions.md): The book's training text: a fixed snapshot of
   the Python documentation's topics.
-- attnbook.train_command (chapters/a2-training-at-scale.md): The attnbook-train command line:
-  its options, read without loading PyTorch, and its entry point.
 - attnbook.train (chapters/a2-training-at-scale.md): Training the book's GPT on one or many
   processes: torch.distributed's DDP and FSDP2, launched by torchrun, with distributed
   checkpoints.
@@ -55,6 +53,8 @@ Modules, in the order the book builds them:
   fetched from outside.
 - attnbook.compile_check (chapters/a4-compiling.md): Compile the kernels of chapters 15 and 16
   for a GPU that need not be present, and read what they use.
+- attnbook.train_command (chapters/a5-training-command.md): The attnbook-train command line: its
+  options, read without loading PyTorch, and its entry point.
 """
 
 import importlib
@@ -79,10 +79,10 @@ __all__ = [
     "checks",
     "notebook",
     "corpus",
-    "train_command",
     "train",
     "viz",
     "compile_check",
+    "train_command",
 ]
 
 

@@ -1,8 +1,8 @@
-# Do not edit: tools/tangle.py generates this file from chapters/a2-training-at-scale.md.
+# Do not edit: tools/tangle.py generates this file from chapters/a2-training-at-scale.md and chapters/a5-training-command.md.
 """Training the book's GPT on one or many processes: torch.distributed's DDP and FSDP2, launched by
 torchrun, with distributed checkpoints.
 
-Built and explained in the book's chapter chapters/a2-training-at-scale.md.
+Built and explained in the book's chapters chapters/a2-training-at-scale.md and chapters/a5-training-command.md.
 """
 
 __all__ = [
@@ -289,7 +289,7 @@ def _mean_over_processes(value: torch.Tensor) -> float:
     return value.item()
 
 
-# chapters/a2-training-at-scale.md, "The run's folder"
+# chapters/a5-training-command.md, "The run's folder"
 RUN_FILES = ("model.pt", "log.jsonl", "checkpoints", "run.json")  # what a run writes in --out
 
 
@@ -431,7 +431,7 @@ def _in_every_process(ok: bool) -> bool:
     return bool(flag.item())
 
 
-# chapters/a2-training-at-scale.md, "The run's folder"
+# chapters/a5-training-command.md, "The run's folder"
 def _open_log(out: Path, start: int, rank: int):
     """Rank 0's log.jsonl, open for appending, holding the previous log's lines of steps 1 to
     `start` (those a resumed run keeps); None in the other processes. The kept lines are written
@@ -506,7 +506,7 @@ class _Progress:
               flush=True)
 
 
-# chapters/a2-training-at-scale.md, "Checkpoints, and what they trust"
+# chapters/a5-training-command.md, "Checkpoints, and what they trust"
 def save_checkpoint(out: Path, step: int, model: nn.Module, optimizer,
                     options: argparse.Namespace | None = None) -> Path:
     """Save everything a resumed run needs as out/checkpoints/step-<step>/, by every process,
@@ -586,7 +586,7 @@ def _checkpoint_state(model: nn.Module, optimizer, step: int) -> dict:
             "step": torch.tensor(step), f"rng_state_{_rank()}": torch.get_rng_state()}
 
 
-# chapters/a2-training-at-scale.md, "Checkpoints, and what they trust"
+# chapters/a5-training-command.md, "Checkpoints, and what they trust"
 MANIFEST = "manifest.json"
 
 
@@ -721,7 +721,7 @@ def _barrier() -> None:
         dist.barrier()
 
 
-# chapters/a2-training-at-scale.md, "What a trained model holds"
+# chapters/a5-training-command.md, "What a trained model holds"
 MODEL_FORMAT = "attnbook.train model, version 1"
 
 

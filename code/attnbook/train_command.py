@@ -1,7 +1,7 @@
-# Do not edit: tools/tangle.py generates this file from chapters/a2-training-at-scale.md.
+# Do not edit: tools/tangle.py generates this file from chapters/a5-training-command.md.
 """The attnbook-train command line: its options, read without loading PyTorch, and its entry point.
 
-Built and explained in the book's chapter chapters/a2-training-at-scale.md.
+Built and explained in the book's chapter chapters/a5-training-command.md.
 """
 
 __all__ = [
@@ -15,7 +15,7 @@ __all__ = [
     "main",
 ]
 
-# chapters/a2-training-at-scale.md, "The command and its options"
+# chapters/a5-training-command.md, "The command and its options"
 import argparse
 import math
 import os
@@ -109,7 +109,7 @@ def _version() -> str:
         return "(not installed)"
 
 
-# chapters/a2-training-at-scale.md, "The command and its options"
+# chapters/a5-training-command.md, "The command and its options"
 DEFAULTS = {"steps": 500, "global_batch": 32, "context": 64, "d_model": 128, "layers": 2,
             "heads": 4, "dropout": 0.0, "lr": 6e-3, "warmup": 30, "min_lr_ratio": 0.1,
             "weight_decay": 0.1, "clip": 1.0, "seed": 0, "dtype": "float32", "strategy": "ddp",
@@ -190,7 +190,7 @@ def _number(kind: type, low: float, high: float = math.inf, open_low: bool = Fal
     return parse
 
 
-# chapters/a2-training-at-scale.md, "The training loop"
+# chapters/a5-training-command.md, "The command and its options"
 def main(argv: list[str] | None = None) -> None:  # noqa: F811 (notebook)
     """`attnbook-train ...` (or `python -m attnbook.train ...`), alone or under torchrun: reads
     the options (--help, --version and a bad option end here, before PyTorch loads), then runs
