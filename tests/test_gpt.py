@@ -289,7 +289,7 @@ def full_cache(batch):
     (lambda: MODEL(torch.zeros(3, dtype=torch.long)), ValueError, r"idx must have shape"),
     (lambda: MODEL(torch.full((1, 3), 50)), ValueError, "vocab_size=50"),
     (lambda: MODEL(torch.zeros(1, 33, dtype=torch.long)), ValueError,
-     r"idx.shape\[1\] must be at most 32, got idx.shape\[1\]=33"),
+     r"idx.shape\[1\] must be at most context_length=32, got 33"),
     (lambda: MODEL(torch.zeros(2, 3, dtype=torch.long), kv_cache=full_cache(2)), ValueError,
      r"idx of length 3 does not fit: kv_cache holds 30 .* capacity 32"),
     (lambda: MODEL(torch.zeros(2, 1, dtype=torch.long), kv_cache=MODEL.make_kv_cache(3)),

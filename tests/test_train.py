@@ -1,7 +1,7 @@
 """attnbook.train (appendix "Training at scale"): one process and two, DDP and FSDP, give the same
 weights; a resumed or restarted run ends where an uninterrupted one ends; bad options are refused;
 a run's folder is never silently overwritten, resumed with other options or past --steps, and
-its log survives a kill; no checkpoint or model.pt can run code, and a damaged one is refused by
+its log survives a kill; nothing in a checkpoint or model.pt is loaded as code, and a damaged one is refused by
 name; progress is printed, Ctrl-C stops cleanly, and a trained model samples.
 
 The runs are real: `python -m attnbook.train` and torchrun with the gloo backend, on the CPU. The

@@ -94,18 +94,21 @@ class GPT(nn.Module):
 
     def forward(self, idx: torch.Tensor, kv_cache: "KVCache | None" = None) -> torch.Tensor:
         """Logits (B, T, vocab_size); with `kv_cache`, idx continues its positions, no grads."""
-        return self._logits(_check_idx(self, idx, kv_cache), kv_cache)
+        if kv_cache is None:
+            return self._logits(_check_idx(self, idx, self.config.context_length), None)
+        idx = _check_kv_cache(self, kv_cache, _check_idx(self, idx))
+        with torch.no_grad():
+            return self._logits(idx, kv_cache)
 
     def _logits(self, idx: torch.Tensor, kv_cache: "KVCache | None") -> torch.Tensor:
         # forward's computation, on ids already checked (generate checks them once per call)
-        start = 0 if kv_cache is None else kv_cache.length
-        caches = [None] * len(self.blocks) if kv_cache is None else kv_cache.layers
-        with torch.set_grad_enabled(torch.is_grad_enabled() and kv_cache is None):
-            positions = torch.arange(start, start + idx.shape[1], device=idx.device)  # (T,)
-            x = self.drop(self.tok_emb(idx) + self.pos_emb(positions))  # (B, T, d_model)
-            for block, cache in zip(self.blocks, caches):
-                x = block(x, is_causal=True, cache=cache)  # (B, T, d_model)
-            return F.linear(self.norm_f(x), self.tok_emb.weight)  # (B, T, vocab_size)
+        start, caches = (0, [None] * len(self.blocks)) if kv_cache is None else \
+            (kv_cache.length, kv_cache.layers)
+        positions = torch.arange(start, start + idx.shape[1], device=idx.device)  # (T,)
+        x = self.drop(self.tok_emb(idx) + self.pos_emb(positions))  # (B, T, d_model)
+        for block, cache in zip(self.blocks, caches):
+            x = block(x, is_causal=True, cache=cache)  # (B, T, d_model)
+        return F.linear(self.norm_f(x), self.tok_emb.weight)  # (B, T, vocab_size)
 
     def make_kv_cache(self, batch_size: int, capacity: int | None = None) -> "KVCache":
         """An empty KVCache in the model's dtype and device, of `capacity` <= context_length."""
@@ -121,7 +124,7 @@ class GPT(nn.Module):
                  generator: torch.Generator | None = None) -> torch.Tensor:
         """idx (B, T) and `max_new_tokens` tokens more, generated in eval mode: the likeliest for
         temperature 0, else drawn from softmax(logits / temperature) among the `top_k` likeliest."""
-        seq, limit = _check_idx(self, idx, crop=True), self.config.context_length
+        seq, limit = _check_idx(self, idx), self.config.context_length
         max_new_tokens = check_int("max_new_tokens", max_new_tokens, 0)
         temperature = check_real("temperature", temperature, 0.0)
         top_k = None if top_k is None else check_int("top_k", top_k, 1)
@@ -185,13 +188,16 @@ class GPT(nn.Module):
         return ours.train(model.training)
 
 
-def _check_idx(model: GPT, idx, kv_cache=None, crop: bool = False) -> torch.Tensor:
-    """idx (B, T) as int64 ids that fit the context (any T with `crop`) or `kv_cache`."""
-    c, device = model.config, model.tok_emb.weight.device
-    idx = check_token_ids("idx", idx, c.vocab_size, shape=(None, None), device=device)
-    longest = c.context_length if kv_cache is None and not crop else None
-    check_int("idx.shape[0]", idx.shape[0], 1), check_int("idx.shape[1]", idx.shape[1], 1, longest)
-    return idx if kv_cache is None else _check_kv_cache(model, kv_cache, idx)
+def _check_idx(model: GPT, idx, longest: float = math.inf) -> torch.Tensor:
+    """idx (B, T) as int64 ids of the vocabulary on the model's device, T at most `longest`."""
+    idx, device = check_token_ids("idx", idx, model.config.vocab_size), model.tok_emb.weight.device
+    if idx.dim() != 2 or 0 in idx.shape:
+        raise ValueError(f"idx must have shape (B, T), B and T at least 1, got shape {tuple(idx.shape)}")
+    if idx.shape[1] > longest:
+        raise ValueError(f"idx.shape[1] must be at most context_length={longest}, got {idx.shape[1]}")
+    if idx.device != device:
+        raise ValueError(f"idx must be on the model's device {device}, got idx on {idx.device}")
+    return idx
 
 
 def _check_kv_cache(model: GPT, kv_cache, idx: torch.Tensor) -> torch.Tensor:

@@ -23,12 +23,7 @@ import torch
 import torch.nn.functional as F  # noqa: F811 (notebook)
 from torch import nn
 
-from attnbook.checks import (  # noqa: F811 (notebook)
-    check_instance,
-    check_int,
-    check_probability,
-    check_real,
-)
+from attnbook.checks import check_instance, check_int, check_probability, check_real  # noqa: F811
 
 
 @dataclass(frozen=True)

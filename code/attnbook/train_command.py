@@ -30,12 +30,12 @@ RUN_OPTIONS = ("model", "context", "d_model", "layers", "heads", "dropout", "lr"
                "min_lr_ratio", "weight_decay", "clip", "seed", "dtype", "global_batch")
 # What a resumed run also takes from its checkpoint, unless given again: these may change.
 RESUMABLE = ("steps", "checkpoint_every", "keep_checkpoints", "eval_every", "strategy")
-TRUST = ("What is trusted: nothing in --out or --run can run code. --resume reads a checkpoint "
-         "only if every file matches the SHA-256 that its manifest.json lists, and then unpickles "
-         "its .metadata admitting only torch.distributed.checkpoint's metadata types, and tensors "
-         "only with torch.load(weights_only=True); `sample` reads model.pt with "
-         "torch.load(weights_only=True). The hashes catch damage, not forgery: whoever can write "
-         "to the folder can still hand you other weights, so resume and sample your own runs.")
+TRUST = ("What is trusted: nothing in --out or --run is run as code. --resume reads a checkpoint "
+         "only if every file matches the SHA-256 its manifest.json lists, then unpickles its "
+         ".metadata admitting only torch.distributed.checkpoint's metadata types, and tensors and "
+         "`sample`'s model.pt only with torch.load(weights_only=True), as safe as that loader "
+         "(CVE-2025-32434 broke it before PyTorch 2.6). The hashes catch damage, not forgery: "
+         "whoever can write to the folder can hand you other weights; resume and sample your own runs.")
 
 
 def parse_options(argv: list[str] | None = None) -> argparse.Namespace:
