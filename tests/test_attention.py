@@ -241,6 +241,19 @@ def test_non_finite_queries_or_keys_give_nan_not_zeros(where, bad):
         assert np.isnan(out[1]).all() and np.isfinite(np.delete(out, 1, 0)).all()
 
 
+def test_minus_infinity_from_the_data_reads_as_forbidden_like_torch():
+    # chapter 1: -inf means "forbidden" wherever it comes from; a query whose every score is -inf
+    # because of its own data gives zeros, as in PyTorch, while the other queries are unaffected
+    Q = np.array([[-np.inf, 0.0], [1.0, 0.5]])
+    K, V = np.array([[1.0, 0.0], [2.0, 0.0]]), np.array([[1.0, 2.0], [3.0, 4.0]])
+    out, weights = scaled_dot_product_attention(Q, K, V)
+    expected = torch_reference(Q, K, V)
+    np.testing.assert_array_equal(out[0], 0.0)
+    np.testing.assert_array_equal(weights[0], 0.0)
+    np.testing.assert_array_equal(expected[0], 0.0)
+    np.testing.assert_allclose(out[1], expected[1], rtol=1e-12)
+
+
 def test_scores_that_overflow_float32_give_nan_and_masked_rows_stay_zero():
     Q = np.full((2, 4), 1e20, np.float32)
     K, V = np.full((3, 4), 1e20, np.float32), np.ones((3, 2), np.float32)
