@@ -16,6 +16,7 @@ import ast
 import inspect
 import io
 import os
+import re
 import sys
 import textwrap
 import tokenize
@@ -26,6 +27,8 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # the Triton backend on the CPU
 import torch  # noqa: E402
 
 PACKAGE = Path(__file__).resolve().parents[1] / "code" / "attnbook"
+# check_x, checked, validate_x (leading underscores dropped): not checkpoint_state
+VALIDATOR = re.compile(r"(check|validate)(ed)?(_|$)")
 
 
 def check_calls(fn) -> int:
@@ -96,7 +99,7 @@ def validation_share() -> tuple[int, int]:
         lines, marked = code_lines(tree, source), set()
         for node in ast.walk(tree):
             name = (getattr(node, "name", "") or "").lstrip("_")
-            if isinstance(node, ast.FunctionDef) and (name.startswith(("check", "validate"))
+            if isinstance(node, ast.FunctionDef) and (VALIDATOR.match(name)
                                                       or node.name == "__post_init__"):
                 marked.update(range(node.lineno, node.end_lineno + 1))
             elif isinstance(node, ast.If) and not node.orelse \

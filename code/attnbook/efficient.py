@@ -108,8 +108,9 @@ def _check_qkv(q, k, v, ndim=tuple(range(2, 9)), same_length=False, keys=True) -
     d, lk = q.shape[-1], q.shape[-2] if same_length else None  # k's length: Lq, or any
     k = check_tensor("k", k, q.dim(), dtype=q.dtype, device=q.device, shape=(*q.shape[:-2], lk, d))
     v = check_tensor("v", v, q.dim(), dtype=q.dtype, device=q.device, shape=(*k.shape[:-1], None))
-    if keys and 0 in (k.shape[-2], d):  # at least one key and one feature
-        raise ValueError(f"k.shape[-2] and q.shape[-1] must be at least 1, got {k.shape[-2]}, {d}")
+    for name, size in (("k.shape[-2]", k.shape[-2]), ("q.shape[-1]", d)):
+        if keys and size == 0:  # at least one key and one feature
+            raise ValueError(f"{name} must be at least 1, got {name}={size}")
     return q, k, v
 
 
