@@ -198,6 +198,14 @@ def test_numpy_peak_bytes_counts_temporaries_and_nests():
         assert peak < 1024 and tracemalloc.is_tracing()
     finally:
         tracemalloc.stop()
+
+
+def test_numpy_peak_bytes_nested_leaves_the_outer_peak_right():
+    # 8 MB come and go, then an inner measurement of 80 kB: the outer peak keeps the 8 MB
+    (_, inner), outer = numpy_peak_bytes(lambda: (np.ones(10**6).sum(),
+                                                  numpy_peak_bytes(partial(np.ones, 10**4)))[1])
+    assert 8 * 10**4 <= inner < 8 * 10**4 + 64 * 1024
+    assert 8 * 10**6 <= outer < 8 * 10**6 + 64 * 1024
     assert not tracemalloc.is_tracing()
 
 

@@ -47,6 +47,7 @@ from attnbook.checks import (
 )
 
 
+# chapters/17-efficient-attention.md, "Sparse masks: a window, global tokens, blocks"
 def sliding_window_mask(lq: int, lk: int, window: int,
                         device: torch.device | str | None = None) -> torch.Tensor:
     """Boolean mask (lq, lk), True where query i, at position p = i + lk - lq (bottom-right, as
@@ -114,6 +115,7 @@ def _check_qkv(q, k, v, ndim=tuple(range(2, 9)), same_length=False, keys=True) -
     return q, k, v
 
 
+# chapters/17-efficient-attention.md, "Skipping the tiles a mask leaves empty"
 def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            mask: torch.Tensor | None = None, block_size: int = 64, *,
                            layout: torch.Tensor | None = None,
@@ -294,6 +296,7 @@ def _check_gamma(gamma, heads: int, device) -> torch.Tensor:
     return torch.full((heads,), gamma, dtype=torch.float64, device=device)
 
 
+# chapters/17-efficient-attention.md, "Retention: one model, three ways to compute it"
 def _retention_parallel(q, k, v, g) -> torch.Tensor:
     """(Q K^T * D) V over one stretch of positions, D[n, m] = g^(n - m) where n >= m."""
     n = torch.arange(q.shape[2], device=q.device)
