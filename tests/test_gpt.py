@@ -530,3 +530,18 @@ def test_conversion_refuses_another_kind_of_model_by_its_model_type():
                                          eos_token_id=0))
     with pytest.raises(TypeError, match="model must be a GPT2LMHeadModel, got GPTNeoForCausalLM"):
         GPT.from_hf_gpt2(neo)
+
+
+def test_idx_on_another_device_than_the_model_is_refused_by_name():
+    model = tiny_gpt().to("meta")  # a device other than idx's, on any machine
+    with pytest.raises(ValueError, match="idx must be on the model's device meta, got idx on cpu"):
+        model(torch.zeros(1, 3, dtype=torch.long))
+
+
+def test_a_hand_made_kv_cache_larger_than_the_context_is_refused_past_it():
+    model = tiny_gpt()
+    c = model.config
+    cache = KVCache(c.num_layers, 1, c.num_heads, c.context_length + 8, c.head_dim)
+    model(torch.zeros(1, c.context_length, dtype=torch.long), kv_cache=cache)
+    with pytest.raises(ValueError, match=f"passes context_length={c.context_length}"):
+        model(torch.zeros(1, 1, dtype=torch.long), kv_cache=cache)

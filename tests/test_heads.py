@@ -802,17 +802,29 @@ def test_mask_heads_names_heads_that_are_not_a_sequence(heads):
     assert layer.out_proj.weight.ne(0).all()  # nothing silenced
 
 
-@pytest.mark.parametrize("backend", ["explicit", "sdpa"])
-def test_a_row_of_minus_infinity_scores_from_the_data_gives_nan_not_zeros(backend):
-    """Appendix A's policy: only the mask forbids a key. SDPA reads a row of -inf scores as
-    forbidden and gives zeros; the package's layers give NaN, so that the bad datum is seen."""
+def test_a_row_of_minus_infinity_scores_from_the_data_gives_nan_in_attend_and_zeros_in_sdpa():
+    """Appendix A: the explicit backend forbids a key through the mask only, so a row whose
+    scores are all -inf because of the data gives NaN; PyTorch's SDPA (2.13) gives zeros."""
     q = torch.tensor([[[[-float("inf"), 0.0]]]])  # every score -inf: the data, not a mask
     k, v = torch.tensor([[[[1.0, 0.0], [2.0, 0.0]]]]), torch.ones(1, 1, 2, 3)
-    assert (F.scaled_dot_product_attention(q, k, v) == 0).all()  # PyTorch's reading
+    assert (F.scaled_dot_product_attention(q, k, v) == 0).all()
     assert attend(q, k, v)[0].isnan().all()
-    layer = MultiHeadAttention(2, 1, backend=backend)
-    with torch.no_grad():
-        for proj in (layer.q_proj, layer.k_proj, layer.v_proj):
-            proj.weight.copy_(torch.eye(2)), proj.bias.zero_()
-    x = torch.tensor([[[-float("inf"), 0.0], [1.0, 0.0]]])
-    assert layer(x)[:, 0].isnan().all()
+
+
+@pytest.mark.parametrize("backend", ["explicit", "sdpa", "triton"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+@pytest.mark.parametrize("masked", [False, True])
+def test_a_query_that_is_not_finite_gives_nan_on_every_backend(backend, bad, masked):
+    """Cross-attention, so that the bad value reaches the queries only: SDPA's CPU kernel alone
+    would give that row zeros. A row the mask leaves with no key still gives zeros."""
+    torch.manual_seed(0)
+    layer = MultiHeadAttention(32, 2, backend=backend).eval()
+    x, context = torch.randn(2, 3, 32), torch.randn(2, 5, 32)
+    x[0, 1] = bad
+    mask = torch.ones(3, 5, dtype=torch.bool)
+    mask[2] = False  # query 2 sees nothing
+    out = layer(x, context, mask=mask if masked else None)
+    assert out[0, 1].isnan().all()  # the bad query's row
+    assert out[1].isfinite().all() and out[0, 0].isfinite().all()
+    if masked:
+        torch.testing.assert_close(out[:, 2], layer.out_proj.bias.expand(2, 32))  # zeros, projected

@@ -129,20 +129,26 @@ def _with_causal(mask: torch.Tensor | None, is_causal: bool, q: torch.Tensor,
 
 def _sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                     is_causal: bool, dropout_p: float) -> torch.Tensor:
-    """attend's outputs by PyTorch's SDPA. float16 and bfloat16 on a CPU go to attend, which
-    computes in float32 anyway: SDPA's CPU kernel does not run them on every processor."""
+    """attend's outputs by PyTorch's SDPA; float16 and bfloat16 on a CPU go to attend, which
+    computes them in float32, as it does on every device."""
     if q.device.type == "cpu" and q.element_size() == 2:
         return _explicit_attention(q, k, v, mask, is_causal, dropout_p)
     if is_causal and (mask is not None or q.shape[2] != k.shape[2]):  # SDPA's is top-left
         mask, is_causal = _with_causal(mask, True, q, k), False
     shared = q.shape[1] != k.shape[1]  # key/value heads shared by groups of query heads
     if mask is None:
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=is_causal,
-                                              enable_gqa=shared)
+        out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=is_causal,
+                                             enable_gqa=shared)
+        return _nan_where_not_finite(out, q)
     seen = mask.any(dim=-1, keepdim=True)  # does the query see any key? (..., Lq, 1)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask | ~seen, dropout_p=dropout_p,
                                          enable_gqa=shared)
-    return out.masked_fill(~seen, 0.0)  # the rows that saw nothing: zeros, as in attend
+    return _nan_where_not_finite(out, q).masked_fill(~seen, 0.0)  # rows that saw nothing: zeros
+
+
+def _nan_where_not_finite(out: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """out, NaN in the rows whose query is not finite: SDPA's CPU kernel gives them zeros."""
+    return out.masked_fill(~q.isfinite().all(dim=-1, keepdim=True), float("nan"))
 
 
 # chapters/03-heads.md, "The fast path"
@@ -160,14 +166,17 @@ def _triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 def _kernel_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                   dropout_p: float) -> bool:
-    """Whether chapter 15's kernel computes this call: a GPU, or a CPU with Triton's interpreter
-    (float32 only there); no mask, no dropout, no empty tensor; a head size of 16, 32, 64 or 128
-    for q, k and v; float16, float32 or (on a GPU that has it) bfloat16."""
-    from attnbook.kernels import INTERPRETED  # imports Triton, only when its backend is asked for
-
+    """Whether chapter 15's kernel computes this call: Triton installed; a GPU, or a CPU with
+    Triton's interpreter (float32 only there); no mask, no dropout, no empty tensor; a head size
+    of 16, 32, 64 or 128 for q, k and v; float16, float32 or (compiled, on a GPU that has it)
+    bfloat16, which the interpreter gets wrong."""
+    try:
+        from attnbook.kernels import INTERPRETED  # imports Triton, only when its backend is asked
+    except ImportError:  # Triton is not installed
+        return False
     if q.device.type != "cuda":
         dtypes = (torch.float32,) if INTERPRETED and not q.is_meta else ()
-    elif torch.cuda.get_device_capability(q.device) >= (8, 0):
+    elif torch.cuda.get_device_capability(q.device) >= (8, 0) and not INTERPRETED:
         dtypes = (torch.float16, torch.float32, torch.bfloat16)
     else:
         dtypes = (torch.float16, torch.float32)
