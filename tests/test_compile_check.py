@@ -233,6 +233,9 @@ REPORT = [dict(kernel="forward", gpu="H100", dtype="float16", head_dim=64, causa
           dict(kernel="forward", gpu="H100", dtype="float16", head_dim=64, causal=False,
                block=64)]
 FLOAT32_DQ = [dict(kernel="dq", gpu="A100", dtype="float32", head_dim=16, block=None)]
+# float32 on the T4, at the launcher's settings (the portable tiles): appendix D's second report.
+FLOAT32_T4 = [dict(kernel=kernel, gpu="T4", dtype="float32", head_dim=d)
+              for kernel in KERNELS for d in HEAD_DIMS]
 
 
 @pytest.fixture(scope="module")
@@ -253,7 +256,8 @@ def compiler(request):
         first += {"test_bfloat16_compiles_as_cleanly_as_float16_on_gpus_that_have_it": BFLOAT16,
                   "test_every_launch_candidate_compiles_cleanly_on_its_gpu": LAUNCH_CANDIDATES,
                   "test_report_describes_the_compiled_kernel": REPORT,
-                  "test_float32_products_do_not_use_tensor_cores": FLOAT32_DQ}.get(name, [])
+                  "test_float32_products_do_not_use_tensor_cores": FLOAT32_DQ,
+                  "test_float32_kernels_fit_the_t4_and_spill_nothing": FLOAT32_T4}.get(name, [])
     # compile_kernels deals the requests out to its processes in turn: the slowest first (the
     # larger tiles, which spill heavily, biggest first), so that they are dealt out evenly
     first.sort(key=lambda r: -(r.get("block") or 0) ** 2 * r["head_dim"])
@@ -365,6 +369,17 @@ def test_float32_products_do_not_use_tensor_cores(compiler):
     (r,) = compiler(FLOAT32_DQ)  # block None: the launcher's tile
     assert not r.tensor_cores
     assert r.block == _tile_rows("dq", 16, 4)
+
+
+def test_float32_kernels_fit_the_t4_and_spill_nothing(compiler):
+    # Chapter 15 and appendix D say that the T4 runs the float32 kernels at the portable tiles
+    # without spilling; choose_tiles holds those tiles to the T4's shared memory only.
+    broken = []
+    for r in compiler(FLOAT32_T4):
+        assert r.block == _tile_rows(r.kernel, r.head_dim, 4)  # the launcher's tile
+        if not (r.fits and r.spill_bytes == 0):
+            broken.append(_describe(r))
+    _hold("float32 on the T4 fits and spills nothing", broken)
 
 
 def _spilling(gpu="A100", spill=8):

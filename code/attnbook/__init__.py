@@ -27,11 +27,11 @@ Modules, in the order the book builds them:
   scores, of saved tensors and of the KV cache.
 - attnbook.tiling (chapters/13-tiling.md): FlashAttention's algorithm in NumPy: the online
   softmax and attention computed tile by tile.
+- attnbook.kernels (chapters/15-flash-attention-triton.md): FlashAttention in Triton: the
+  forward and backward kernels, and flash_attention for PyTorch tensors.
 - attnbook.triton_mode (chapters/15-flash-attention-triton.md): How Triton runs the book's
   kernels: compiled for a GPU, or in its interpreter on the CPU, chosen once, explicitly, before
   anything imports triton.
-- attnbook.kernels (chapters/15-flash-attention-triton.md): FlashAttention in Triton: the
-  forward and backward kernels, and flash_attention for PyTorch tensors.
 - attnbook.efficient (chapters/17-efficient-attention.md): Beyond quadratic attention:
   sliding-window, global and block-sparse masks with tile skipping, linear attention, FAVOR+
   random features, retention, and the small models and recall task that compare them.
@@ -72,8 +72,8 @@ __all__ = [
     "encdec",
     "cost",
     "tiling",
-    "triton_mode",
     "kernels",
+    "triton_mode",
     "efficient",
     "vit",
     "checks",

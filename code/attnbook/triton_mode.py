@@ -9,7 +9,7 @@ __all__ = [
     "use_triton_interpreter",
 ]
 
-# chapters/15-flash-attention-triton.md, "The Triton programming model"
+# chapters/15-flash-attention-triton.md, "Choosing the interpreter"
 import os
 import sys
 
@@ -21,8 +21,8 @@ _TRUE = ("1", "true", "on", "yes", "y")
 def use_triton_interpreter() -> bool:
     """Ask for Triton's CPU interpreter (TRITON_INTERPRET=1) on a machine without a GPU, unless
     TRITON_INTERPRET is set already; return whether Triton will interpret. Call it before
-    anything imports triton, which fixes the choice (chapter 15, "The Triton programming
-    model"); if triton was imported in compiled mode without a GPU, RuntimeError says so."""
+    anything imports triton, which fixes the choice (chapter 15, "Choosing the
+    interpreter"); if triton was imported in compiled mode without a GPU, RuntimeError says so."""
     import torch  # torch itself does not import triton
 
     if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
