@@ -137,18 +137,18 @@ def _sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
         mask, is_causal = _with_causal(mask, True, q, k), False
     shared = q.shape[1] != k.shape[1]  # key/value heads shared by groups of query heads
     if mask is None:
-        out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=is_causal,
-                                             enable_gqa=shared)
-        return _nan_where_not_finite(out, q)
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=is_causal,
+                                              enable_gqa=shared)
     seen = mask.any(dim=-1, keepdim=True)  # does the query see any key? (..., Lq, 1)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask | ~seen, dropout_p=dropout_p,
                                          enable_gqa=shared)
-    return _nan_where_not_finite(out, q).masked_fill(~seen, 0.0)  # rows that saw nothing: zeros
+    return out.masked_fill(~seen, 0.0)  # the rows that saw nothing: zeros, as in attend
 
 
 def _nan_where_not_finite(out: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """out, NaN in the rows whose query is not finite: SDPA's CPU kernel gives them zeros."""
-    return out.masked_fill(~q.isfinite().all(dim=-1, keepdim=True), float("nan"))
+    """out, NaN in the rows whose query is not finite (SDPA's CPU kernel gives them zeros in
+    cross-attention): 0 times a row's sum is 0, or NaN for a NaN or an infinity."""
+    return out + q.sum(dim=-1, keepdim=True, dtype=torch.float32).mul_(0.0).to(out.dtype)
 
 
 # chapters/03-heads.md, "The fast path"
@@ -265,6 +265,8 @@ class Attention(nn.Module):
             out, weights = _attend(q, k, v, mask, dropout_p, self.head_dim ** -0.5)
         else:
             out, weights = _BACKENDS[self.config.backend](q, k, v, mask, is_causal, dropout_p), None
+        if context is not None:  # a query the keys do not share: a bad one must still show
+            out = _nan_where_not_finite(out, q)
         return self.out_proj(out.transpose(1, 2).flatten(2)), weights  # (B, Lq, d_model), ...
 
 
