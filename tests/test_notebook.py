@@ -71,7 +71,19 @@ def test_median_seconds_warms_up_batches_and_times_every_call_in_turns():
     # in turns: every batch of one call is followed by a batch of the other
     runs = [k for i, k in enumerate(order) if i == 0 or order[i - 1] != k]
     assert runs == ["a", "b"] * (len(runs) // 2)
-    assert len(syncs) == 2 * (2 + 2 * 3)  # before and after every timed batch
+    assert len(syncs) == 2 * (2 * 3 + 2 * 3)  # around 3 calibration calls and 3 batches, each
+
+
+def test_one_preempted_calibration_call_does_not_make_a_batch_of_one():
+    calls = []
+
+    def call():
+        calls.append(1)
+        if len(calls) == 2:  # the first call after the warm-up, as if the machine preempted it
+            time.sleep(0.05)
+
+    median_seconds(call, repeats=1, batch_seconds=0.01)
+    assert len(calls) > 1 + 3 + 1  # warm-up, three calibration calls, then a batch of many
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="the default clock there is the wall clock")

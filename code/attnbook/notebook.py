@@ -127,9 +127,10 @@ def median_seconds(*calls: Callable[[], object], repeats: int = 5, batch_seconds
 
     for fn in calls:
         fn()  # warm-up
-    # batch sizes come from the wall clock: it is fine-grained everywhere, so never reads 0
-    batch = [max(1, math.ceil(batch_seconds / max(seconds(fn, 1, time.perf_counter), 1e-9)))
-             for fn in calls]
+    # batch sizes come from the wall clock, fine-grained everywhere, so never 0; the fastest of
+    # three calls, since one call that the machine preempted would make a batch of one
+    batch = [max(1, math.ceil(batch_seconds / max(min(seconds(fn, 1, time.perf_counter)
+                                                      for _ in range(3)), 1e-9))) for fn in calls]
     rounds = [[seconds(fn, n) / n for fn, n in zip(calls, batch)] for _ in range(repeats)]
     return [statistics.median(column) for column in zip(*rounds)]
 
