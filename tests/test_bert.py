@@ -332,7 +332,7 @@ def test_mask_tokens_bad_arguments(kwargs, error, match):
         mask_tokens(**args)
 
 
-# --- issue 12: no silent wrong answers, errors that name the argument ------------------------
+# --- no silent wrong answers, errors that name the argument ------------------------
 
 
 def test_small_integer_ids_work_like_int64():

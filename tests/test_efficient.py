@@ -355,7 +355,7 @@ def test_retention_arguments_are_checked(call, match):
         call(randn(1, 3, 4, 2))
 
 
-# --- issue 29: broadcast masks, negative positions, tiny gamma, empty inputs --------------------
+# --- broadcast masks, negative positions, tiny gamma, empty inputs --------------------
 
 
 @pytest.mark.parametrize("shape", [(1, 23), (23, 1), (23,), (), (2, 1, 23, 23), (1, 3, 1, 23),
@@ -470,7 +470,7 @@ def test_elu_feature_map_checks_x():
             elu_feature_map(bad)
 
 
-# --- causal linear attention in chunks (issue 45) -------------------------------------------
+# --- causal linear attention in chunks -----------------------------------------------------
 
 
 @pytest.mark.parametrize("lq,lk,chunk", [(37, 37, 8), (37, 37, 1), (37, 37, 100), (5, 37, 8),
@@ -502,7 +502,7 @@ def test_linear_attention_checks_chunk_size():
             linear_attention(q, q, q, True, chunk_size=bad)
 
 
-# --- block-sparse attention from a tile layout (issue 45) -----------------------------------
+# --- block-sparse attention from a tile layout ---------------------------------------------
 
 
 @pytest.mark.parametrize("lq,lk,block", [(23, 23, 4), (10, 23, 4), (23, 10, 3), (1, 9, 4),
@@ -584,7 +584,7 @@ def test_block_sparse_attention_layout_broadcasts_as_a_mask_does():
                                rtol=1e-12, atol=1e-12)
 
 
-# --- the test models, in the package (issue 45) ---------------------------------------------
+# --- the test models, in the package -------------------------------------------------------
 
 
 def _mixer_reference(mixer, x):
