@@ -38,10 +38,11 @@ from attnbook.checks import (
     check_callable,
     check_choice,
     check_device,
+    check_divisible,
+    check_float_dtype,
     check_instance,
     check_int,
     check_mask,
-    check_positive,
     check_real,
     check_tensor,
 )
@@ -52,8 +53,7 @@ def sliding_window_mask(lq: int, lk: int, window: int,
                         device: torch.device | str | None = None) -> torch.Tensor:
     """Boolean mask (lq, lk), True where query i, at position p = i + lk - lq (bottom-right, as
     masks.causal_mask), may see key j: p - window < j <= p, its `window` most recent keys."""
-    lq, lk = check_int("lq", lq, 1), check_int("lk", lk, 1)
-    window = check_int("window", window, 1)
+    lq, lk, window = check_int("lq", lq, 1), check_int("lk", lk, 1), check_int("window", window, 1)
     device = None if device is None else check_device("device", device)
     p = torch.arange(lq, device=device)[:, None] + (lk - lq)  # (Lq, 1) query positions
     j = torch.arange(lk, device=device)[None, :]  # (1, Lk) key positions
@@ -77,11 +77,10 @@ def block_sparse_mask(layout: torch.Tensor, block_size: int, lq: int | None = No
                       lk: int | None = None) -> torch.Tensor:
     """Boolean mask (lq, lk) that is True in the block_size x block_size tiles where the bool
     `layout` (nq, nk) is True; lq and lk default to nq * block_size and nk * block_size."""
-    block_size = check_int("block_size", block_size, 1)
     layout = check_mask("layout", layout, tuple(getattr(layout, "shape", ())))
     if layout.dim() != 2:
         raise ValueError(f"layout must have shape (nq, nk), got shape {tuple(layout.shape)}")
-    (nq, nk), b = layout.shape, block_size
+    (nq, nk), b = layout.shape, check_int("block_size", block_size, 1)
     lq = nq * b if lq is None else check_int("lq", lq, (nq - 1) * b + 1, nq * b)
     lk = nk * b if lk is None else check_int("lk", lk, (nk - 1) * b + 1, nk * b)
     return layout.repeat_interleave(b, 0).repeat_interleave(b, 1)[:lq, :lk].clone()
@@ -94,11 +93,8 @@ def tile_layout(mask: torch.Tensor, block_size: int = 64) -> torch.Tensor:
     mask = check_mask("mask", mask, tuple(getattr(mask, "shape", ())))
     if mask.dim() != 2:
         raise ValueError(f"mask must have shape (Lq, Lk), got shape {tuple(mask.shape)}")
-    return _tile_layout(mask, check_int("block_size", block_size, 1))
-
-
-def _tile_layout(mask: torch.Tensor, b: int) -> torch.Tensor:  # (Lq, Lk) -> (nq, nk)
-    (lq, lk), (nq, nk) = mask.shape, (-(-mask.shape[0] // b), -(-mask.shape[1] // b))
+    (lq, lk), b = mask.shape, check_int("block_size", block_size, 1)
+    nq, nk = -(-lq // b), -(-lk // b)  # (Lq, Lk) -> (nq, nk), the last tiles padded
     return F.pad(mask, (0, nk * b - lk, 0, nq * b - lq)).view(nq, b, nk, b).any(3).any(1)
 
 
@@ -129,14 +125,13 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     bs, causal = check_int("block_size", block_size, 1), check_bool("causal", causal)
     tiles = (-(-lq // bs), -(-lk // bs))  # (nq, nk)
     if (mask is None) == (layout is None):
-        raise ValueError(f"give either mask or layout, got mask={type(mask).__name__}, "
-                         f"layout={type(layout).__name__}")
+        raise ValueError(f"give either mask or layout, got {'neither' if mask is None else 'both'}")
     if layout is not None:
         layout = check_mask("layout", layout, tiles, q.device).expand(tiles)  # as a mask does
     else:
         mask = check_mask("mask", mask, (b, h, lq, lk), q.device)
         mask = mask.reshape((1,) * (4 - mask.dim()) + mask.shape).expand(-1, -1, lq, lk)
-        layout = _tile_layout(mask.flatten(0, 1).any(dim=0), bs)  # reads all Lq x Lk entries
+        layout = tile_layout(mask.flatten(0, 1).any(dim=0), bs)  # reads all Lq x Lk entries
     work = compute_dtype(q.dtype)
     return _block_sparse(q.to(work), k.to(work), v.to(work), layout, bs, mask, causal).to(q.dtype)
 
@@ -181,10 +176,9 @@ def linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: 
     `causal` j <= i + Lk - Lq, then in chunks of `chunk_size` keys (memory O(N D + D Dv)).
     q (..., Lq, D), k (..., Lk, D), v (..., Lk, Dv) -> (..., Lq, Dv); phi defaults to elu + 1."""
     q, k, v = _check_qkv(q, k, v)
-    causal, eps = check_bool("causal", causal), check_positive("eps", eps)
+    causal, eps = check_bool("causal", causal), check_real("eps", eps, 0.0, open_low=True)
     chunk_size, work = check_int("chunk_size", chunk_size, 1), compute_dtype(q.dtype)
-    phi = (lambda x: F.elu(x) + 1.0) if feature_map is None else check_callable(
-        "feature_map", feature_map)  # elu + 1 is positive: nothing to check below
+    phi = elu_feature_map if feature_map is None else check_callable("feature_map", feature_map)
     fq, fk = phi(q.to(work)), phi(k.to(work))  # (..., Lq, D'), (..., Lk, D')
     for name, x, fx in () if feature_map is None else (("q", q, fq), ("k", k, fk)):
         check_tensor(f"feature_map({name})", fx, shape=(*x.shape[:-1], None))
@@ -230,24 +224,15 @@ def random_features(num_features: int, dim: int, orthogonal: bool = True,
     `generator`. With `orthogonal`, each block of `dim` rows is orthogonal, each row with the
     length of a Gaussian vector, so that every row is still N(0, I_dim)."""
     m, d = check_int("num_features", num_features, 1), check_int("dim", dim, 1)
-    orthogonal = check_bool("orthogonal", orthogonal)
-    if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-        raise TypeError(f"dtype must be a floating-point torch.dtype, got dtype={dtype!r}")
-    if generator is not None:
-        check_instance("generator", generator, torch.Generator)
-    return _random_features(m, d, orthogonal, generator, dtype)
-
-
-def _random_features(m: int, d: int, orthogonal: bool, generator, dtype) -> torch.Tensor:
+    orthogonal, dtype = check_bool("orthogonal", orthogonal), check_float_dtype("dtype", dtype)
+    check_instance("generator", generator, (torch.Generator, type(None)))
     w = torch.randn(m, d, generator=generator, dtype=torch.float64)  # (m, d)
-    if orthogonal:
-        blocks = []
-        for start in range(0, m, d):  # from the QR factors of a Gaussian matrix
-            square = torch.randn(d, d, generator=generator, dtype=torch.float64)
-            rotation, r = torch.linalg.qr(square)  # signs fixed below, so that the rotation
-            rotation = rotation * torch.sign(torch.diagonal(r))  # is uniformly distributed
-            blocks.append(rotation.T[:min(d, m - start)])  # orthonormal rows
-        w = torch.cat(blocks) * w.norm(dim=1, keepdim=True)  # lengths of Gaussian vectors
+    if orthogonal:  # rotations from the QR factors of Gaussian matrices, (ceil(m / d), d, d)
+        rotation, r = torch.linalg.qr(torch.randn(-(-m // d), d, d, generator=generator,
+                                                  dtype=torch.float64))  # with the signs fixed,
+        rotation = rotation * torch.sign(r.diagonal(dim1=-2, dim2=-1))[:, None]  # uniform
+        rows = rotation.transpose(-2, -1).flatten(0, 1)[:m]  # orthonormal in blocks of d
+        w = rows * w.norm(dim=1, keepdim=True)  # with the lengths of Gaussian vectors
     return w.to(dtype)
 
 
@@ -272,16 +257,13 @@ def performer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_f
     linear time. q (..., Lq, D), k (..., Lk, D), v (..., Lk, Dv) -> (..., Lq, Dv)."""
     q, k, v = _check_qkv(q, k, v)
     causal, work = check_bool("causal", causal), compute_dtype(q.dtype)
-    m, orthogonal = check_int("num_features", num_features, 1), check_bool("orthogonal", orthogonal)
-    check_instance("generator", generator, (torch.Generator, type(None)))
-    w = _random_features(m, q.shape[-1], orthogonal, generator, work).to(q.device)  # (m, D)
+    w = random_features(num_features, q.shape[-1], orthogonal, generator, work).to(q.device)
     scale = q.shape[-1] ** -0.25  # q.k / sqrt(D) = (q D^-1/4) . (k D^-1/4)
     logq, logk = (_log_features(x.to(work) * scale, w) for x in (q, k))  # (..., L, m)
     logq = logq - logq.amax(dim=-1, keepdim=True)  # a constant per query: it cancels
     logk = logk - logk.amax(dim=(-2, -1), keepdim=True)  # one for all keys: it cancels
     tiny = torch.finfo(work).tiny  # no bias: 0 / tiny = 0 only for a query that sees no key
-    out = _linear_attention(logq.exp(), logk.exp(), v.to(work), causal, tiny, 64)  # (..., Lq, Dv)
-    return out.to(q.dtype)
+    return _linear_attention(logq.exp(), logk.exp(), v.to(work), causal, tiny, 64).to(q.dtype)
 
 
 # chapters/17-efficient-attention.md, "Retention: one model, three ways to compute it"
@@ -325,8 +307,7 @@ def retention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gamma,
     q, k, v = q.to(work), k.to(work), v.to(work)
     if mode == "parallel" or q.shape[2] == 0:  # (no positions: an empty result in every mode)
         return _retention_parallel(q, k, v, g).to(dtype)
-    state = q.new_zeros(*q.shape[:2], q.shape[3], v.shape[3])  # (B, H, D, Dv): nothing seen yet
-    outs = []
+    state, outs = q.new_zeros(*q.shape[:2], q.shape[3], v.shape[3]), []  # (B, H, D, Dv): empty
     if mode == "recurrent":  # S_n = g S_(n-1) + k_n^T v_n, o_n = q_n S_n, one position at a time
         for n in range(q.shape[2]):
             out, state = _retention_step(q[:, :, n], k[:, :, n], v[:, :, n], g, state)
@@ -370,8 +351,7 @@ class Mixer(nn.Module):
         super().__init__()
         self.h, self.kind = check_int("num_heads", num_heads, 1), check_choice("kind", kind, MIXERS)
         self.window = check_int("window", window, 1)
-        if check_int("d_model", d_model, 1) % num_heads:
-            raise ValueError(f"d_model={d_model} is not divisible by num_heads={num_heads}")
+        check_divisible("d_model", check_int("d_model", d_model, 1), "num_heads", num_heads)
         self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
         self.out = nn.Linear(d_model, d_model, bias=False)
         self.norm = nn.GroupNorm(num_heads, d_model) if kind == "retention" else nn.Identity()
