@@ -448,6 +448,48 @@ def test_block_passes_the_cache_to_its_self_attention():
     torch.testing.assert_close(torch.cat(pieces, 1), block(x, is_causal=True))
 
 
+def _chapter_3_alone() -> tuple[str, dict]:
+    """Chapter 3's exported cells, and the names they define run on their own (no chapter 4 cell
+    ran)."""
+    import sys
+    from pathlib import Path
+
+    import jupytext
+
+    root = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(root / "tools"))
+    try:
+        import tangle
+    finally:
+        sys.path.remove(str(root / "tools"))
+    path = root / "chapters" / "03-heads.md"
+    cells = tangle.Chapter(path, jupytext.read(path, fmt="md:myst")).export_cells()
+    assert {cell.module for cell in cells} == {"layers"}
+    source, namespace = "\n\n".join(cell.source for cell in cells), {"__name__": "chapter_3_alone"}
+    exec(compile(source, "<chapter 3, exported>", "exec"), namespace)
+    return source, namespace
+
+
+@torch.no_grad()
+def test_chapter_3_code_stands_alone_and_takes_chapter_4s_cache():
+    """Report 1 item 24: chapter 3's layer names nothing that only chapter 4 defines, yet a
+    LayerCache works with it (checked and used) as with the package's layer."""
+    source, chapter_3 = _chapter_3_alone()
+    assert "F821" not in source and "LayerCache" not in chapter_3  # no undefined name, none hidden
+    torch.manual_seed(4)
+    package_layer = MultiHeadAttention(16, 4, num_kv_heads=2).double().eval()
+    alone = chapter_3["MultiHeadAttention"](16, 4, num_kv_heads=2).double().eval()
+    alone.load_state_dict(package_layer.state_dict())
+    x = torch.randn(2, 5, 16, dtype=DOUBLE)
+    cache = LayerCache(*_storage(alone, 2, 5))
+    pieces = [alone(x[:, s:e], is_causal=True, cache=cache) for s, e in ((0, 3), (3, 5))]
+    torch.testing.assert_close(torch.cat(pieces, 1), package_layer(x, is_causal=True))
+    with pytest.raises(ValueError, match="does not fit: the cache holds 5 positions"):
+        alone(x[:, :1], cache=cache)  # the cache's own check, called by chapter 3's
+    with pytest.raises(TypeError, match="cache must be a LayerCache, got cache='no'"):
+        alone(x, cache="no")
+
+
 CACHE_LAYER = MultiHeadAttention(16, 4, num_kv_heads=2)
 
 

@@ -438,8 +438,9 @@ def test_a_new_figure_caption_keeps_the_outputs_and_code_changes_drop_them(book_
     cells = json.loads(notebook.read_text())["cells"]
     assert [c.get("outputs") for c in cells] == outputs_before
     assert any("Scaled attention" in str(c["metadata"]) for c in cells)
-    old = "n, m, d_k, d_v = 4, 6, 3, 2"
-    chapter.write_text(chapter.read_text().replace(old, "n, m, d_k, d_v = 4, 6, 3, 3"))
+    old = "Lq, Lk, d_k, d_v = 4, 6, 3, 2"
+    assert old in chapter.read_text()
+    chapter.write_text(chapter.read_text().replace(old, "Lq, Lk, d_k, d_v = 4, 6, 3, 3"))
     assert "outputs dropped" in tangle(book_copy).stdout
     assert not any(c.get("outputs") for c in json.loads(notebook.read_text())["cells"])
 

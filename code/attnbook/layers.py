@@ -46,6 +46,7 @@ from attnbook.checks import (
     check_scale,
     check_tensor,
     check_writable,  # noqa: F401 (chapter 4's LayerCache)
+    type_error,
 )
 
 
@@ -248,12 +249,12 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, context: torch.Tensor | None = None,
                 mask: torch.Tensor | None = None, is_causal: bool = False,
-                return_weights: bool = False, cache: "LayerCache | None" = None  # noqa: F821
+                return_weights: bool = False, cache=None
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Attend from x (B, Lq, d_model) to context (B, Lk, d_model; default x): the outputs
         (B, Lq, d_model) and, with `return_weights`, the weights (B, nh, Lq, Lk), else None.
-        `is_causal` aligns bottom-right; `cache` (self-attention only) is a LayerCache that x's
-        keys and values join first; a mask has two dimensions at least."""
+        `is_causal` aligns bottom-right; `cache` (self-attention only; chapter 4's LayerCache)
+        keeps earlier keys and values, which x's join first; a mask has two dimensions at least."""
         q = _split_heads(self.q_proj(x), self.num_heads)  # (B, nh, Lq, hs)
         source = x if context is None else context
         k, v = (_split_heads(p(source), self.num_kv_heads) for p in (self.k_proj, self.v_proj))
@@ -287,7 +288,7 @@ class MultiHeadAttention(Attention):
 
     def forward(self, x: torch.Tensor, context: torch.Tensor | None = None,
                 mask: torch.Tensor | None = None, is_causal: bool = False,
-                return_weights: bool = False, cache: "LayerCache | None" = None  # noqa: F821
+                return_weights: bool = False, cache=None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Attention.forward, after checking the call: the outputs, and the weights only with
         `return_weights`."""
@@ -309,8 +310,9 @@ def _check_attention_call(layer: Attention, x, context, mask, is_causal, return_
     if cache is not None:
         if context is not None:
             raise ValueError("a cache is for self-attention: give a context or a cache, not both")
-        # LayerCache and _check_cache: chapter 4, "Keeping keys and values for generation"
-        _check_cache(check_instance("cache", cache, LayerCache), layer, x)  # noqa: F821
+        if not callable(getattr(cache, "_check_call", None)):  # chapter 4's LayerCache has it
+            raise type_error("cache", cache, "a LayerCache")
+        cache._check_call(layer, x)  # x's keys and values must fit the cache
         lk += cache.length
     if mask is not None:  # a 0-d or (Lk,) mask as (1, 1) or (1, Lk), for SDPA
         mask = check_mask("mask", mask, (b, layer.num_heads, lq, lk), x.device)
@@ -421,6 +423,17 @@ class LayerCache:
         """Forget every position; the storage is kept, to be written over."""
         self.length = 0
 
+    def _check_call(self, layer: Attention, x: torch.Tensor) -> None:
+        """Refuse, as append would, a call of `layer` on x (B, n, d_model) that would not fit."""
+        b, hkv, hs, w = x.shape[0], layer.num_kv_heads, layer.head_dim, layer.k_proj.weight
+        for name in ("keys", "values"):
+            check_tensor(f"cache.{name}", getattr(self, name), 4, device=w.device,
+                         shape=(b, hkv, None, hs))
+        if self.keys.dtype != _projected_dtype(w):  # noqa: F821 (chapter 3's; else rounded)
+            raise ValueError(f"cache holds {self.keys.dtype}, but the layer's keys and values are "
+                             f"{_projected_dtype(w)}: allocate the cache in the layer's dtype")  # noqa: F821
+        _check_fits(self, x.shape[1], x.requires_grad or w.requires_grad)
+
 
 def _check_fits(cache: LayerCache, n: int, requires_grad: bool) -> None:
     if cache.length + n > cache.capacity:
@@ -428,18 +441,6 @@ def _check_fits(cache: LayerCache, n: int, requires_grad: bool) -> None:
                          f"positions of its capacity {cache.capacity}")
     if torch.is_grad_enabled() and requires_grad:
         raise ValueError("k and v require grad: use a LayerCache under torch.no_grad()")
-
-
-def _check_cache(cache: LayerCache, layer: Attention, x: torch.Tensor) -> None:
-    """A cache that the keys and values of `layer` for x (B, n, d_model) fit, as append checks."""
-    b, hkv, hs, w = x.shape[0], layer.num_kv_heads, layer.head_dim, layer.k_proj.weight
-    for name in ("keys", "values"):
-        check_tensor(f"cache.{name}", getattr(cache, name), 4, device=w.device,
-                     shape=(b, hkv, None, hs))
-    if cache.keys.dtype != _projected_dtype(w):  # noqa: F821 (chapter 3's; else rounded)
-        raise ValueError(f"cache holds {cache.keys.dtype}, but the layer's keys and values are "
-                         f"{_projected_dtype(w)}: allocate the cache in the layer's dtype")  # noqa: F821
-    _check_fits(cache, x.shape[1], x.requires_grad or w.requires_grad)
 
 
 # chapters/04-heads-at-work.md, "Which heads can go"
