@@ -321,3 +321,13 @@ def test_check_writable_refuses_shared_elements():
     with pytest.raises(ValueError, match=r"keys has stride 0 \(an expanded tensor, strides "
                                          r"\(0, 1\)\)"):
         c.check_writable("keys", torch.zeros(3).expand(2, 3))
+
+
+@pytest.mark.parametrize("by", [0, -2])
+def test_check_divisible_refuses_a_divisor_below_1_by_name(by):
+    # 0 raised ZeroDivisionError ("integer modulo by zero"), naming neither argument; -2 passed
+    with pytest.raises(ValueError, match=f"^num_heads must be at least 1, got num_heads={by}"):
+        c.check_divisible("d_model", 4, "num_heads", by)
+    assert c.check_divisible("d_model", 6, "num_heads", 3) == 6
+    with pytest.raises(ValueError, match="d_model=6 is not divisible by num_heads=4"):
+        c.check_divisible("d_model", 6, "num_heads", 4)

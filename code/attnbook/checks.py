@@ -107,6 +107,8 @@ def check_choice(name: str, value, choices: Collection[str]) -> str:
 
 def check_divisible(name: str, value: int, by_name: str, by: int) -> int:
     """`value`, which `by` divides: a width split into heads, query heads into key/value groups."""
+    if by < 1:  # value % 0 raises ZeroDivisionError, which names neither argument
+        raise ValueError(f"{by_name} must be at least 1, got {by_name}={by}")
     if value % by:
         raise ValueError(f"{name}={value} is not divisible by {by_name}={by}")
     return value
