@@ -855,3 +855,22 @@ def test_an_edited_run_json_is_refused(tmp_path, monkeypatch):
                                                                         '"lr": 5.0'))
     with pytest.raises(ValueError, match=r"run.json is damaged .*own SHA-256"):
         train.train(train.parse_options(["gpt", "--resume", "--out", str(out)]))
+
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="a GPU's random state needs a GPU"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_checkpoint_restores_the_random_state_dropout_draws_from(tmp_path, device):
+    # on a GPU, dropout draws from the GPU's generator, which checkpoints once left out: a
+    # resumed run then dropped other units than an unbroken one
+    model = GPT(GPTConfig(vocab_size=8, context_length=4, d_model=8, num_layers=1, num_heads=2,
+                          dropout=0.5)).to(device)
+    optimizer = torch.optim.AdamW(model.parameters())
+    torch.manual_seed(1)
+    path = train.save_checkpoint(tmp_path, 1, model, optimizer)
+    unbroken = torch.rand(16, device=device)  # what the next dropout would draw
+    torch.manual_seed(2)  # the generators move on, as in another process
+    assert train.load_checkpoint(path, model, optimizer) == 1
+    torch.testing.assert_close(torch.rand(16, device=device), unbroken, rtol=0, atol=0)
