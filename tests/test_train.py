@@ -399,6 +399,21 @@ def test_a_torn_last_log_line_is_dropped_on_resume(copy):
     assert [e["step"] for e in log(copy)] == [1, 2, 3, 4]
 
 
+@pytest.mark.parametrize("cut", ["deleted", "steps 3 and 4 cut"])
+def test_a_resume_says_when_the_log_lacks_steps_of_its_checkpoint(copy, cut, capsys):
+    # a log deleted or cut by hand: the run resumed silently and its log began at step 5
+    log_file = copy / "log.jsonl"
+    lines = log_file.read_text().splitlines(keepends=True)
+    if cut == "deleted":
+        log_file.unlink()
+    else:
+        log_file.write_text("".join(lines[:2]))
+    run(copy, "--resume", steps=6)
+    kept = 0 if cut == "deleted" else 2
+    assert f"log.jsonl holds {kept} of the checkpoint's 4 steps" in capsys.readouterr().err
+    assert [e["step"] for e in log(copy)] == [*range(1, kept + 1), 5, 6]
+
+
 def test_a_garbled_log_line_is_named(copy):
     lines = (copy / "log.jsonl").read_text().splitlines(keepends=True)
     (copy / "log.jsonl").write_text("".join([lines[0], "garbage\n", *lines[1:]]))

@@ -457,10 +457,9 @@ def _in_every_process(ok: bool) -> bool:
 
 # chapters/a5-training-command.md, "The run's folder"
 def _open_log(out: Path, start: int, rank: int):
-    """Rank 0's log.jsonl, open for appending, holding the previous log's lines of steps 1 to
-    `start` (those a resumed run keeps); None in the other processes. The kept lines are written
-    to a new file, flushed to disk and renamed over the old one before training goes on, so
-    that a process killed at any moment leaves one log or the other, whole."""
+    """Rank 0's log.jsonl, open for appending, with the old log's steps 1 to `start` (a resumed
+    run's) written to a new file, flushed and renamed over the old one before training goes on:
+    a process killed at any moment leaves one log or the other, whole. None in other processes."""
     if rank != 0:
         return contextlib.nullcontext()
     path, partial = out / "log.jsonl", out / "log.jsonl.partial"
@@ -490,6 +489,9 @@ def _log_lines(path: Path, last_step: int) -> list[str]:
                              f"{line[:80]!r}") from None
         if step <= last_step:
             kept.append(line)
+    if len(kept) < last_step:  # a log deleted or cut by hand: go on, and say what is missing
+        print(f"{path} holds {len(kept)} of the checkpoint's {last_step} steps: the resumed log "
+              f"goes on without the others", file=sys.stderr, flush=True)
     return kept
 
 
