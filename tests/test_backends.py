@@ -13,8 +13,10 @@ from attnbook.bert import BERT, BERTConfig
 from attnbook.encdec import EncoderDecoder, EncoderDecoderConfig
 from attnbook.gpt import GPT, GPTConfig
 from attnbook.layers import (
+    _BACKENDS,
     ATTENTION_BACKENDS,
     Attention,
+    AttentionConfig,
     Block,
     LayerCache,
     MultiHeadAttention,
@@ -103,6 +105,22 @@ def test_a_query_that_sees_nothing_gets_zeros_and_zero_gradients():
         torch.testing.assert_close(out[0, 1], expected)
         (grad,) = torch.autograd.grad(out.sum(), x)
         assert torch.isfinite(grad).all()
+
+
+@pytest.mark.parametrize("backend", ATTENTION_BACKENDS)
+def test_a_query_that_sees_nothing_gets_zeros_when_a_value_is_nan(backend):
+    # query 0 sees no key; key/value position 1 holds NaN: an empty sum is 0 on every backend,
+    # and every query whose weights touch position 1 (query 2 sees it; query 1 masks it, but its
+    # weighted sum still multiplies it by 0) gives NaN, as PyTorch's SDPA does
+    q, k, v = torch.randn(1, 1, 3, 8), torch.randn(1, 1, 4, 8), torch.randn(1, 1, 4, 8)
+    k[0, 0, 1] = v[0, 0, 1] = float("nan")
+    mask = torch.ones(3, 4, dtype=torch.bool)
+    mask[0], mask[1, 1] = False, False
+    layer = Attention(AttentionConfig(8, 1, backend=backend))
+    out = _BACKENDS[layer.backend](q, k, v, mask, False, 0.0)
+    torch.testing.assert_close(out[0, 0, 0], torch.zeros(8), rtol=0, atol=0)
+    reference = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    assert out[0, 0, 1:].isnan().all() and reference[0, 0, 1:].isnan().all()
 
 
 @pytest.mark.parametrize("backend", ["sdpa", "explicit"])

@@ -255,10 +255,21 @@ def test_models_that_take_ids_accept_unsigned_ids(dtype):
         gpt(torch.tensor([[1, 12]], dtype=dtype))
 
 
-@pytest.mark.parametrize("vocab_size,error", [(True, TypeError), (4.5, TypeError), (0, ValueError)])
+@pytest.mark.parametrize("vocab_size,error", [(True, TypeError), (4.5, TypeError), (0, ValueError),
+                                              (2**63, ValueError), (2**64, ValueError)])
 def test_check_token_ids_checks_vocab_size(vocab_size, error):
-    with pytest.raises(error, match="vocab_size"):
-        c.check_token_ids("ids", torch.tensor([], dtype=torch.long), vocab_size)
+    # past int64's largest id a range check cannot be done on int64 ids (2**63 wrapped to a
+    # negative bound and refused ids in range; 2**64 raised OverflowError): refused by name
+    with pytest.raises(error, match="^vocab_size must"):
+        c.check_token_ids("ids", torch.tensor([1, 2], dtype=torch.long), vocab_size)
+    assert c.check_token_ids("ids", torch.tensor([0, 2**63 - 2]), 2**63 - 1).tolist()[1] == 2**63 - 2
+
+
+@pytest.mark.parametrize("dtype", [torch.long, torch.int32])
+def test_sparse_token_ids_are_refused_by_name(dtype):
+    ids = torch.tensor([[0, 1], [1, 0]], dtype=dtype).to_sparse()  # raised NotImplementedError
+    with pytest.raises(TypeError, match="ids must be a dense tensor, got layout torch.sparse_coo"):
+        c.check_token_ids("ids", ids, 5)
 
 
 def test_token_ids_on_the_meta_device_are_refused_by_name():
@@ -310,3 +321,13 @@ def test_check_writable_refuses_shared_elements():
     with pytest.raises(ValueError, match=r"keys has stride 0 \(an expanded tensor, strides "
                                          r"\(0, 1\)\)"):
         c.check_writable("keys", torch.zeros(3).expand(2, 3))
+
+
+@pytest.mark.parametrize("by", [0, -2])
+def test_check_divisible_refuses_a_divisor_below_1_by_name(by):
+    # 0 raised ZeroDivisionError ("integer modulo by zero"), naming neither argument; -2 passed
+    with pytest.raises(ValueError, match=f"^num_heads must be at least 1, got num_heads={by}"):
+        c.check_divisible("d_model", 4, "num_heads", by)
+    assert c.check_divisible("d_model", 6, "num_heads", 3) == 6
+    with pytest.raises(ValueError, match="d_model=6 is not divisible by num_heads=4"):
+        c.check_divisible("d_model", 6, "num_heads", 4)

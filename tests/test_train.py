@@ -399,6 +399,21 @@ def test_a_torn_last_log_line_is_dropped_on_resume(copy):
     assert [e["step"] for e in log(copy)] == [1, 2, 3, 4]
 
 
+@pytest.mark.parametrize("cut", ["deleted", "steps 3 and 4 cut"])
+def test_a_resume_says_when_the_log_lacks_steps_of_its_checkpoint(copy, cut, capsys):
+    # a log deleted or cut by hand: the run resumed silently and its log began at step 5
+    log_file = copy / "log.jsonl"
+    lines = log_file.read_text().splitlines(keepends=True)
+    if cut == "deleted":
+        log_file.unlink()
+    else:
+        log_file.write_text("".join(lines[:2]))
+    run(copy, "--resume", steps=6)
+    kept = 0 if cut == "deleted" else 2
+    assert f"log.jsonl holds {kept} of the checkpoint's 4 steps" in capsys.readouterr().err
+    assert [e["step"] for e in log(copy)] == [*range(1, kept + 1), 5, 6]
+
+
 def test_a_garbled_log_line_is_named(copy):
     lines = (copy / "log.jsonl").read_text().splitlines(keepends=True)
     (copy / "log.jsonl").write_text("".join([lines[0], "garbage\n", *lines[1:]]))
@@ -855,3 +870,22 @@ def test_an_edited_run_json_is_refused(tmp_path, monkeypatch):
                                                                         '"lr": 5.0'))
     with pytest.raises(ValueError, match=r"run.json is damaged .*own SHA-256"):
         train.train(train.parse_options(["gpt", "--resume", "--out", str(out)]))
+
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="a GPU's random state needs a GPU"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_checkpoint_restores_the_random_state_dropout_draws_from(tmp_path, device):
+    # on a GPU, dropout draws from the GPU's generator, which checkpoints once left out: a
+    # resumed run then dropped other units than an unbroken one
+    model = GPT(GPTConfig(vocab_size=8, context_length=4, d_model=8, num_layers=1, num_heads=2,
+                          dropout=0.5)).to(device)
+    optimizer = torch.optim.AdamW(model.parameters())
+    torch.manual_seed(1)
+    path = train.save_checkpoint(tmp_path, 1, model, optimizer)
+    unbroken = torch.rand(16, device=device)  # what the next dropout would draw
+    torch.manual_seed(2)  # the generators move on, as in another process
+    assert train.load_checkpoint(path, model, optimizer) == 1
+    torch.testing.assert_close(torch.rand(16, device=device), unbroken, rtol=0, atol=0)

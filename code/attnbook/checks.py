@@ -107,6 +107,8 @@ def check_choice(name: str, value, choices: Collection[str]) -> str:
 
 def check_divisible(name: str, value: int, by_name: str, by: int) -> int:
     """`value`, which `by` divides: a width split into heads, query heads into key/value groups."""
+    if by < 1:  # value % 0 raises ZeroDivisionError, which names neither argument
+        raise ValueError(f"{by_name} must be at least 1, got {by_name}={by}")
     if value % by:
         raise ValueError(f"{name}={value} is not divisible by {by_name}={by}")
     return value
@@ -199,9 +201,10 @@ def check_token_ids(name: str, ids, vocab_size: int, shape: tuple[int | None, ..
     """
     import torch
 
-    if type(vocab_size) is not int or vocab_size < 1:  # a model's own vocab_size: no call
-        vocab_size = check_int("vocab_size", vocab_size, 1)
-    if not isinstance(ids, torch.Tensor) or ids.dtype != torch.int64 or ids.is_meta:
+    if type(vocab_size) is not int or not 1 <= vocab_size <= _INT64_MAX:  # a model's own: no call
+        vocab_size = check_int("vocab_size", vocab_size, 1, _INT64_MAX)  # ids are int64
+    if (not isinstance(ids, torch.Tensor) or ids.dtype != torch.int64 or ids.is_meta
+            or ids.layout != torch.strided):
         ids = _as_int64(name, ids, vocab_size, shape, device)  # refuses what holds no ids
     elif shape is not None or device is not None:
         _check_shape_and_device(name, ids, shape, device)
@@ -211,13 +214,19 @@ def check_token_ids(name: str, ids, vocab_size: int, shape: tuple[int | None, ..
     return ids
 
 
+_INT64_MAX = 2**63 - 1  # the largest id an int64 tensor holds, so the largest vocab_size checked
+
+
 def _as_int64(name: str, ids, vocab_size: int, shape, device) -> "torch.Tensor":
-    """Integer ids of any dtype, of `shape` on `device`, as int64; what is not a tensor, a float,
-    bool or complex dtype, and a tensor with no values (on the meta device) are refused."""
+    """Integer ids of any dtype, of `shape` on `device`, as int64; what is not a tensor, a sparse
+    tensor, a float, bool or complex dtype, and a tensor with no values (on the meta device) are
+    refused."""
     import torch
 
     if not isinstance(ids, torch.Tensor):
         raise type_error(name, ids, "a torch.Tensor of integer ids")
+    if ids.layout != torch.strided:  # sparse ids have no comparison to check their range with
+        raise TypeError(f"{name} must be a dense tensor, got layout {ids.layout}")
     if ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex():
         raise TypeError(f"{name} must hold integer ids, got dtype {ids.dtype}")
     _check_shape_and_device(name, ids, shape, device)

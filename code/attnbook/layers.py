@@ -85,8 +85,10 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     weights = _masked_softmax(scores.view(b, h, lq, lk), mask)  # (B, H, Lq, Lk)
     if dropout_p > 0.0:
         weights = F.dropout(weights, p=dropout_p)
-    out = weights.view(b, kv_heads, rows, lk) @ v.to(work)  # (B, Hkv, rows, dv)
-    return out.view(b, h, lq, v.shape[-1]).to(q.dtype), weights.to(q.dtype)
+    out = (weights.view(b, kv_heads, rows, lk) @ v.to(work)).view(b, h, lq, v.shape[-1])
+    if mask is not None:  # a query with no key: zeros, even where 0 x a NaN value would be NaN
+        out = out.masked_fill(~mask.any(dim=-1, keepdim=True), 0.0)
+    return out.to(q.dtype), weights.to(q.dtype)  # (B, H, Lq, dv), (B, H, Lq, Lk)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,

@@ -289,6 +289,30 @@ def _mean_over_processes(value: torch.Tensor) -> float:
     return value.item()
 
 
+def _random_states(model: nn.Module) -> dict[str, torch.Tensor]:
+    """This process's random states, which dropout draws from: the CPU's and, for a model on a
+    GPU, that GPU's (a checkpoint saves them, so that a resumed run drops what an unbroken one would)."""
+    rank, device = _rank(), next(model.parameters()).device
+    states = {f"rng_state_{rank}": torch.get_rng_state()}
+    if device.type == "cuda":
+        states[f"cuda_rng_state_{rank}"] = torch.cuda.get_rng_state(device)
+    return states
+
+
+def _only_saved(state: dict, metadata) -> None:
+    """Leave out of `state` a GPU's random state that a checkpoint written on a CPU lacks."""
+    for name in [name for name in state if name.startswith("cuda_rng_state_")]:
+        if name not in metadata.state_dict_metadata:
+            del state[name]  # the GPU's generator keeps its own state
+
+
+def _set_random_states(state: dict, model: nn.Module) -> None:
+    torch.set_rng_state(state[f"rng_state_{_rank()}"])
+    if f"cuda_rng_state_{_rank()}" in state:
+        torch.cuda.set_rng_state(state[f"cuda_rng_state_{_rank()}"],
+                                 next(model.parameters()).device)
+
+
 # chapters/a5-training-command.md, "The run's folder"
 RUN_FILES = ("model.pt", "log.jsonl", "checkpoints", "run.json")  # what a run writes in --out
 
@@ -433,10 +457,9 @@ def _in_every_process(ok: bool) -> bool:
 
 # chapters/a5-training-command.md, "The run's folder"
 def _open_log(out: Path, start: int, rank: int):
-    """Rank 0's log.jsonl, open for appending, holding the previous log's lines of steps 1 to
-    `start` (those a resumed run keeps); None in the other processes. The kept lines are written
-    to a new file, flushed to disk and renamed over the old one before training goes on, so
-    that a process killed at any moment leaves one log or the other, whole."""
+    """Rank 0's log.jsonl, open for appending, with the old log's steps 1 to `start` (a resumed
+    run's) written to a new file, flushed and renamed over the old one before training goes on:
+    a process killed at any moment leaves one log or the other, whole. None in other processes."""
     if rank != 0:
         return contextlib.nullcontext()
     path, partial = out / "log.jsonl", out / "log.jsonl.partial"
@@ -466,6 +489,9 @@ def _log_lines(path: Path, last_step: int) -> list[str]:
                              f"{line[:80]!r}") from None
         if step <= last_step:
             kept.append(line)
+    if len(kept) < last_step:  # a log deleted or cut by hand: go on, and say what is missing
+        print(f"{path} holds {len(kept)} of the checkpoint's {last_step} steps: the resumed log "
+              f"goes on without the others", file=sys.stderr, flush=True)
     return kept
 
 
@@ -545,7 +571,7 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer) -> int:
     read_manifest(path)
     state = _checkpoint_state(model, optimizer, 0)
     try:
-        _read_metadata(path)  # here first, so that DCP does not try other files after a refusal
+        _only_saved(state, _read_metadata(path))  # first: DCP tries no other file after a refusal
         with _single_process_quiet():
             dcp.load(state, storage_reader=_TrustedReader(path), planner=_TrustedPlanner(),
                      no_dist=not dist.is_initialized())
@@ -553,7 +579,7 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer) -> int:
         dcp_state.set_state_dict(model, optimizer, model_state_dict=state["model"],
                                  optim_state_dict={"state": state["optimizer"], "param_groups":
                                                    optimizer_state["param_groups"]})
-        torch.set_rng_state(state[f"rng_state_{_rank()}"])
+        _set_random_states(state, model)
     except (CheckpointException, Exception) as error:  # CheckpointException is a BaseException
         _reraise_interrupt(error)
         raise ValueError(f"checkpoint {path} cannot be loaded: {_reason(error)}") from None
@@ -583,7 +609,7 @@ def _checkpoint_state(model: nn.Module, optimizer, step: int) -> dict:
     manifest records and a resumed run must repeat."""
     model_state, optimizer_state = dcp_state.get_state_dict(model, optimizer)
     return {"model": model_state, "optimizer": optimizer_state["state"],
-            "step": torch.tensor(step), f"rng_state_{_rank()}": torch.get_rng_state()}
+            "step": torch.tensor(step), **_random_states(model)}
 
 
 # chapters/a5-training-command.md, "Checkpoints, and what they trust"

@@ -40,9 +40,8 @@ TRUST = ("What is trusted: nothing in --out or --run is run as code. --resume re
 
 def parse_options(argv: list[str] | None = None) -> argparse.Namespace:
     """The options of `attnbook-train gpt ...` (training) or `... sample ...` (see --help); a bad
-    one exits with a message naming it. For `gpt`, `options.given` lists the options of
-    RUN_OPTIONS and RESUMABLE given on the command line: the others hold their defaults, which a
-    resumed run replaces by its checkpoint's."""
+    one exits naming it. For `gpt`, `options.given` lists the RUN_OPTIONS and RESUMABLE given on
+    the command line: the others hold defaults, which a resumed run replaces by its checkpoint's."""
     parser = argparse.ArgumentParser(
         prog=PROGRAM, epilog=TRUST,
         description="Train the book's character-level GPT (chapter 10) on the book's corpus, on "
@@ -59,8 +58,7 @@ def parse_options(argv: list[str] | None = None) -> argparse.Namespace:
                             "run's own options (or start it where it has none)")
     again.add_argument("--overwrite", action="store_true",
                        help="delete the run in --out (model.pt, log.jsonl, checkpoints/) first")
-    sample = commands.add_parser("sample", help="print a prompt and its continuation by a "
-                                 "trained model")
+    sample = commands.add_parser("sample", help="continue a prompt with a trained model")
     _sample_options(sample.add_argument)
     options = parser.parse_args(argv)
     if options.command == "sample":
