@@ -277,6 +277,7 @@ def test_saved_tensor_bytes_without_grad_or_exclusions():
     (lambda: numpy_peak_bytes(None), TypeError, "fn"),
     (lambda: saved_tensor_bytes("f"), TypeError, "fn"),
     (lambda: saved_tensor_bytes(print, exclude=[np.ones(2)]), TypeError, "exclude"),
+    (lambda: saved_tensor_bytes(print, exclude=5), TypeError, "^exclude must be"),  # was raw
 ])
 def test_bad_input(call, error, match):
     with pytest.raises(error, match=match):
@@ -306,3 +307,16 @@ def test_numpy_peak_bytes_nested_keeps_the_outer_peak():
 def test_time_call_checks_its_device(device):
     with pytest.raises((TypeError, ValueError), match="device"):
         time_call(print, device=device)
+
+
+def test_saved_tensor_bytes_refuses_meta_tensors():
+    # every meta block's address is 0, so all saved tensors merged into one: 0 bytes counted on
+    # meta where the same call on the CPU counts the softmax's output
+    def scores(q, k):
+        return torch.softmax(q @ k.T, dim=-1).exp().sum()
+
+    q, k = (torch.randn(64, 64, requires_grad=True) for _ in range(2))
+    assert saved_tensor_bytes(partial(scores, q, k), exclude=(q,))[1] > 0
+    q, k = (torch.empty(64, 64, device="meta", requires_grad=True) for _ in range(2))
+    with pytest.raises(ValueError, match="meta device"):
+        saved_tensor_bytes(partial(scores, q, k), exclude=(q,))

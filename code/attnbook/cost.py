@@ -97,7 +97,8 @@ def score_matrix_bytes(q_len: int, k_len: int, num_heads: int = 1, batch: int = 
 # chapters/12-cost.md, "The memory of the score matrix"
 def numpy_peak_bytes(fn: Callable[[], object]) -> tuple[object, int]:
     """(fn(), the peak bytes tracemalloc traced during the call beyond those held before): NumPy's
-    arrays, not PyTorch's tensors. Works with tracemalloc running or not, and nested in itself."""
+    arrays, not PyTorch's tensors. Works with tracemalloc running or not, and nested in itself,
+    but resets tracemalloc's peak (it has no way to restore it): read your own peak before."""
     check_callable("fn", fn)
     if started := not tracemalloc.is_tracing():
         tracemalloc.start()
@@ -122,14 +123,18 @@ _PEAKS: list[int] = []  # the peak so far of each numpy_peak_bytes in progress, 
 def saved_tensor_bytes(fn: Callable[[], object], exclude: Sequence[torch.Tensor] = ()
                        ) -> tuple[object, int]:
     """(fn(), bytes of the tensors autograd saves for the backward pass while fn runs): each block
-    of memory once, leaving out 0-d tensors and those sharing memory with one in `exclude`."""
+    of memory once, leaving out 0-d tensors and those sharing memory with one in `exclude`. Meta
+    tensors are refused: with no memory, their blocks cannot be told apart."""
     check_callable("fn", fn)
-    exclude = [check_instance(f"exclude[{i}]", t, torch.Tensor) for i, t in enumerate(exclude)]
+    exclude = [check_instance(f"exclude[{i}]", t, torch.Tensor)
+               for i, t in enumerate(check_instance("exclude", exclude, (list, tuple)))]
     skip = {t.untyped_storage().data_ptr() for t in exclude}
     saved: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
+        if t.is_meta:  # every meta block's address is 0: all would count as one
+            raise ValueError("saved_tensor_bytes counts memory: fn saved a tensor on the meta device")
         if t.dim() > 0 and storage.data_ptr() not in skip:
             saved[storage.data_ptr()] = storage.nbytes()
         return t
