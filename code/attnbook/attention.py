@@ -48,14 +48,15 @@ def softmax(x, axis: int = -1) -> np.ndarray:
 
 
 def divide_or_zero(x, total):
-    """x / total, and 0 where total is 0 (a query with no allowed key) and x is finite: a NaN or
-    inf in x stays non-finite. x and total broadcast; integers become float64."""
+    """x / total, and x * 0 where total is 0: 0 for a query with no allowed key, while a NaN or
+    inf in x gives NaN. x and total broadcast; integers become float64."""
     x, total = check_array("x", x), check_array("total", total)
     shape = _broadcast(x.shape, total.shape)
     if shape is None:
         raise ValueError(f"x of shape {x.shape} and total of shape {total.shape} do not broadcast")
-    out = np.zeros(shape, np.result_type(x, total))
-    return np.divide(x, total, out=out, where=(total != 0) | ~np.isfinite(x))
+    out = np.empty(shape, np.result_type(x, total))  # no temporary as large as x: see chapter 12
+    np.divide(x, total, out=out, where=total != 0)
+    return np.multiply(x, 0, out=out, where=total == 0)
 
 
 # chapters/01-queries-keys-values.md, "Scaling, batches and masks"
