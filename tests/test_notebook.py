@@ -6,7 +6,6 @@ import sys
 import time
 
 import numpy as np
-
 import pytest
 
 from attnbook import notebook

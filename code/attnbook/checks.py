@@ -136,7 +136,7 @@ def check_array(name: str, x, min_ndim: int = 0) -> np.ndarray:
         x = np.asarray(x)
     except (TypeError, RuntimeError) as error:
         raise TypeError(f"{name} must be a NumPy array or a CPU tensor (float16, float32 or "
-                        f"float64, without grad), got {name} of type {type(x).__name__}: {error}")
+                        f"float64, without grad), got {name} of type {type(x).__name__}: {error}") from None
     if np.issubdtype(x.dtype, np.integer):
         x = x.astype(np.float64)
     elif not np.issubdtype(x.dtype, np.floating):

@@ -33,8 +33,15 @@ from dataclasses import dataclass
 from numbers import Integral, Real
 from pathlib import Path
 
-from attnbook.checks import (check_callable, check_choice, check_instance, check_int,  # noqa: F811
-                             check_positive, check_real, type_error)
+from attnbook.checks import (  # noqa: F811
+    check_callable,
+    check_choice,
+    check_instance,
+    check_int,
+    check_positive,
+    check_real,
+    type_error,
+)
 
 
 def significant(value: float, digits: int) -> float:
