@@ -51,10 +51,11 @@ def divide_or_zero(x, total):
     """x / total, and x * 0 where total is 0: 0 for a query with no allowed key, while a NaN or
     inf in x gives NaN. x and total broadcast; integers become float64."""
     x, total = check_array("x", x), check_array("total", total)
-    shape = _broadcast(x.shape, total.shape)
-    if shape is None:
-        raise ValueError(f"x of shape {x.shape} and total of shape {total.shape} do not broadcast")
-    out = np.empty(shape, np.result_type(x, total))  # no temporary as large as x: see chapter 12
+    try:  # no temporary as large as x: see chapter 12
+        out = np.empty(np.broadcast_shapes(x.shape, total.shape), np.result_type(x, total))
+    except ValueError:
+        raise ValueError(f"x of shape {x.shape} and total of shape {total.shape} do not broadcast"
+                         ) from None
     np.divide(x, total, out=out, where=total != 0)
     return np.multiply(x, 0, out=out, where=total == 0)
 
