@@ -135,7 +135,7 @@ def test_bad_shapes_are_refused_with_a_message_naming_them(message, error, shape
     "mask, message",
     [
         (np.ones((3, 5), bool), r"mask of shape \(3, 5\) does not broadcast"),
-        (np.ones(4, bool), r"mask of shape \(4,\) does not broadcast"),
+        (np.ones(3, bool), r"mask of shape \(3,\) does not broadcast"),
         (np.full((3, 4), 0.5), "mask must be boolean or hold only 0 and 1"),
     ],
 )
@@ -313,3 +313,53 @@ def test_the_numpy_chapters_modules_import_without_torch():
     assert result.stdout.split() == ["['attnbook',", "'attnbook.attention',",
                                      "'attnbook.checks',", "'attnbook.scaling',",
                                      "'attnbook.tiling',", "'torch']"]
+
+
+def test_divide_or_zero_keeps_non_finite_numerators_non_finite():
+    from attnbook.attention import divide_or_zero
+
+    with np.errstate(invalid="ignore"):  # inf * 0
+        out = divide_or_zero(np.array([np.nan, np.inf, 1.0]), np.array([0.0, 0.0, 0.0]))
+    assert np.isnan(out[:2]).all() and out[2] == 0.0
+
+
+def test_divide_or_zero_broadcasts_and_takes_integers_like_np_divide():
+    from attnbook.attention import divide_or_zero
+
+    for x, total in [(np.array([1, 2]), np.array([3, 3])), (np.ones((3, 1)), np.full((3, 4), 2.0))]:
+        np.testing.assert_array_equal(divide_or_zero(x, total), np.divide(x, total))
+    with pytest.raises(ValueError, match=r"x of shape \(2,\) and total of shape \(3,\)"):
+        divide_or_zero(np.ones(2), np.ones(3))
+
+
+@pytest.mark.parametrize("x", [3.0, np.float64(3.0), np.array(3.0)])
+def test_softmax_of_a_scalar_names_x(x):
+    with pytest.raises(ValueError, match=r"x must have at least 1 dimension, got shape \(\)"):
+        softmax(x)
+
+
+@pytest.mark.parametrize("dtype", [torch.ones(2, dtype=torch.float16), None,
+                                   np.ones(2, dtype=np.float16), "no such dtype"])
+def test_compute_dtype_refuses_what_is_not_a_dtype(dtype):
+    from attnbook.attention import compute_dtype
+
+    with pytest.raises(TypeError, match="dtype must be a NumPy or torch dtype"):
+        compute_dtype(dtype)
+
+
+@pytest.mark.parametrize("mask", [np.array([1, 1, 0, 1, 1], bool), np.bool_(True),
+                                  np.array([True, False, True, True, False])])
+def test_one_and_zero_dimensional_masks_broadcast_as_in_torch(mask):
+    rng = np.random.default_rng(5)
+    Q, K, V = rng.normal(size=(3, 4)), rng.normal(size=(5, 4)), rng.normal(size=(5, 2))
+    out, _ = scaled_dot_product_attention(Q, K, V, mask=mask)
+    np.testing.assert_allclose(out, torch_reference(Q, K, V, mask))
+
+
+@pytest.mark.parametrize("x", [torch.ones(2, 3, dtype=torch.bfloat16),
+                               torch.ones(2, 3, requires_grad=True)])
+def test_tensors_without_a_numpy_array_are_a_type_error_naming_them(x):
+    with pytest.raises(TypeError, match="x must be a NumPy array or a CPU tensor"):
+        softmax(x)
+    with pytest.raises(TypeError, match="Q must be a NumPy array or a CPU tensor"):
+        scaled_dot_product_attention(x, np.ones((2, 3)), np.ones((2, 3)))

@@ -56,3 +56,23 @@ def test_a_damaged_file_gives_the_promised_runtime_error(how, tmp_path, monkeypa
         corpus.read_snapshot()
     (tmp_path / "data" / corpus.SNAPSHOT).write_bytes(original)  # the same path, undamaged
     assert corpus.read_snapshot()["topics"] == corpus.python_topics()
+
+
+def test_an_empty_file_is_not_a_whole_gzip_file(tmp_path, monkeypatch):
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / corpus.SNAPSHOT).write_bytes(b"")
+    monkeypatch.setattr(corpus, "resources", SimpleNamespace(files=lambda package: tmp_path))
+    with pytest.raises(RuntimeError, match=rf"{corpus.SNAPSHOT} is damaged: it is not a whole "
+                                           r"gzip file \(EOFError: the file is empty\)"):
+        corpus.read_snapshot()
+
+
+@pytest.mark.parametrize("make_directory", [False, True])
+def test_a_missing_file_or_a_directory_says_reinstall(make_directory, tmp_path, monkeypatch):
+    (tmp_path / "data").mkdir()
+    if make_directory:
+        (tmp_path / "data" / corpus.SNAPSHOT).mkdir()
+    monkeypatch.setattr(corpus, "resources", SimpleNamespace(files=lambda package: tmp_path))
+    with pytest.raises(RuntimeError, match=rf"{corpus.SNAPSHOT} is missing or not a file: "
+                                           "reinstall attnbook"):
+        corpus.read_snapshot()

@@ -1,9 +1,11 @@
 """attnbook.notebook (appendix A): glue for the prose, at the precision a cell asserts."""
 
 import math
+import os
 import sys
 import time
 
+import numpy as np
 import pytest
 
 from attnbook import notebook
@@ -108,7 +110,7 @@ def test_median_seconds_reads_the_clock_it_is_given():
     ({"repeats": True}, TypeError, "repeats must be an int"),
     ({"batch_seconds": 0.0}, ValueError, "batch_seconds must be a finite number in"),
     ({"batch_seconds": math.nan}, ValueError, "batch_seconds=nan"),
-    ({"clock": "wall"}, TypeError, "clock must be a function returning seconds, got clock='wall'"),
+    ({"clock": "wall"}, TypeError, "clock must be callable, got clock='wall'"),
 ])
 def test_median_seconds_names_a_bad_setting(kwargs, error, text):
     with pytest.raises(error, match=text):
@@ -177,7 +179,7 @@ def test_runtime_follows_the_device_unless_told(monkeypatch):
 
 
 @pytest.mark.parametrize("name, value", [("ATTNBOOK_PROFILE", "tpu"), ("ATTNBOOK_DEVICE", "mps"),
-                                         ("ATTNBOOK_PROFILE", "")])
+                                         ("ATTNBOOK_PROFILE", "GPU")])
 def test_runtime_names_a_bad_setting(monkeypatch, name, value):
     from attnbook.notebook import runtime
 
@@ -211,3 +213,95 @@ def test_a_cell_ending_in_glue_displays_nothing():
     count = glue("n", 7)
     assert count == 7 and hasattr(count, "_ipython_display_")
     assert glue("flag", True) is True and glue("text", "a") == "a"  # not numbers: as they are
+
+
+@pytest.mark.parametrize("value", ["1.2345", True, None, 1j, np.array([1.5])])
+def test_significant_refuses_what_is_not_a_real_number(value):
+    with pytest.raises(TypeError, match="value must be a real number"):
+        significant(value, 2)
+
+
+def test_significant_names_a_value_that_rounds_past_the_largest_float():
+    assert significant(1.2e308, 1) == 1e308
+    with pytest.raises(ValueError, match="value=1.79.*overflows"):
+        significant(sys.float_info.max, 1)  # 2e308
+
+
+@pytest.mark.parametrize("value, digits", [(0.09999999999999999, 16), (9.999999999999999e-05, 16),
+                                           (999.9999999999999, 16), (0.0009995, 3)])
+def test_significant_just_below_a_power_of_ten_agrees_with_python_formatting(value, digits):
+    assert significant(value, digits) == float(f"{value:.{digits}g}")
+
+
+@pytest.mark.parametrize("kwargs, error, text", [
+    ({"synchronize": 1}, TypeError, "synchronize must be callable, got synchronize=1"),
+    ({"synchronize": 0}, TypeError, "synchronize must be callable, got synchronize=0"),
+    ({"clock": lambda: "t"}, TypeError, "clock\\(\\) must be a real number"),
+])
+def test_median_seconds_checks_synchronize_and_clock_before_calling(kwargs, error, text):
+    calls = []
+    with pytest.raises(error, match=text):
+        median_seconds(lambda: calls.append(1), repeats=1, batch_seconds=0.001, **kwargs)
+    assert calls == []
+
+
+@pytest.mark.parametrize("fields, name", [(dict(profile="GPU"), "profile"),
+                                          (dict(device="cuda:0"), "device"),
+                                          (dict(device=1), "device")])
+def test_runtime_checks_its_fields_also_after_replace(fields, name):
+    import dataclasses
+
+    from attnbook.notebook import Runtime
+
+    with pytest.raises(ValueError, match=f"{name} must be one of"):
+        dataclasses.replace(Runtime("cpu", "cpu"), **fields)
+    with pytest.raises(ValueError, match=f"{name} must be one of"):
+        Runtime(**{"device": "cpu", "profile": "cpu", **fields})
+
+
+@pytest.mark.parametrize("setting", ["off", "n", "False ", "", " 1", "2"])
+def test_online_reads_hf_hub_offline_as_huggingface_hub_does(monkeypatch, setting):
+    from huggingface_hub.constants import _is_true
+
+    class Connection:
+        def close(self):
+            pass
+
+    monkeypatch.setattr(notebook.socket, "create_connection", lambda address, timeout: Connection())
+    monkeypatch.setenv("HF_HUB_OFFLINE", setting)
+    assert notebook.online("example.org") is not _is_true(setting)
+    monkeypatch.setenv("HF_HUB_OFFLINE", setting.upper() if setting.strip() else "yes")
+    assert notebook.online("example.org") is not _is_true(os.environ["HF_HUB_OFFLINE"])
+
+
+@pytest.mark.parametrize("value", ["off", "n", "False ", "", "ON", "yes", "True", "1"])
+def test_attnbook_no_minilm_reads_like_hf_hub_offline(monkeypatch, value):
+    from huggingface_hub.constants import _is_true
+
+    monkeypatch.delenv("ATTNBOOK_NO_MINILM", raising=False)
+    found = notebook.minilm_path()
+    if found is None:
+        pytest.skip("the MiniLM package is not installed")
+    monkeypatch.setenv("ATTNBOOK_NO_MINILM", value)
+    assert notebook.minilm_path() == (None if _is_true(value) else found)
+
+
+@pytest.mark.parametrize("kwargs, error, name", [
+    ({"timeout": "3"}, TypeError, "timeout"), ({"timeout": math.inf}, ValueError, "timeout"),
+    ({"timeout": -1}, ValueError, "timeout"), ({"timeout": 0}, ValueError, "timeout"),
+    ({"host": None}, TypeError, "host"), ({"host": b"example.org"}, TypeError, "host")])
+def test_online_names_a_bad_host_or_timeout(monkeypatch, kwargs, error, name):
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    with pytest.raises(error, match=f"{name} must"):
+        notebook.online(**kwargs)
+
+
+def test_an_empty_attnbook_device_or_profile_means_the_default(monkeypatch):
+    from attnbook.notebook import runtime
+
+    monkeypatch.delenv("ATTNBOOK_DEVICE", raising=False)
+    monkeypatch.delenv("ATTNBOOK_PROFILE", raising=False)
+    default = runtime()
+    monkeypatch.setenv("ATTNBOOK_DEVICE", "")
+    monkeypatch.setenv("ATTNBOOK_PROFILE", "")
+    assert runtime() == default

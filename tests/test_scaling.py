@@ -233,3 +233,11 @@ def test_softmax_jacobian_of_non_finite_scores_is_nan_not_zero():
         for row in ([np.nan, 1.0, 2.0], [np.inf, 1.0, 2.0]):
             assert np.isnan(softmax_jacobian(np.array(row))).all()
     assert not np.isnan(softmax_jacobian(np.array([-np.inf, 1.0]))).any()  # masked: zeros
+
+
+def test_softmax_jacobian_of_float16_is_computed_in_float32():
+    x = np.random.default_rng(3).normal(scale=4.0, size=(50, 8)).astype(np.float16)
+    jacobian = softmax_jacobian(x)
+    assert jacobian.dtype == np.float16
+    np.testing.assert_array_equal(jacobian,
+                                  softmax_jacobian(x.astype(np.float32)).astype(np.float16))

@@ -192,3 +192,19 @@ def test_weights_rounded_to_a_two_byte_dtype_are_accepted(dtype):
         explorer_weights(tokens, weights[0] * 1.1)
     with pytest.raises(ValueError, match="summing to 0.998"):
         explorer_weights(tokens[:2], np.array([[0.998, 0], [0, 1]]))  # float64: 1e-3 as before
+
+
+def test_a_meta_tensor_has_no_weights_to_show():
+    with pytest.raises(ValueError, match="weights must hold values, got a tensor on the meta"):
+        explorer_weights(["a", "b"], torch.empty(2, 2, device="meta"))
+
+
+@pytest.mark.parametrize("token", ["\ud800", "a\udfffb"])
+def test_a_token_without_utf8_is_refused_when_the_explorer_is_made(token):
+    with pytest.raises(ValueError, match=r"tokens\[0\] must be encodable as UTF-8"):
+        attention_explorer([token, "b"], np.eye(2))
+
+
+def test_a_negative_weight_is_named_even_when_its_row_sums_to_1():
+    with pytest.raises(ValueError, match=r"weights\[0, :\] summing to 1, its smallest weight -0.5"):
+        explorer_weights(["a", "b"], np.array([[1.5, -0.5], [0.0, 1.0]]))

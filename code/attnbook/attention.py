@@ -16,7 +16,7 @@ __all__ = [
 # chapters/01-queries-keys-values.md, "Scores, softmax and the weighted sum"
 import numpy as np
 
-from attnbook.checks import check_array, check_scale
+from attnbook.checks import check_array, check_scale, type_error
 
 
 def compute_dtype(dtype):
@@ -24,18 +24,21 @@ def compute_dtype(dtype):
 
     Works for torch and NumPy dtypes alike; other dtypes compute in themselves.
     """
-    if type(dtype).__module__ == "torch":  # a torch.dtype: torch is loaded, since it made it
+    if type(dtype).__module__ == "torch" and type(dtype).__name__ == "dtype":  # torch is loaded
         import torch
 
         return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-    return np.promote_types(np.dtype(dtype), np.float32) if np.dtype(dtype) == np.float16 \
-        else np.dtype(dtype)
+    try:  # np.dtype(None) would be float64; a tensor or an array is not a dtype
+        dtype = np.dtype(dtype if dtype is not None else "no dtype")
+    except (TypeError, ValueError):
+        raise type_error("dtype", dtype, "a NumPy or torch dtype") from None
+    return np.dtype(np.float32) if dtype == np.float16 else dtype
 
 
 def softmax(x, axis: int = -1) -> np.ndarray:
     """Softmax along `axis`, without overflow: a slice of all -inf gives zeros, NaN or inf gives
     NaN (as in torch.softmax). float16 is computed in float32; integers become float64."""
-    x = check_array("x", x)
+    x = check_array("x", x, min_ndim=1)
     work = x.astype(compute_dtype(x.dtype), copy=False)
     shift = np.max(work, axis=axis, keepdims=True, initial=-np.inf)  # -inf for an empty slice
     shift[np.isneginf(shift)] = 0.0  # all -inf: exp(-inf - 0) = 0, never -inf - (-inf)
@@ -45,8 +48,16 @@ def softmax(x, axis: int = -1) -> np.ndarray:
 
 
 def divide_or_zero(x, total):
-    """x / total, and 0 where total is 0 (a query with no allowed key); NaN stays NaN."""
-    return np.divide(x, total, out=np.zeros_like(x), where=total != 0)
+    """x / total, and x * 0 where total is 0: 0 for a query with no allowed key, while a NaN or
+    inf in x gives NaN. x and total broadcast; integers become float64."""
+    x, total = check_array("x", x), check_array("total", total)
+    try:  # no temporary as large as x: see chapter 12
+        out = np.empty(np.broadcast_shapes(x.shape, total.shape), np.result_type(x, total))
+    except ValueError:
+        raise ValueError(f"x of shape {x.shape} and total of shape {total.shape} do not broadcast"
+                         ) from None
+    np.divide(x, total, out=out, where=total != 0)
+    return np.multiply(x, 0, out=out, where=total == 0)
 
 
 # chapters/01-queries-keys-values.md, "Scaling, batches and masks"
@@ -87,7 +98,7 @@ def _as_mask(mask, scores_shape: tuple[int, ...]) -> np.ndarray:
     mask = np.asarray(mask)
     if not (mask.dtype == bool or np.isin(mask, (0, 1)).all()):  # isin is False for text
         raise ValueError(f"mask must be boolean or hold only 0 and 1, got dtype {mask.dtype}")
-    if mask.ndim < 2 or _broadcast(mask.shape, scores_shape) != scores_shape:
+    if _broadcast(mask.shape, scores_shape) != scores_shape:
         raise ValueError(f"mask of shape {mask.shape} does not broadcast to {scores_shape}")
     return mask.astype(bool, copy=False)
 

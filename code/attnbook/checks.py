@@ -132,7 +132,11 @@ def check_callable(name: str, value):
 # chapters/a1-conventions.md, "One way to check an argument"
 def check_array(name: str, x, min_ndim: int = 0) -> np.ndarray:
     """`x` as a NumPy array of real numbers with at least `min_ndim` axes; integers become float64."""
-    x = np.asarray(x)
+    try:  # a bfloat16 tensor, one that requires grad or one on a GPU has no NumPy array
+        x = np.asarray(x)
+    except (TypeError, RuntimeError) as error:
+        raise TypeError(f"{name} must be a NumPy array or a CPU tensor (float16, float32 or "
+                        f"float64, without grad), got {name} of type {type(x).__name__}: {error}") from None
     if np.issubdtype(x.dtype, np.integer):
         x = x.astype(np.float64)
     elif not np.issubdtype(x.dtype, np.floating):

@@ -25,12 +25,17 @@ SNAPSHOT_SHA256 = "38ba2ac4b3d58f22f028ae47bef4b35d5b884f860c23411ad241d9484fc4d
 def read_snapshot() -> dict:
     """The corpus file: its `source`, its `license` and its `topics` (appendix A).
 
-    Raises RuntimeError, naming the file, when it is not a whole gzip file (truncated, or a
-    byte changed) or its text's SHA-256 is not SNAPSHOT_SHA256.
+    Raises RuntimeError, naming the file, when it is missing, not a whole gzip file (empty,
+    truncated, or a byte changed) or its text's SHA-256 is not SNAPSHOT_SHA256.
     """
     path = resources.files("attnbook") / "data" / SNAPSHOT
+    if not path.is_file():
+        raise RuntimeError(f"{path} is missing or not a file: reinstall attnbook")
     try:
-        raw = gzip.decompress(path.read_bytes())
+        data = path.read_bytes()
+        if not data:  # gzip.decompress would read an empty file as an empty text
+            raise EOFError("the file is empty")
+        raw = gzip.decompress(data)
     except (EOFError, OSError, zlib.error) as error:  # cut short; a bad header, CRC or stream
         raise RuntimeError(f"{path} is damaged: it is not a whole gzip file "
                            f"({type(error).__name__}: {error})") from None

