@@ -95,6 +95,22 @@ def test_from_hf_bert_copies_config_and_mode():
     assert not BERT.from_hf_bert(hf.eval()).training
 
 
+def test_from_hf_bert_dropout_follows_bert_layer():
+    """HF's BertLayer: attention_probs_dropout_prob on the attention weights, hidden_dropout_prob
+    on the embeddings and each sublayer's output, and no dropout inside the FFN (intermediate)."""
+    hf = random_hf_bert(0, hidden_dropout_prob=0.3, attention_probs_dropout_prob=0.05).train()
+    ours = BERT.from_hf_bert(hf)
+    assert ours.embeddings.dropout.p == hf.bert.embeddings.dropout.p == 0.3
+    for mine, theirs in zip(ours.layers, hf.bert.encoder.layer, strict=True):
+        assert mine.self_attn.config.dropout == theirs.attention.self.dropout.p == 0.05
+        assert mine.dropout.p == theirs.attention.output.dropout.p == theirs.output.dropout.p
+        assert not any(isinstance(m, torch.nn.Dropout) for m in theirs.intermediate.modules())
+        assert mine.ff.dropout.p == 0.0
+    c = BERTConfig(dropout=0.2)  # attn_dropout None: the one rate everywhere but the FFN
+    assert (c.block.attention.dropout, c.block.ff_dropout) == (0.2, 0.0)
+    assert BERTConfig(dropout=0.2, attn_dropout=0.0).block.attention.dropout == 0.0
+
+
 def test_from_hf_bert_refuses_what_it_cannot_copy():
     with pytest.raises(TypeError, match="model must be a transformers BertForMaskedLM"):
         BERT.from_hf_bert(torch.nn.Linear(2, 2))
