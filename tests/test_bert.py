@@ -8,7 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from attnbook.bert import BERT, BERTConfig, mask_tokens, mean_pool, minilm_path
+from attnbook.bert import (BERT, BERTConfig, BERTEmbeddings, MaskedLMHead, mask_tokens, mean_pool,
+                           minilm_path)
 
 transformers = pytest.importorskip("transformers")
 DOUBLE = torch.float64
@@ -246,6 +247,13 @@ def test_token_types_and_mask_must_share_the_device_of_input_ids():
 def test_bad_model_argument():
     with pytest.raises(TypeError, match="config must be an instance of BERTConfig, .* type dict"):
         BERT({"vocab_size": 10})
+
+
+def test_unchecked_parts_say_so():
+    """BERTEmbeddings and MaskedLMHead are public but unchecked (like chapter 7's Block): their
+    docstrings must say so, since a bad call fails deep inside nn.Embedding or a matmul."""
+    for part in (BERTEmbeddings, MaskedLMHead):
+        assert "not checked" in part.__doc__
 
 
 def test_config_defaults_are_bert_base():

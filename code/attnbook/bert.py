@@ -84,7 +84,8 @@ class BERTConfig:
 
 # chapters/08-bert.md, "Inputs: tokens, positions and segments"
 class BERTEmbeddings(nn.Module):
-    """(B, L) ids and token types -> LayerNorm(word + position + type embedding), dropout."""
+    """(B, L) ids and token types -> LayerNorm(word + position + type embedding), dropout. Its
+    config and calls are not checked: BERT and BERT.encode check theirs."""
 
     def __init__(self, config: BERTConfig) -> None:
         super().__init__()
@@ -102,7 +103,8 @@ class BERTEmbeddings(nn.Module):
 
 # chapters/08-bert.md, "The encoder and the masked-LM head"
 class MaskedLMHead(nn.Module):
-    """(..., d_model) -> LayerNorm(GELU(dense(hidden))) @ word_embeddings.T + bias."""
+    """(..., d_model) -> LayerNorm(GELU(dense(hidden))) @ word_embeddings.T + bias. Its config
+    and calls are not checked: BERT and BERT.encode check theirs."""
 
     def __init__(self, config: BERTConfig) -> None:
         super().__init__()
