@@ -8,8 +8,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from attnbook.bert import (BERT, BERTConfig, BERTEmbeddings, MaskedLMHead, mask_tokens, mean_pool,
-                           minilm_path)
+from attnbook.bert import (
+    BERT,
+    BERTConfig,
+    BERTEmbeddings,
+    MaskedLMHead,
+    mask_tokens,
+    mean_pool,
+    minilm_path,
+)
 
 transformers = pytest.importorskip("transformers")
 DOUBLE = torch.float64
