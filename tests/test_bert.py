@@ -8,7 +8,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from attnbook.bert import BERT, BERTConfig, mask_tokens, mean_pool, minilm_path
+from attnbook.bert import (
+    BERT,
+    BERTConfig,
+    BERTEmbeddings,
+    MaskedLMHead,
+    mask_tokens,
+    mean_pool,
+    minilm_path,
+)
 
 transformers = pytest.importorskip("transformers")
 DOUBLE = torch.float64
@@ -93,6 +101,22 @@ def test_from_hf_bert_copies_config_and_mode():
     assert (c.dropout, c.eps, c.pad_id, c.type_vocab_size) == (0.2, 1e-7, 3, 2)
     assert ours.training
     assert not BERT.from_hf_bert(hf.eval()).training
+
+
+def test_from_hf_bert_dropout_follows_bert_layer():
+    """HF's BertLayer: attention_probs_dropout_prob on the attention weights, hidden_dropout_prob
+    on the embeddings and each sublayer's output, and no dropout inside the FFN (intermediate)."""
+    hf = random_hf_bert(0, hidden_dropout_prob=0.3, attention_probs_dropout_prob=0.05).train()
+    ours = BERT.from_hf_bert(hf)
+    assert ours.embeddings.dropout.p == hf.bert.embeddings.dropout.p == 0.3
+    for mine, theirs in zip(ours.layers, hf.bert.encoder.layer, strict=True):
+        assert mine.self_attn.config.dropout == theirs.attention.self.dropout.p == 0.05
+        assert mine.dropout.p == theirs.attention.output.dropout.p == theirs.output.dropout.p
+        assert not any(isinstance(m, torch.nn.Dropout) for m in theirs.intermediate.modules())
+        assert mine.ff.dropout.p == 0.0
+    c = BERTConfig(dropout=0.2)  # attn_dropout None: the one rate everywhere but the FFN
+    assert (c.block.attention.dropout, c.block.ff_dropout) == (0.2, 0.0)
+    assert BERTConfig(dropout=0.2, attn_dropout=0.0).block.attention.dropout == 0.0
 
 
 def test_from_hf_bert_refuses_what_it_cannot_copy():
@@ -230,6 +254,13 @@ def test_token_types_and_mask_must_share_the_device_of_input_ids():
 def test_bad_model_argument():
     with pytest.raises(TypeError, match="config must be an instance of BERTConfig, .* type dict"):
         BERT({"vocab_size": 10})
+
+
+def test_unchecked_parts_say_so():
+    """BERTEmbeddings and MaskedLMHead are public but unchecked (like chapter 7's Block): their
+    docstrings must say so, since a bad call fails deep inside nn.Embedding or a matmul."""
+    for part in (BERTEmbeddings, MaskedLMHead):
+        assert "not checked" in part.__doc__
 
 
 def test_config_defaults_are_bert_base():

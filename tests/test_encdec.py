@@ -352,6 +352,35 @@ def test_small_integer_ids_work_like_int64():
         torch.testing.assert_close(model(src.to(dtype), tgt_in.to(dtype), lengths), logits)
 
 
+def test_greedy_decode_restores_each_module_mode():
+    """A block the caller froze in eval mode inside a training model stays in eval mode."""
+    model = _model(dtype=torch.float32, dropout=0.5).train()
+    model.encoder[0].eval(), model.decoder[1].self_attn.eval()
+    before = {name: m.training for name, m in model.named_modules()}
+    model.greedy_decode(torch.full((2, 3), 4), max_new_tokens=2)
+    assert {name: m.training for name, m in model.named_modules()} == before
+    assert not model.encoder[0].training and model.decoder[0].training
+
+
+def test_decode_refuses_memory_of_another_dtype():
+    model = _model(dtype=torch.float32)
+    memory = model.encode(torch.randint(3, VOCAB, (2, 5)))
+    with pytest.raises(TypeError, match="memory must be a torch.float32 tensor, got dtype "
+                                        "torch.float64"):
+        model.decode(torch.full((2, 3), BOS), memory.double())
+
+
+@pytest.mark.parametrize("lengths", ["ab", [None, None], [5.0, 3.0], torch.tensor([True, True]),
+                                     torch.tensor([5.0, 3.0]), 5])
+def test_src_lengths_of_the_wrong_type_are_named(lengths):
+    model = _model(dtype=torch.float32)
+    src, tgt = torch.randint(3, VOCAB, (2, 5)), torch.full((2, 3), BOS)
+    with pytest.raises(TypeError, match="src_lengths"):
+        model(src, tgt, src_lengths=lengths)
+    torch.testing.assert_close(model(src, tgt, src_lengths=torch.tensor([5, 3])),
+                               model(src, tgt, src_lengths=[5, 3]))
+
+
 def test_max_len_is_no_longer_a_name_of_greedy_decode():
     """One name per idea: the number of tokens to decode is max_new_tokens, as in GPT.generate."""
     with pytest.raises(TypeError, match="max_len"):

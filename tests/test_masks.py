@@ -310,3 +310,8 @@ def test_padding_mask_refuses_lengths_without_an_order(lengths, error, match):
     set's arbitrary order were read silently as lengths; a 2-D array named lengths[0]."""
     with pytest.raises(error, match=match):
         padding_mask(lengths)
+
+
+def test_padding_mask_refuses_lengths_without_values():
+    with pytest.raises(ValueError, match="lengths must hold values"):
+        padding_mask(torch.tensor([1, 2], device="meta"))

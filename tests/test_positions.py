@@ -390,3 +390,22 @@ def test_alibi_device_is_checked_and_kept():
     assert alibi_slopes(2, device=torch.device("cpu")).device.type == "cpu"
     with pytest.raises(ValueError, match="device must name a device"):
         alibi_slopes(2, device="tpu:x")
+
+
+def test_float8_is_refused_by_name():
+    """PyTorch has no arithmetic for float8: a TypeError naming the argument, not its own."""
+    with pytest.raises(TypeError, match="dtype must be float16 or wider"):
+        alibi_bias(2, 3, dtype=torch.float8_e4m3fn)
+    with pytest.raises(TypeError, match="x must be float16 or wider"):
+        apply_rope(torch.ones(1, 2, 4).to(torch.float8_e4m3fn))
+
+
+def test_rope_positions_one_rule_for_scalars_and_meta():
+    """A scalar is refused whether a Python int or a 0-d tensor; positions must hold values."""
+    x = torch.ones(1, 1, 4)
+    for scalar in (3, torch.tensor(3), np.int64(3)):
+        with pytest.raises(ValueError, match="positions must have shape"):
+            apply_rope(x, scalar)
+    torch.testing.assert_close(apply_rope(x, [3]), apply_rope(x, torch.tensor([3])))
+    with pytest.raises(ValueError, match="positions must hold values"):
+        apply_rope(torch.ones(1, 2, 4), torch.tensor([0.0, 1.0], device="meta"))

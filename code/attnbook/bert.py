@@ -39,7 +39,8 @@ from attnbook.notebook import minilm_path as minilm_path
 
 @dataclass(frozen=True)
 class BERTConfig:
-    """The sizes of a BERT model, by default BERT-base's. pad_id=None: no padding token."""
+    """The sizes of a BERT model, by default BERT-base's. pad_id=None: no padding token;
+    attn_dropout=None: the attention weights get `dropout` too."""
 
     vocab_size: int = 30522
     d_model: int = 768
@@ -48,7 +49,8 @@ class BERTConfig:
     d_ff: int = 3072
     context_length: int = 512
     type_vocab_size: int = 2
-    dropout: float = 0.1
+    dropout: float = 0.1  # on the embeddings and the sublayers' outputs
+    attn_dropout: float | None = None
     eps: float = 1e-12
     pad_id: int | None = 0
     backend: str = "sdpa"
@@ -58,6 +60,9 @@ class BERTConfig:
                      "type_vocab_size"):
             object.__setattr__(self, name, check_int(name, getattr(self, name), 1))
         object.__setattr__(self, "dropout", check_probability("dropout", self.dropout))
+        if self.attn_dropout is not None:
+            object.__setattr__(self, "attn_dropout",
+                               check_probability("attn_dropout", self.attn_dropout))
         object.__setattr__(self, "eps", check_positive("eps", self.eps))
         if self.pad_id is not None:
             object.__setattr__(self, "pad_id", check_int("pad_id", self.pad_id, 0,
@@ -70,14 +75,17 @@ class BERTConfig:
 
     @property
     def block(self) -> BlockConfig:
-        """Every block's settings: post-norm, as in the original Transformer, with exact GELU."""
+        """Every block's settings: post-norm, as in the original Transformer, with exact GELU,
+        and no dropout inside the FFN (as in BERT)."""
         return BlockConfig(self.d_model, self.num_heads, self.d_ff, self.dropout, norm_first=False,
-                           activation="gelu", eps=self.eps, backend=self.backend)
+                           activation="gelu", eps=self.eps, attn_dropout=self.attn_dropout,
+                           ff_dropout=0.0, backend=self.backend)
 
 
 # chapters/08-bert.md, "Inputs: tokens, positions and segments"
 class BERTEmbeddings(nn.Module):
-    """(B, L) ids and token types -> LayerNorm(word + position + type embedding), dropout."""
+    """(B, L) ids and token types -> LayerNorm(word + position + type embedding), dropout. Its
+    config and calls are not checked: BERT and BERT.encode check theirs."""
 
     def __init__(self, config: BERTConfig) -> None:
         super().__init__()
@@ -95,7 +103,8 @@ class BERTEmbeddings(nn.Module):
 
 # chapters/08-bert.md, "The encoder and the masked-LM head"
 class MaskedLMHead(nn.Module):
-    """(..., d_model) -> LayerNorm(GELU(dense(hidden))) @ word_embeddings.T + bias."""
+    """(..., d_model) -> LayerNorm(GELU(dense(hidden))) @ word_embeddings.T + bias. Its config
+    and calls are not checked: BERT and BERT.encode check theirs."""
 
     def __init__(self, config: BERTConfig) -> None:
         super().__init__()
@@ -240,7 +249,8 @@ def _from_hf_bert(cls: type, model) -> BERT:
         d_ff=len(theirs["bert.encoder.layer.0.intermediate.dense.weight"]),
         context_length=len(theirs["bert.embeddings.position_embeddings.weight"]),
         type_vocab_size=len(theirs["bert.embeddings.token_type_embeddings.weight"]),
-        dropout=embeddings.dropout.p, eps=embeddings.LayerNorm.eps,
+        dropout=embeddings.dropout.p, attn_dropout=attention.dropout.p,
+        eps=embeddings.LayerNorm.eps,
         pad_id=embeddings.word_embeddings.padding_idx)
     ours = cls(config).to(device=word.device, dtype=word.dtype)
     ours.load_state_dict({mine: theirs[name] for mine, name in names.items()},

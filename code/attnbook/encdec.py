@@ -11,6 +11,7 @@ __all__ = [
 
 # chapters/11-encoder-decoder.md, "The model"
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -166,7 +167,9 @@ class EncoderDecoder(nn.Module):
         `src_padding` (B, Ls), True at real source tokens (None: all); with `return_weights`, also
         each decoder block's cross-attention weights (B, nh, Lt, Ls)."""
         c = self.config
-        memory = check_tensor("memory", memory, ndim=3, size=c.d_model)
+        weight = self.lm_head.weight  # memory must have the model's dtype and device
+        memory = check_tensor("memory", memory, ndim=3, size=c.d_model, dtype=weight.dtype,
+                              device=weight.device)
         shape = tuple(memory.shape[:2])  # (B, Ls): src_padding's
         tgt_in = _check_ids("tgt_in", tgt_in, c.tgt_vocab, c.context_length, batch=shape[0])
         return_weights = check_bool("return_weights", return_weights)
@@ -180,7 +183,7 @@ class EncoderDecoder(nn.Module):
                       src_lengths=None) -> torch.Tensor:
         """Target ids (B, T <= max_new_tokens, default config.context_length): each row the
         tokens after BOS up to EOS, then pad_id. Runs in eval mode without gradients, then
-        restores the mode."""
+        restores each module's mode."""
         c = self.config
         src, src_padding = self._source(src, src_lengths)
         steps = c.context_length if max_new_tokens is None else check_int(
@@ -196,11 +199,17 @@ class EncoderDecoder(nn.Module):
         src = _check_ids("src", src, self.config.src_vocab, self.config.context_length)
         if src_lengths is None:
             return src, src != self.config.pad_id
-        b, ls = src.shape
-        lengths = torch.as_tensor(src_lengths, device=src.device)  # (B,)
-        if lengths.shape != (b,) or not ((lengths >= 1) & (lengths <= ls)).all():
-            raise ValueError(f"src_lengths must hold {b} lengths in [1, {ls}], got {src_lengths=}")
-        return src, padding_mask(lengths, ls)
+        b, ls = src.shape  # src_lengths: B ints in [1, ls], as a sequence, tensor or array
+        wanted = f"src_lengths must hold {b} ints in [1, {ls}], got {src_lengths=}"
+        if tuple(getattr(src_lengths, "shape", (b,))) != (b,):
+            raise ValueError(wanted)
+        values = src_lengths.tolist() if hasattr(src_lengths, "tolist") else src_lengths
+        if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+            raise TypeError(wanted)
+        if len(values) != b:
+            raise ValueError(wanted)
+        lengths = [check_int(f"src_lengths[{i}]", n, 1, ls) for i, n in enumerate(values)]
+        return src, padding_mask(lengths, ls, device=src.device)
 
 
 def _check_ids(name: str, ids, vocab: int, longest: int, batch: int | None = None) -> torch.Tensor:
@@ -214,7 +223,7 @@ def _check_ids(name: str, ids, vocab: int, longest: int, batch: int | None = Non
 def _greedy_decode(model: EncoderDecoder, src: torch.Tensor, src_padding: torch.Tensor,
                    steps: int) -> torch.Tensor:
     """Up to `steps` tokens for the checked ids src (B, Ls) of padding src_padding (B, Ls)."""
-    c, was_training = model.config, model.training
+    c, modes = model.config, {m: m.training for m in model.modules()}  # each module's own
     model.eval()  # no dropout: the same source always gives the same output
     try:
         memory = model._encode(src, src_padding)  # (B, Ls, d_model), once for every step
@@ -227,5 +236,6 @@ def _greedy_decode(model: EncoderDecoder, src: torch.Tensor, src_padding: torch.
             if done.all():  # the one read of a result per step: every row has ended
                 break
     finally:
-        model.train(was_training)
+        for module, training in modes.items():
+            module.training = training
     return out[:, 1:]

@@ -42,6 +42,8 @@ def padding_mask(lengths: Sequence[int] | torch.Tensor, max_len: int | None = No
 def _check_lengths(lengths) -> list[int]:
     if getattr(lengths, "ndim", 1) != 1:  # a tensor or an array
         raise ValueError(f"lengths must be 1-D, got shape {tuple(lengths.shape)}")
+    if getattr(lengths, "is_meta", False):  # a shape but no values
+        raise ValueError("lengths must hold values, got a tensor on the meta device")
     lengths = lengths.tolist() if isinstance(lengths, torch.Tensor) else lengths
     if isinstance(lengths, (str, bytes, Set, Mapping)) or not isinstance(lengths, Iterable):
         # a set has no order, and a dict's keys are not its lengths

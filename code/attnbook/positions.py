@@ -46,6 +46,8 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor | None = None,
     pairs (i, i + d/2), as in GPT-NeoX and Llama, turned by position * base**(-2i/d), computed in
     float64 (float32 on MPS). Returns x's shape and dtype."""
     x, base = check_tensor("x", x), check_positive("base", base)
+    if x.dtype.itemsize == 1:  # float8: PyTorch has no arithmetic for it
+        raise TypeError(f"x must be float16 or wider, got dtype {x.dtype}")
     d = x.shape[-1] if x.dim() else 0  # x is (..., L, d)
     if x.dim() < 2 or d < 2 or d % 2:
         raise ValueError(f"x must have shape (..., L, d) with an even d >= 2, got shape "
@@ -65,9 +67,11 @@ def _as_positions(positions, length: int, device: torch.device, dtype: torch.dty
     if positions is None:
         return torch.arange(length, device=device, dtype=dtype)
     if not isinstance(positions, torch.Tensor):  # a list or an array: checked as NumPy data
-        positions = torch.from_numpy(np.ascontiguousarray(check_array("positions", positions)))
+        positions = torch.from_numpy(np.array(check_array("positions", positions)))  # 0-d stays
     if positions.dtype == torch.bool or positions.is_complex():
         raise TypeError(f"positions must hold real numbers, got dtype {positions.dtype}")
+    if positions.is_meta and device.type != "meta":
+        raise ValueError("positions must hold values, got a tensor on the meta device")
     return check_tensor("positions", positions.to(device, dtype), shape=(length,))
 
 
@@ -98,7 +102,9 @@ def alibi_bias(num_heads: int, q_len: int, k_len: int | None = None, *,
     computed in float32, where a distance past 65,504 is finite, and rounded back."""
     q_len = check_int("q_len", q_len, minimum=1)
     k_len = q_len if k_len is None else check_int("k_len", k_len, minimum=1)
-    work = compute_dtype(check_float_dtype("dtype", dtype))
+    if check_float_dtype("dtype", dtype).itemsize == 1:  # float8: no arithmetic in PyTorch
+        raise TypeError(f"dtype must be float16 or wider, got {dtype}")
+    work = compute_dtype(dtype)
     slopes = alibi_slopes(num_heads, dtype=work, device=device)  # (nh,)
     query_at = torch.arange(q_len, device=slopes.device) + (k_len - q_len)
     distance = (query_at[:, None] - torch.arange(k_len, device=slopes.device)).abs()  # (Lq, Lk)
