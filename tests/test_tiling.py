@@ -371,6 +371,15 @@ def test_float16_running_sums_are_float32():
     assert l == 5000 and np.asarray(l).dtype == np.float32
 
 
+def test_a_float64_state_stays_float64_beside_a_float32_block():
+    # Before, the state was rounded to the block's float32 and lost the 1e-9.
+    m, l = np.array([1.0 + 1e-9]), np.array([1.0 + 1e-9])
+    m2, l2 = online_softmax_update(m, l, np.array([[-50.0]], np.float32))
+    assert m2.dtype == l2.dtype == np.float64
+    np.testing.assert_array_equal(m2, m)
+    np.testing.assert_allclose(l2, l + np.exp(-50.0 - m), rtol=1e-15)  # the formula
+
+
 def test_empty_blocks_and_rows():
     assert online_softmax(np.zeros((3, 0))).shape == (3, 0)
     m, l = online_softmax_update(np.array([1.0]), np.array([2.0]), np.zeros((1, 0)))
@@ -504,6 +513,9 @@ def test_gpus_and_the_roofline():
         (lambda: find_gpu("NVIDIA A100-SXM4-40GB"), ValueError, "is a 40GB board"),
         (lambda: find_gpu("NVIDIA H100 PCIe"), ValueError, "is a PCIE board, whose peaks"),
         (lambda: find_gpu("NVIDIA H100 NVL"), ValueError, "is a NVL board"),
+        (lambda: find_gpu("NVIDIA H100 80GB HBM3 MIG 1g.10gb"), ValueError,
+         "device_name='NVIDIA H100 80GB HBM3 MIG 1g.10gb' is a MIG slice, which has a share"),
+        (lambda: find_gpu("NVIDIA A100-SXM4-80GB MIG 3g.40gb"), ValueError, "is a MIG slice"),
         (lambda: roofline_seconds(-1, 1, "T4"), ValueError, "flops must be a finite number"),
         (lambda: roofline_seconds(1, float("nan"), "T4"), ValueError,
          "bytes_moved must be a finite number"),
@@ -512,6 +524,8 @@ def test_gpus_and_the_roofline():
         (lambda: roofline_seconds(1, 1, "T4", itemsize=8), ValueError,
          "itemsize must be 2 or 4, got itemsize=8"),
         (lambda: GPUS["A100"].peak_flops(2.0), TypeError, "itemsize must be an int"),
+        (lambda: flash_attention_numpy(**OK, tally={"Q": "0"}), TypeError,
+         "tally\\['Q'\\] must be an int, got tally\\['Q'\\]='0'"),
         (lambda: flash_attention_numpy(**OK, tally=[]), TypeError,
          "tally must be an instance of dict, got tally=\\[\\]"),
     ],
