@@ -334,6 +334,25 @@ def test_non_finite_queries_or_keys_give_nan_as_in_torch(where, bad, block):
     np.testing.assert_allclose(ours[~np.isnan(ours)], expected[~np.isnan(expected)], atol=1e-12)
 
 
+@pytest.mark.parametrize("where", ["K", "V"])
+@pytest.mark.parametrize("lq, lk", [(9, 9), (12, 7), (5, 11)])
+def test_every_row_that_may_see_a_nan_is_nan_at_every_block_size(where, lq, lk):
+    # Rows the causal mask hides the NaN from may be NaN or not (by tile, by backend); the rows
+    # that may see it are NaN everywhere: here, at every block size and in PyTorch.
+    rng = np.random.default_rng(14)
+    arrays = {"Q": rng.normal(size=(lq, 4)), "K": rng.normal(size=(lk, 4)),
+              "V": rng.normal(size=(lk, 3))}
+    j = lk - 2  # a late key: the rows before row j + lq - lk may not see it
+    arrays[where][j] = np.nan
+    sees = np.arange(lq) + (lk - lq) >= j  # query i sees key j iff j <= i + lk - lq
+    with np.errstate(invalid="ignore"):
+        assert np.isnan(torch_reference(**arrays, mask=causal_mask(lq, lk))[sees]).all()
+        assert np.isnan(reference(**arrays, causal=True)[sees]).all()  # chapter 1's
+        for block in range(1, lq + 2):
+            ours = flash_attention_numpy(**arrays, causal=True, block_size=block)
+            assert np.isnan(ours[sees]).all(), block
+
+
 def test_nan_with_a_causal_mask_keeps_dead_rows_zero():
     rng = np.random.default_rng(13)
     Q, K, V = rng.normal(size=(8, 4)), rng.normal(size=(3, 4)), rng.normal(size=(3, 2))
