@@ -30,7 +30,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
 from attnbook.checks import (  # noqa: F811 (notebook)
-    check_bool, check_choice, check_instance, check_int)
+    check_bool,
+    check_choice,
+    check_instance,
+    check_int,
+)
 
 # By GPU: the compute capability Triton compiles for, the most shared memory a program may use.
 GPUS = {"T4": 75, "A100": 80, "H100": 90}
