@@ -31,7 +31,7 @@ import re
 import sys
 import threading
 import warnings
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
@@ -322,6 +322,34 @@ def test_choose_tiles_states_the_chapters_rule():
     assert choose_tiles(_on_all(64, shared_kb=65) + spilling) == {("dq", 64): 16}
     # a tile that was not compiled is not chosen
     assert choose_tiles(_on_all(32)) == {("dq", 64): 32}
+
+
+def test_choose_tiles_refuses_mixed_dtypes_and_rectangular_tiles():
+    # Before, a float16 64-row tile that spilled beside a float32 32-row one gave 32 rows, a
+    # tile never compiled in float16; and a 64x16 tile was taken for a 64x64 one.
+    fp16_64 = _fake("A100", 64, spill=4)
+    fp32_32 = replace(_fake("A100", 32), dtype="float32")
+    with pytest.raises(ValueError, match="compiled must hold square tiles of one dtype, got "
+                       "32x32 rows of float32 beside float16"):
+        choose_tiles([fp16_64, fp32_32])
+    with pytest.raises(ValueError, match="got 64x16 rows of float16"):
+        choose_tiles([replace(_fake("A100", 64), block_n=16)])
+
+
+@pytest.mark.parametrize("call, error, message", [
+    (lambda: choose_tiles([replace(_fake("A100", 64), gpu="V100")]), ValueError,
+     "compiled gpu must be one of .*, got compiled gpu='V100'"),
+    (lambda: choose_tiles([{"gpu": "T4"}]), TypeError, "compiled item must be an instance of"),
+    (lambda: choose_tiles(None), TypeError, "compiled must be an instance of list"),
+    (lambda: compile_kernels(None), TypeError, "requests must be an instance of list"),
+    (lambda: largest_tiles("float16", head_dims=64), TypeError,
+     "head_dims must be an instance of tuple or list, got head_dims=64"),
+    (lambda: largest_tiles("float16", kernels="forward"), TypeError,
+     "kernels must be an instance of tuple or list, got kernels='forward'"),
+])
+def test_bad_tile_arguments_are_named(call, error, message):
+    with pytest.raises(error, match=message):
+        call()
 
 
 def test_bfloat16_compiles_as_cleanly_as_float16_on_gpus_that_have_it(compiler):

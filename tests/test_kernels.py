@@ -173,6 +173,21 @@ def test_non_finite_input_propagates_as_in_torch(tensor, bad):
     torch.testing.assert_close(out[finite], expected[finite], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("tensor", ["k", "v"])
+@pytest.mark.parametrize("lq, lk", [(100, 100), (70, 100), (100, 70)])
+def test_every_row_that_may_see_a_masked_nan_is_nan(tensor, lq, lk):
+    # Under a causal mask, a NaN in key j reaches the rows that may see it on every backend
+    # (ours, PyTorch's); the rows it is hidden from may be NaN or not, by tile and backend.
+    torch.manual_seed(5)
+    qkv = {"q": torch.randn(1, 1, lq, 16, device=DEVICE)}
+    qkv.update({name: torch.randn(1, 1, lk, 16, device=DEVICE) for name in "kv"})
+    j = lk - 1  # the last key: only the rows i with j <= i + lk - lq may see it
+    qkv[tensor][0, 0, j] = math.nan
+    sees = torch.arange(lq, device=DEVICE) + (lk - lq) >= j
+    for out in (flash_attention(**qkv, causal=True), reference(*qkv.values(), causal=True)):
+        assert out[0, 0, sees].isnan().all()
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_batch_and_heads(seed):
     torch.manual_seed(seed)
@@ -278,6 +293,9 @@ BAD_INPUTS = {
     "scale-minus-3e38": (dict(scale=-3e38), ValueError,
                          r"scale must be a finite number in \[-2\.358.*got scale=-3e\+38"),
 }
+# Before, the interpreter raised a raw NotImplementedError (it copies tensors to the CPU).
+BAD_INPUTS["meta-device"] = (dict(q=t(1, 2, 8, 16, device="meta"), k=t(1, 2, 8, 16, device="meta"),
+                              v=t(1, 2, 8, 16, device="meta")), ValueError, "q is on device meta")
 if torch.cuda.is_available():
     BAD_INPUTS["mixed-devices"] = (dict(k=t(1, 2, 8, 16, device="cpu")), ValueError,
                                    "k must be on device cuda")
@@ -335,6 +353,15 @@ def test_an_explicit_choice_is_kept_and_cpu_tensors_get_a_clear_error():
     assert result.returncode != 0
     assert "ValueError: q is on device cpu" in result.stderr
     assert "use_triton_interpreter()" in result.stderr and "TRITON_INTERPRET=1" in result.stderr
+
+
+def test_setting_the_variable_after_triton_was_imported_compiled_gives_a_clear_error():
+    # Before, use_triton_interpreter() returned True and flash_attention raised later.
+    code = ("import os; os.environ.pop('TRITON_INTERPRET', None); import triton; "
+            "os.environ['TRITON_INTERPRET'] = '1'; " + CHOOSE + "choose()")
+    result = run_python(code, CUDA_VISIBLE_DEVICES="")
+    assert result.returncode != 0
+    assert "RuntimeError: triton was imported in compiled mode" in result.stderr
 
 
 def test_choosing_after_triton_was_imported_compiled_gives_a_clear_error():
@@ -445,7 +472,11 @@ def test_use_triton_interpreter_reads_the_variable_as_triton_does(value, monkeyp
     from attnbook.triton_mode import use_triton_interpreter
 
     monkeypatch.setenv("TRITON_INTERPRET", value)
-    assert use_triton_interpreter() == getenv_bool("TRITON_INTERPRET", False)
+    if getenv_bool("TRITON_INTERPRET", False) and not INTERPRETED:  # triton imported compiled
+        with pytest.raises(RuntimeError, match="triton was imported in compiled mode"):
+            use_triton_interpreter()
+    else:
+        assert use_triton_interpreter() == getenv_bool("TRITON_INTERPRET", False)
     assert os.environ["TRITON_INTERPRET"] == value  # a choice already made is kept
 
 

@@ -334,6 +334,25 @@ def test_non_finite_queries_or_keys_give_nan_as_in_torch(where, bad, block):
     np.testing.assert_allclose(ours[~np.isnan(ours)], expected[~np.isnan(expected)], atol=1e-12)
 
 
+@pytest.mark.parametrize("where", ["K", "V"])
+@pytest.mark.parametrize("lq, lk", [(9, 9), (12, 7), (5, 11)])
+def test_every_row_that_may_see_a_nan_is_nan_at_every_block_size(where, lq, lk):
+    # Rows the causal mask hides the NaN from may be NaN or not (by tile, by backend); the rows
+    # that may see it are NaN everywhere: here, at every block size and in PyTorch.
+    rng = np.random.default_rng(14)
+    arrays = {"Q": rng.normal(size=(lq, 4)), "K": rng.normal(size=(lk, 4)),
+              "V": rng.normal(size=(lk, 3))}
+    j = lk - 2  # a late key: the rows before row j + lq - lk may not see it
+    arrays[where][j] = np.nan
+    sees = np.arange(lq) + (lk - lq) >= j  # query i sees key j iff j <= i + lk - lq
+    with np.errstate(invalid="ignore"):
+        assert np.isnan(torch_reference(**arrays, mask=causal_mask(lq, lk))[sees]).all()
+        assert np.isnan(reference(**arrays, causal=True)[sees]).all()  # chapter 1's
+        for block in range(1, lq + 2):
+            ours = flash_attention_numpy(**arrays, causal=True, block_size=block)
+            assert np.isnan(ours[sees]).all(), block
+
+
 def test_nan_with_a_causal_mask_keeps_dead_rows_zero():
     rng = np.random.default_rng(13)
     Q, K, V = rng.normal(size=(8, 4)), rng.normal(size=(3, 4)), rng.normal(size=(3, 2))
@@ -369,6 +388,15 @@ def test_float16_running_sums_are_float32():
     for _ in range(5000):
         m, l = online_softmax_update(m, l, np.zeros(1, np.float16))
     assert l == 5000 and np.asarray(l).dtype == np.float32
+
+
+def test_a_float64_state_stays_float64_beside_a_float32_block():
+    # Before, the state was rounded to the block's float32 and lost the 1e-9.
+    m, l = np.array([1.0 + 1e-9]), np.array([1.0 + 1e-9])
+    m2, l2 = online_softmax_update(m, l, np.array([[-50.0]], np.float32))
+    assert m2.dtype == l2.dtype == np.float64
+    np.testing.assert_array_equal(m2, m)
+    np.testing.assert_allclose(l2, l + np.exp(-50.0 - m), rtol=1e-15)  # the formula
 
 
 def test_empty_blocks_and_rows():
@@ -504,6 +532,9 @@ def test_gpus_and_the_roofline():
         (lambda: find_gpu("NVIDIA A100-SXM4-40GB"), ValueError, "is a 40GB board"),
         (lambda: find_gpu("NVIDIA H100 PCIe"), ValueError, "is a PCIE board, whose peaks"),
         (lambda: find_gpu("NVIDIA H100 NVL"), ValueError, "is a NVL board"),
+        (lambda: find_gpu("NVIDIA H100 80GB HBM3 MIG 1g.10gb"), ValueError,
+         "device_name='NVIDIA H100 80GB HBM3 MIG 1g.10gb' is a MIG slice, which has a share"),
+        (lambda: find_gpu("NVIDIA A100-SXM4-80GB MIG 3g.40gb"), ValueError, "is a MIG slice"),
         (lambda: roofline_seconds(-1, 1, "T4"), ValueError, "flops must be a finite number"),
         (lambda: roofline_seconds(1, float("nan"), "T4"), ValueError,
          "bytes_moved must be a finite number"),
@@ -512,6 +543,8 @@ def test_gpus_and_the_roofline():
         (lambda: roofline_seconds(1, 1, "T4", itemsize=8), ValueError,
          "itemsize must be 2 or 4, got itemsize=8"),
         (lambda: GPUS["A100"].peak_flops(2.0), TypeError, "itemsize must be an int"),
+        (lambda: flash_attention_numpy(**OK, tally={"Q": "0"}), TypeError,
+         "tally\\['Q'\\] must be an int, got tally\\['Q'\\]='0'"),
         (lambda: flash_attention_numpy(**OK, tally=[]), TypeError,
          "tally must be an instance of dict, got tally=\\[\\]"),
     ],

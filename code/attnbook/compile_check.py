@@ -29,7 +29,12 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
-from attnbook.checks import check_bool, check_choice, check_int  # noqa: F811 (notebook)
+from attnbook.checks import (  # noqa: F811 (notebook)
+    check_bool,
+    check_choice,
+    check_instance,
+    check_int,
+)
 
 # By GPU: the compute capability Triton compiles for, the most shared memory a program may use.
 GPUS = {"T4": 75, "A100": 80, "H100": 90}
@@ -150,7 +155,7 @@ def compile_kernels(requests: list[dict], workers: int | None = None) -> list[Co
     KERNELS, GPUS, DTYPES), head_dim, and optionally causal (True), block and block_n (rows
     of the query and key tiles), warps and stages (all the launcher's, or block alone: square
     tiles, NUM_WARPS and NUM_STAGES)."""
-    requests = [_checked(request) for request in requests]
+    requests = [_checked(request) for request in check_instance("requests", requests, list)]
     workers = (os.cpu_count() or 1) if workers is None else check_int("workers", workers, 1)
     n = min(workers, len(requests), 4)  # processes, each compiling every n-th request
     # Compiled mode; compile even what Triton has cached, so that ptxas runs and reports.
@@ -210,9 +215,14 @@ def _main() -> None:
 # chapters/a4-compiling.md, "Appendix D: Compiling for GPUs the machine does not have"
 def choose_tiles(compiled: list[Compiled]) -> dict:
     """{(kernel, head_dim): rows}: the largest of 64 and 32 rows that fits the shared memory of
-    every GPU compiled for and spills no register on the A100 and the H100, else 16."""
+    every GPU compiled for and spills no register on the A100 and the H100, else 16.
+    `compiled` holds square tiles (block_n == block) of one dtype, on GPUS."""
     ok = {}
-    for c in compiled:
+    for c in check_instance("compiled", compiled, list):
+        check_choice("compiled gpu", check_instance("compiled item", c, Compiled).gpu, GPUS)
+        if c.block_n != c.block or c.dtype != compiled[0].dtype:
+            raise ValueError(f"compiled must hold square tiles of one dtype, got {c.block}x"
+                             f"{c.block_n} rows of {c.dtype} beside {compiled[0].dtype}")
         key = (c.kernel, c.head_dim, c.block)
         ok[key] = ok.get(key, True) and c.fits and (c.gpu == "T4" or c.spill_bytes == 0)
     return {(k, d): next((b for b in (64, 32) if ok.get((k, d, b))), 16) for k, d, _ in ok}
@@ -221,6 +231,8 @@ def choose_tiles(compiled: list[Compiled]) -> dict:
 def largest_tiles(dtype: str, head_dims=(16, 32, 64, 128), kernels=KERNELS,
                   workers: int | None = None) -> dict:
     """choose_tiles over 64- and 32-row tiles of `kernels` and `head_dims`, on all of GPUS."""
+    check_instance("head_dims", head_dims, (tuple, list))
+    check_instance("kernels", kernels, (tuple, list))  # a str would be iterated letter by letter
     candidates = [dict(kernel=k, dtype=dtype, head_dim=d, block=b, gpu=g)
                   for k in kernels for d in head_dims for b in (64, 32) for g in GPUS]
     return choose_tiles(compile_kernels(candidates, workers))

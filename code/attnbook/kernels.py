@@ -465,6 +465,9 @@ def _check_mode(device: torch.device) -> None:
         raise ValueError(f"q is on device {device}, but the kernels were compiled for the GPU: "
                          "use 'cuda', or call attnbook.triton_mode.use_triton_interpreter() "
                          "(or set TRITON_INTERPRET=1) before anything imports triton")
+    if device.type == "meta":  # shapes without data: the interpreter has nothing to read
+        raise ValueError(f"q is on device {device}, which holds no data: use 'cpu' in the "
+                         "interpreter")
     if _MIXED:
         raise RuntimeError("triton was imported in compiled mode before TRITON_INTERPRET=1 was "
                            "set, so the interpreted kernels cannot call its library: call "

@@ -39,15 +39,19 @@ from attnbook.checks import (  # noqa: F401 (check_choice, check_positive, check
 
 def online_softmax_update(m, l, block) -> tuple[np.ndarray, np.ndarray]:
     """Fold a block of scores (..., b) into the running max `m` and sum `l` (both (...,), starting
-    at -inf and 0): then l = sum(exp(x - m)) over every score seen. float16 sums in float32."""
+    at -inf and 0): then l = sum(exp(x - m)) over every score seen. float16 sums in float32;
+    the state keeps the wider of its dtype and the block's (Python numbers take the block's)."""
     block = check_array("block", block, min_ndim=1)
     block = block.astype(compute_dtype(block.dtype), copy=False)
-    m, l = check_array("m", m), check_array("l", l)
+    given, (m, l) = (m, l), (check_array("m", m), check_array("l", l))
     for name, x in (("m", m), ("l", l)):  # one running value per row of the block
         if x.shape != block.shape[:-1]:
             raise ValueError(f"{name} must have shape {block.shape[:-1]}, block's rows, got "
                              f"shape {x.shape}")
-    return _fold(m.astype(block.dtype, copy=False), l.astype(block.dtype, copy=False), block)
+    dtype = np.result_type(block, *(x for x, g in zip((m, l), given)
+                                    if not isinstance(g, (int, float))))  # float64 stays
+    return _fold(m.astype(dtype, copy=False), l.astype(dtype, copy=False),
+                 block.astype(dtype, copy=False))
 
 
 def _fold(m: np.ndarray, l: np.ndarray, block: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -109,6 +113,8 @@ def flash_attention_numpy(Q, K, V, causal: bool = False, block_size: int = 64,
     block_size = check_int("block_size", block_size, minimum=1)
     causal, scale = check_bool("causal", causal), check_scale(scale, Q.shape[-1])
     tally = {} if tally is None else check_instance("tally", tally, dict)
+    for key, count in tally.items():  # counts, added to
+        check_int(f"tally[{key!r}]", count)
     dtype = np.result_type(Q, K, V)
     batch = np.broadcast_shapes(Q.shape[:-2], K.shape[:-2], V.shape[:-2])
     Q, K, V = (np.broadcast_to(x.astype(compute_dtype(dtype), copy=False), batch + x.shape[-2:])
@@ -274,6 +280,9 @@ def find_gpu(device_name: str) -> GPUSpec:
     that only contains a key, as "T400" contains "T4" and "A1000" "A100", is another GPU."""
     check_instance("device_name", device_name, str)
     words = "".join(c if c.isalnum() else " " for c in device_name.upper()).split()
+    if "MIG" in words:  # a slice such as "MIG 1g.10gb" has a share of the board's peaks
+        raise ValueError(f"device_name={device_name!r} is a MIG slice, which has a share of "
+                         "the board's peaks, not GPUS' peaks: name the whole board")
     if len(named := [key for key in GPUS if key in words]) > 1:
         raise ValueError(f"device_name={device_name!r} names {' and '.join(named)}: name one GPU")
     for key, spec in GPUS.items():

@@ -22,13 +22,18 @@ def use_triton_interpreter() -> bool:
     """Ask for Triton's CPU interpreter (TRITON_INTERPRET=1) on a machine without a GPU, unless
     TRITON_INTERPRET is set already; return whether Triton will interpret. Call it before
     anything imports triton, which fixes the choice (chapter 15, "Choosing the
-    interpreter"); if triton was imported in compiled mode without a GPU, RuntimeError says so."""
+    interpreter"); if triton was imported in compiled mode and the interpreter is asked for,
+    by this call or by TRITON_INTERPRET set since, RuntimeError says so."""
     import torch  # torch itself does not import triton
 
-    if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
-        if "triton" in sys.modules:  # too late: its library is decorated already
-            raise RuntimeError("triton was imported in compiled mode, but without a GPU the "
-                               "kernels need its interpreter: call use_triton_interpreter() "
-                               "before anything imports triton, or set TRITON_INTERPRET=1")
-        os.environ["TRITON_INTERPRET"] = "1"
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in _TRUE
+    asked = os.environ.get("TRITON_INTERPRET", "0" if torch.cuda.is_available() else "1")
+    interpreting = asked.lower() in _TRUE
+    triton = sys.modules.get("triton")  # its library is decorated when it is first imported
+    if interpreting and triton and type(triton.language.standard.sum).__name__ != \
+            "InterpretedFunction":
+        raise RuntimeError("triton was imported in compiled mode, but the kernels are asked to "
+                           "run in its interpreter: call use_triton_interpreter() (or set "
+                           "TRITON_INTERPRET=1) before anything imports triton")
+    if interpreting:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    return interpreting
