@@ -330,6 +330,8 @@ def test_divide_or_zero_broadcasts_and_takes_integers_like_np_divide():
         np.testing.assert_array_equal(divide_or_zero(x, total), np.divide(x, total))
     with pytest.raises(ValueError, match=r"x of shape \(2,\) and total of shape \(3,\)"):
         divide_or_zero(np.ones(2), np.ones(3))
+    for total in (2.0, 2, 0):  # a Python number keeps x's dtype, as in x / 2.0 (was float64)
+        assert divide_or_zero(np.ones(3, np.float32), total).dtype == np.float32
 
 
 @pytest.mark.parametrize("x", [3.0, np.float64(3.0), np.array(3.0)])

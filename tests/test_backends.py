@@ -121,6 +121,13 @@ def test_a_query_that_sees_nothing_gets_zeros_when_a_value_is_nan(backend):
     torch.testing.assert_close(out[0, 0, 0], torch.zeros(8), rtol=0, atol=0)
     reference = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     assert out[0, 0, 1:].isnan().all() and reference[0, 0, 1:].isnan().all()
+    # causal with more queries than keys (bottom-right): query 0 sees no key; the kernel gave NaN
+    q3 = torch.randn(1, 1, 3, 16)
+    k2, v2 = torch.randn(1, 1, 2, 16), torch.randn(1, 1, 2, 16)
+    v2[0, 0, 1, 0] = float("nan")
+    out = _BACKENDS[backend](q3, k2, v2, None, True, 0.0)
+    torch.testing.assert_close(out[0, 0, 0], torch.zeros(16), rtol=0, atol=0)
+    assert out[0, 0, 1:, 0].isnan().all()
 
 
 @pytest.mark.parametrize("backend", ["sdpa", "explicit"])

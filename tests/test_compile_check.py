@@ -352,6 +352,12 @@ def test_bad_tile_arguments_are_named(call, error, message):
         call()
 
 
+def test_a_tuple_of_results_or_requests_is_taken_as_a_list():
+    # the first argument checks took only a list; any sequence worked before them
+    assert choose_tiles(()) == choose_tiles([]) == {}
+    assert compile_kernels(()) == []
+
+
 def test_bfloat16_compiles_as_cleanly_as_float16_on_gpus_that_have_it(compiler):
     broken = []
     for r in compiler(BFLOAT16):

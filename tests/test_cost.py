@@ -320,3 +320,10 @@ def test_saved_tensor_bytes_refuses_meta_tensors():
     q, k = (torch.empty(64, 64, device="meta", requires_grad=True) for _ in range(2))
     with pytest.raises(ValueError, match="meta device"):
         saved_tensor_bytes(partial(scores, q, k), exclude=(q,))
+
+
+def test_saved_tensor_bytes_excludes_a_module_s_parameters_given_as_a_generator():
+    layer = torch.nn.Linear(8, 8)
+    x = torch.randn(4, 8, requires_grad=True)
+    kept = saved_tensor_bytes(lambda: layer(x).sum(), exclude=layer.parameters())[1]
+    assert kept == saved_tensor_bytes(lambda: layer(x).sum(), exclude=list(layer.parameters()))[1]

@@ -7,6 +7,7 @@ import time
 
 import numpy as np
 import pytest
+import torch
 
 from attnbook import notebook
 from attnbook.notebook import glue, median_seconds, significant
@@ -213,6 +214,13 @@ def test_a_cell_ending_in_glue_displays_nothing():
     count = glue("n", 7)
     assert count == 7 and hasattr(count, "_ipython_display_")
     assert glue("flag", True) is True and glue("text", "a") == "a"  # not numbers: as they are
+
+
+def test_significant_takes_0_d_arrays_and_tensors_and_median_seconds_synchronize_false():
+    # both were refused by the first fix of bad input; each worked before it
+    assert significant(np.array(0.0175151), 3) == significant(torch.tensor(0.0175151), 3) == 0.0175
+    (seconds,) = median_seconds(lambda: None, repeats=1, batch_seconds=0.001, synchronize=False)
+    assert seconds >= 0
 
 
 @pytest.mark.parametrize("value", ["1.2345", True, None, 1j, np.array([1.5])])

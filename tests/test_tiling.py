@@ -397,6 +397,9 @@ def test_a_float64_state_stays_float64_beside_a_float32_block():
     assert m2.dtype == l2.dtype == np.float64
     np.testing.assert_array_equal(m2, m)
     np.testing.assert_allclose(l2, l + np.exp(-50.0 - m), rtol=1e-15)  # the formula
+    # np.float64 is a subclass of float: it was taken for a Python number and rounded to float32
+    m3, l3 = online_softmax_update(np.float64(-np.inf), np.float64(0.0), np.ones(3, np.float32))
+    assert m3.dtype == l3.dtype == np.float64
 
 
 def test_empty_blocks_and_rows():

@@ -50,9 +50,11 @@ def softmax(x, axis: int = -1) -> np.ndarray:
 def divide_or_zero(x, total):
     """x / total, and x * 0 where total is 0: 0 for a query with no allowed key, while a NaN or
     inf in x gives NaN. x and total broadcast; integers become float64."""
-    x, total = check_array("x", x), check_array("total", total)
+    number = type(total) in (int, float)  # x / 2.0 keeps x's dtype, and so does this
+    x, total, given = check_array("x", x), check_array("total", total), total
     try:  # no temporary as large as x: see chapter 12
-        out = np.empty(np.broadcast_shapes(x.shape, total.shape), np.result_type(x, total))
+        dtype = np.result_type(x, given if number else total)
+        out = np.empty(np.broadcast_shapes(x.shape, total.shape), dtype)
     except ValueError:
         raise ValueError(f"x of shape {x.shape} and total of shape {total.shape} do not broadcast"
                          ) from None

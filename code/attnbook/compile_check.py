@@ -155,7 +155,7 @@ def compile_kernels(requests: list[dict], workers: int | None = None) -> list[Co
     KERNELS, GPUS, DTYPES), head_dim, and optionally causal (True), block and block_n (rows
     of the query and key tiles), warps and stages (all the launcher's, or block alone: square
     tiles, NUM_WARPS and NUM_STAGES)."""
-    requests = [_checked(request) for request in check_instance("requests", requests, list)]
+    requests = [_checked(r) for r in check_instance("requests", requests, (list, tuple))]
     workers = (os.cpu_count() or 1) if workers is None else check_int("workers", workers, 1)
     n = min(workers, len(requests), 4)  # processes, each compiling every n-th request
     # Compiled mode; compile even what Triton has cached, so that ptxas runs and reports.
@@ -218,7 +218,7 @@ def choose_tiles(compiled: list[Compiled]) -> dict:
     every GPU compiled for and spills no register on the A100 and the H100, else 16.
     `compiled` holds square tiles (block_n == block) of one dtype, on GPUS."""
     ok = {}
-    for c in check_instance("compiled", compiled, list):
+    for c in check_instance("compiled", compiled, (list, tuple)):
         check_choice("compiled gpu", check_instance("compiled item", c, Compiled).gpu, GPUS)
         if c.block_n != c.block or c.dtype != compiled[0].dtype:
             raise ValueError(f"compiled must hold square tiles of one dtype, got {c.block}x"

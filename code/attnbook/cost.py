@@ -19,7 +19,7 @@ __all__ = [
 import math
 import time
 import tracemalloc
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 import torch
@@ -32,6 +32,7 @@ from attnbook.checks import (
     check_instance,
     check_int,
     check_real,
+    type_error,
 )
 
 
@@ -126,8 +127,9 @@ def saved_tensor_bytes(fn: Callable[[], object], exclude: Sequence[torch.Tensor]
     of memory once, leaving out 0-d tensors and those sharing memory with one in `exclude`. Meta
     tensors are refused: with no memory, their blocks cannot be told apart."""
     check_callable("fn", fn)
-    exclude = [check_instance(f"exclude[{i}]", t, torch.Tensor)
-               for i, t in enumerate(check_instance("exclude", exclude, (list, tuple)))]
+    if not isinstance(exclude, Iterable) or isinstance(exclude, torch.Tensor):
+        raise type_error("exclude", exclude, "a sequence of tensors, such as model.parameters()")
+    exclude = [check_instance(f"exclude[{i}]", t, torch.Tensor) for i, t in enumerate(exclude)]
     skip = {t.untyped_storage().data_ptr() for t in exclude}
     saved: dict[int, int] = {}
 

@@ -164,7 +164,11 @@ def _triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
     group = q.shape[1] // k.shape[1]  # the kernel has no shared heads: they are repeated for it
     k, v = (t.repeat_interleave(group, dim=1) for t in (k, v))
-    return _flash_attention(q, k, v, is_causal, q.shape[-1] ** -0.5)
+    out = _flash_attention(q, k, v, is_causal, q.shape[-1] ** -0.5)
+    lq, lk = q.shape[2], k.shape[2]
+    if is_causal and lq > lk:  # the first lq - lk queries see no key: zeros, even by a NaN value
+        out = out.masked_fill(torch.arange(lq, device=q.device)[:, None] < lq - lk, 0.0)
+    return out
 
 
 def _kernel_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,

@@ -50,6 +50,8 @@ def significant(value: float, digits: int) -> float:
     0.017515176143916008 becomes 0.01752 for digits=4. Zero and non-finite values come back
     unchanged: a NaN is never rounded into a number.
     """
+    if getattr(value, "ndim", None) == 0 and hasattr(value, "item"):  # a 0-d array or tensor
+        value = value.item()
     if not isinstance(value, Real) or isinstance(value, bool):
         raise type_error("value", value, "a real number")
     digits, value = check_int("digits", digits, minimum=1), float(value)
@@ -123,7 +125,8 @@ def median_seconds(*calls: Callable[[], object], repeats: int = 5, batch_seconds
         raise TypeError(f"median_seconds times callables, got calls={calls!r}")
     repeats = check_int("repeats", repeats, minimum=1)
     batch_seconds = check_positive("batch_seconds", batch_seconds)
-    wait = (lambda: None) if synchronize is None else check_callable("synchronize", synchronize)
+    none = synchronize is None or synchronize is False  # as in `cuda and torch.cuda.synchronize`
+    wait = (lambda: None) if none else check_callable("synchronize", synchronize)
     if clock is None:  # a thread's time is wrong for a device's work, and coarse on Windows
         clock = time.perf_counter if synchronize or sys.platform == "win32" else time.thread_time
     check_real("clock()", check_callable("clock", clock)())  # before any call is timed

@@ -49,7 +49,7 @@ def online_softmax_update(m, l, block) -> tuple[np.ndarray, np.ndarray]:
             raise ValueError(f"{name} must have shape {block.shape[:-1]}, block's rows, got "
                              f"shape {x.shape}")
     dtype = np.result_type(block, *(x for x, g in zip((m, l), given)
-                                    if not isinstance(g, (int, float))))  # float64 stays
+                                    if type(g) not in (int, float)))  # np.float64 stays
     return _fold(m.astype(dtype, copy=False), l.astype(dtype, copy=False),
                  block.astype(dtype, copy=False))
 
