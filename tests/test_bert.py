@@ -363,6 +363,41 @@ def test_mask_tokens_bad_arguments(kwargs, error, match):
         mask_tokens(**args)
 
 
+@pytest.mark.parametrize("generator", [3, "seed", torch.ones(1)])
+def test_mask_tokens_refuses_a_generator_that_is_not_one(generator):
+    """A seed passed as the generator gave torch.rand's raw TypeError, which names no argument."""
+    with pytest.raises(TypeError, match="generator must be an instance of Generator or NoneType, "
+                                        "got generator="):
+        mask_tokens(torch.ones(4, 6, dtype=torch.long), 3, 50, generator=generator)
+
+
+class _GeneratorOnAGPU(torch.Generator):
+    """A CPU generator that says it is on cuda:0: the device check, on a machine without a GPU."""
+
+    @property
+    def device(self):
+        return torch.device("cuda", 0)
+
+
+def test_mask_tokens_refuses_a_generator_on_another_device():
+    """A generator on another device than the ids gave torch's RuntimeError, naming neither."""
+    ids = torch.ones(4, 6, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"generator must be on input_ids' device cpu, "
+                                         r"got generator on cuda:0"):
+        mask_tokens(ids, 3, 50, generator=_GeneratorOnAGPU())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_mask_tokens_refuses_a_cuda_generator_for_cpu_ids_and_the_reverse():
+    cpu_ids, gpu_ids = torch.ones(4, 6, dtype=torch.long), torch.ones(4, 6, dtype=torch.long, device="cuda")
+    with pytest.raises(ValueError, match="generator must be on input_ids' device cpu"):
+        mask_tokens(cpu_ids, 3, 50, generator=torch.Generator(device="cuda"))
+    with pytest.raises(ValueError, match="generator must be on input_ids' device cuda"):
+        mask_tokens(gpu_ids, 3, 50, generator=torch.Generator())
+    same = mask_tokens(gpu_ids, 3, 50, generator=torch.Generator(device="cuda").manual_seed(0))
+    assert same[0].device == gpu_ids.device
+
+
 # --- no silent wrong answers, errors that name the argument ------------------------
 
 

@@ -294,10 +294,10 @@ GATHERED = "  module: extra\n  describe:\n    gathered: The helper again.\n"
 def test_a_cell_can_export_to_a_second_module(book_copy):
     modules = tangle_extra_chapter(book_copy, GATHERED, "Extra", {
         "export": "def helper():\n    return 1",
-        "export:gathered": "from attnbook.extra import helper"})
+        "export:gathered": "from attnbook.extra import helper as helper"})
     extra, gathered = modules["extra"], modules["gathered"]
     assert "def helper():" in extra and '__all__ = [\n    "helper",\n]' in extra
-    assert "from attnbook.extra import helper" in gathered and '"helper"' in gathered
+    assert "from attnbook.extra import helper as helper" in gathered and '"helper"' in gathered
     init = (book_copy / "code" / "attnbook" / "__init__.py").read_text()
     assert '"extra",\n    "gathered",' in init
 
@@ -360,8 +360,10 @@ def test_generated_lines_lead_back_to_their_chapter_section(book_copy):
     for chapter in tangler.read_chapters():
         for module, cells in chapter.exports().items():
             text = files[f"code/attnbook/{module}.py"]
-            markers = re.findall(rf'^# {re.escape(chapter.relpath)}, "(.*)"$', text, re.MULTILINE)
-            assert markers == [cell.section or chapter.title for cell in cells], module
+            markers = re.findall(rf'^ *# {re.escape(chapter.relpath)}, "(.*)"$', text,
+                                 re.MULTILINE)  # indented: a cell that continues a class
+            wanted = [cell.section or chapter.title for cell in cells]  # a continuing cell's
+            assert sorted(markers) == sorted(wanted), module  # sits in its class, out of order
 
 
 def test_a_prose_only_edit_keeps_the_outputs(book_copy):
@@ -529,8 +531,9 @@ def test_a_module_exports_what_it_defines_and_what_it_explicitly_re_exports():
               "def _helper(): ...\n"
               "LIMIT = 3\n")
     assert tangler.public_names(source) == ["causal_mask", "padding_mask", "LIMIT"]
-    assert tangler.public_names("from attnbook.layers import attend, LayerCache\n") == [
-        "attend", "LayerCache"]  # a module that only gathers names exports them all
+    # a module that only imports names exports none of them: the special case for a module that
+    # gathered others' names (the old attnbook.models) is gone with that module
+    assert tangler.public_names("from attnbook.layers import attend, LayerCache\n") == []
 
 
 def _figure_cells(notebook: Path):
@@ -557,3 +560,153 @@ def test_figure_names_are_unique_in_the_book():
     names = [figure["figure"]["name"] for notebook in sorted((ROOT / "notebooks").glob("*.ipynb"))
              for figure in _figure_cells(notebook) if "figure" in figure]
     assert len(names) == len(set(names)) > 30
+
+
+# --- a class built over several cells (`# continues Name`) -----------------------------------
+
+CLASS_OVER_CELLS = '''---
+attnbook:
+  module: extra
+---
+
+# Extra
+
+```{code-cell} ipython3
+:tags: [export]
+
+class Counter:
+    """Numbers counted so far."""
+
+    def __init__(self):
+        self.counts = []
+```
+
+## Adding
+
+```{code-cell} ipython3
+:tags: [export]
+
+# continues Counter
+def add(self, x):
+    """Count `x`; the counter again."""
+    self.counts.append(x)
+    return self
+
+
+# the sum of what was counted
+@property
+def total(self):
+    return sum(self.counts)
+
+
+Counter.add = add
+Counter.total = total
+```
+
+```{code-cell} ipython3
+c = Counter().add(2).add(3)
+assert c.total == 5
+```
+
+```{code-cell} ipython3
+:tags: [export]
+
+def make():
+    return Counter()
+```
+
+## Several at once
+
+```{code-cell} ipython3
+:tags: [export]
+
+# continues Counter
+@classmethod
+def of(cls, *xs):
+    counter = cls()
+    for x in xs:
+        counter.add(x)
+    return counter
+
+
+Counter.of = of
+```
+'''
+
+
+def _chapter_from_text(text: str):
+    import jupytext
+
+    return tangler.Chapter(ROOT / "chapters" / "99-extra.md", jupytext.reads(text, fmt="md:myst"))
+
+
+def _import_module(source: str, tmp_path: Path, name: str = "extra"):
+    import importlib.util
+
+    path = tmp_path / f"{name}.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location(f"generated_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_class_built_over_several_cells_is_one_class_in_its_module(tmp_path):
+    """Before `# continues`, the methods stayed top-level functions of the module (in its
+    __all__, qualnames `add`, `total`), attached by lines the reader of the module had to find."""
+    chapter = _chapter_from_text(CLASS_OVER_CELLS)
+    source = tangler.package_files([chapter])["code/attnbook/extra.py"]
+    module = _import_module(source, tmp_path)
+    assert module.__all__ == ["Counter", "make"]
+    counter = module.Counter.of(1, 2).add(4)
+    assert counter.total == 7 and isinstance(module.make(), module.Counter)
+    for method in ("add", "of"):
+        assert getattr(module.Counter, method).__qualname__ == f"Counter.{method}"
+    assert module.Counter.total.fget.__qualname__ == "Counter.total"
+    assert "Counter.add = add" not in source and "\ndef add" not in source
+    # the methods close the class body, each cell's behind a comment naming its section
+    body = source.split("class Counter:", 1)[1].split("\n\n\n# chapters/", 1)[0]
+    assert '\n    # chapters/99-extra.md, "Adding"\n    def add(self, x):\n' in body
+    assert "\n    # the sum of what was counted\n    @property\n    def total(self):\n" in body
+    assert '\n    # chapters/99-extra.md, "Several at once"\n    @classmethod\n' in body
+    assert "\n\n\n" not in body and not any(line.isspace() for line in body.splitlines())
+    # the chapter's own cells, run in order as its notebook runs them, give the same class
+    namespace = {}
+    for cell in chapter.notebook.cells:
+        if cell.cell_type == "code":
+            exec(cell.source, namespace)
+    assert namespace["Counter"].of(1, 2).add(4).total == 7
+
+
+@pytest.mark.parametrize("cell,problem", [
+    ("# continues Missing\ndef f(self):\n    pass\n\n\nMissing.f = f",
+     "no earlier exported cell of module 'extra' defines a class Missing"),
+    ("# continues Counter\ndef f(self):\n    pass\n\n\ndef g(self):\n    pass\n\n\nCounter.f = f",
+     r"each function must be attached once, `Counter.f = f`: defined \['f', 'g'\], attached \['f'\]"),
+    ("# continues Counter\ndef f(self):\n    pass\n\n\nCounter.g = f",
+     r"line 6 is neither a method \(def\) nor its attaching line"),
+    ("# continues Counter\nLIMIT = 3", "line 2 is neither a method"),
+    ("# continues Counter\ndef __init__(self):\n    super().__init__()\n\n\n"
+     "Counter.__init__ = __init__",
+     r"__init__ calls super\(\) without arguments, .* write super\(Counter, self\)"),
+    ('# continues Counter\ndef f(self):\n    """Doc\n    string."""\n    return """a\nb"""\n\n\n'
+     "Counter.f = f", "line 5 starts a string over several lines"),
+    ('# continues Counter\ndef f(self):\n    return f"""{self}\nb"""\n\n\nCounter.f = f',
+     "line 3 starts a string over several lines"),
+])
+def test_a_continuing_cell_that_the_module_could_not_hold_as_written_is_refused(cell, problem):
+    text = CLASS_OVER_CELLS.split("## Adding")[0] + f"```{{code-cell}} ipython3\n:tags: [export]\n\n{cell}\n```\n"
+    with pytest.raises(ValueError, match=r"chapters/99-extra.md, cell \d+ \(# continues \w+\): "
+                                         + problem):
+        tangler.package_files([_chapter_from_text(text)])
+
+
+def test_a_docstring_over_several_lines_is_indented_with_its_method(tmp_path):
+    cell = ('# continues Counter\ndef f(self):\n    """First line.\n\n    More."""\n'
+            "    return 1\n\n\nCounter.f = f")
+    text = CLASS_OVER_CELLS.split("## Adding")[0] + f"```{{code-cell}} ipython3\n:tags: [export]\n\n{cell}\n```\n"
+    source = tangler.package_files([_chapter_from_text(text)])["code/attnbook/extra.py"]
+    module = _import_module(source, tmp_path)
+    import inspect
+
+    assert inspect.getdoc(module.Counter.f) == "First line.\n\nMore." and module.Counter().f() == 1

@@ -205,6 +205,30 @@ def test_a_token_without_utf8_is_refused_when_the_explorer_is_made(token):
         attention_explorer([token, "b"], np.eye(2))
 
 
+@pytest.mark.parametrize("title", ["\ud800", "heads \udfff of layer 0"])
+def test_a_title_without_utf8_is_refused_by_every_entry_point(title):
+    """A lone surrogate in the title gave a page that no UTF-8 file or display could hold."""
+    from attnbook.viz import explorer_html
+
+    match = r"title must be encodable as UTF-8, got title="
+    with pytest.raises(ValueError, match=match):
+        explorer_html(["a", "b"], np.eye(2), "u", title=title)
+    with pytest.raises(ValueError, match=match):
+        attention_explorer(["a", "b"], np.eye(2), title=title)  # when made, not when shown
+    with pytest.raises(ValueError, match=match):
+        AttentionExplorer(["a", "b"], np.eye(2), title=title)
+
+
+def test_every_string_the_page_holds_is_valid_utf8():
+    """The page, written as UTF-8 and read back, is the same page (tokens and title outside ASCII)."""
+    from attnbook.viz import explorer_html
+
+    page_html = explorer_html(["é", "日本", "😀"], np.eye(3), "u", title="Ünïcode 😀")
+    assert page_html.encode("utf-8").decode("utf-8") == page_html
+    page = Page(page_html)
+    assert page.data()["tokens"] == ["é", "日本", "😀"] and "Ünïcode 😀" in page_html
+
+
 def test_a_negative_weight_is_named_even_when_its_row_sums_to_1():
     with pytest.raises(ValueError, match=r"weights\[0, :\] summing to 1, its smallest weight -0.5"):
         explorer_weights(["a", "b"], np.array([[1.5, -0.5], [0.0, 1.0]]))

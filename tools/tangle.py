@@ -9,7 +9,11 @@ A chapter is a MyST Markdown notebook. Its front matter names the module it owns
 the chapter's own module defaults to the chapter's title), and `attnbook: {main: {<name>:
 <function>}}` makes `python -m attnbook.<name>` call that function. A module starts with
 `__all__`, and each of its cells follows a comment naming the chapter file and the section the
-cell sits in, so that any generated line leads back to the prose that explains it. The same chapter becomes `notebooks/<chapter>.ipynb`:
+cell sits in, so that any generated line leads back to the prose that explains it. A cell whose
+first line is `# continues <Class>` adds methods to a class an earlier cell of the module defines:
+in the chapter it defines functions and attaches them (`Class.f = f`); in the module they go into
+the class's body and the attaching lines are left out (CONTRIBUTING.md, "Writing a chapter").
+The same chapter becomes `notebooks/<chapter>.ipynb`:
 its cells behind one setup cell that, on Colab only, installs the package from the repository named in
 `_config.yml`, at the branch named there (main): a notebook on main installs the package of main.
 The site offers its own copies of the notebooks, which CI pins to the commit it publishes.
@@ -42,9 +46,11 @@ import ast
 import copy
 import difflib
 import hashlib
+import io
 import re
 import sys
 import textwrap
+import tokenize
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -159,7 +165,14 @@ class ExportCell:
     index: int  # the cell's position in the chapter
     section: str | None  # the nearest heading above the cell (None: none but the title)
 
+    @property
+    def continues(self) -> str | None:
+        """The class whose body this cell continues (its first line `# continues Name`), or None."""
+        found = CONTINUES.fullmatch(self.source.split("\n", 1)[0])
+        return found.group(1) if found else None
 
+
+CONTINUES = re.compile(r"# continues ([A-Za-z_]\w*)[ \t]*")  # a cell's first line
 HEADING = re.compile(r"^#{1,6}[ \t]+(.+?)[ \t#]*$", re.MULTILINE)
 FENCE = re.compile(r"^(`{3,}|:{3,}).*?^\1[ \t]*$", re.MULTILINE | re.DOTALL)
 
@@ -189,9 +202,8 @@ def header(source: str) -> str:
 def public_names(source: str) -> list[str]:
     """The names a cell (or a module) exports: its top-level functions, classes and UPPER_CASE
     constants that do not start with an underscore, and the names it re-exports from another
-    attnbook module in the explicit form `from attnbook.m import name as name`. A module that
-    defines nothing and only gathers names from other attnbook modules exports those."""
-    defined, gathered = [], []
+    attnbook module in the explicit form `from attnbook.m import name as name`."""
+    defined = []
     for node in ast.parse(source).body:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             defined.append(node.name)
@@ -199,15 +211,119 @@ def public_names(source: str) -> list[str]:
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             defined.extend(t.id for t in targets if isinstance(t, ast.Name) and t.id.isupper())
         elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("attnbook."):
-            gathered.extend(alias.asname or alias.name for alias in node.names)
             defined.extend(alias.name for alias in node.names if alias.asname == alias.name)
-    return [name for name in defined or gathered if not name.startswith("_")]
+    return [name for name in defined if not name.startswith("_")]
 
 
-def marker(chapter: Chapter, cell: ExportCell) -> str:
-    """A generated cell behind a comment saying where in the book to read about it and change
-    it."""
-    return f'# {chapter.relpath}, "{cell.section or chapter.title}"\n' + cell.source
+def marker(chapter: Chapter, cell: ExportCell, source: str | None = None) -> str:
+    """A generated cell (`source`, by default the cell's own) behind a comment saying where in the
+    book to read about it and change it."""
+    return f'# {chapter.relpath}, "{cell.section or chapter.title}"\n' + (source or cell.source)
+
+
+# --- a class built over several cells ----------------------------------------------------------
+# A cell whose first line is `# continues Name` adds methods to the class Name that an earlier
+# exported cell of the same module defines. In the chapter (and its notebook) the cell defines
+# each method as a function and attaches it, `Name.method = method`, so that it runs as written;
+# in the module the functions go, indented, at the end of the class's body, behind a comment
+# naming the cell's chapter and section, and the attaching lines are left out: the module reads
+# as one class.
+
+
+def _refuse(chapter: Chapter, cell: ExportCell, problem: str) -> ValueError:
+    return ValueError(f"{chapter.relpath}, cell {cell.index} (# continues {cell.continues}): "
+                      f"{problem}")
+
+
+def _method_lines(chapter: Chapter, cell: ExportCell) -> list[str]:
+    """The lines of a continuing cell's functions, with the comments and single blank lines
+    between them, at the indentation of a class body; without the marker and the attaching lines."""
+    name, source = cell.continues, cell.source
+    tree = ast.parse(source)
+    functions, attached, dropped = {}, [], {0}  # the marker is line 0
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            if node.name in functions:
+                raise _refuse(chapter, cell, f"{node.name} is defined twice")
+            functions[node.name] = node
+        elif (isinstance(node, ast.Assign) and len(node.targets) == 1
+              and isinstance(target := node.targets[0], ast.Attribute)
+              and isinstance(target.value, ast.Name) and isinstance(node.value, ast.Name)
+              and target.value.id == name and target.attr == node.value.id):
+            attached.append(target.attr)
+            dropped.update(range(node.lineno - 1, node.end_lineno))
+        else:
+            raise _refuse(chapter, cell, f"line {node.lineno} is neither a method (def) nor "
+                          f"its attaching line, `{name}.<method> = <method>`")
+    if sorted(attached) != sorted(functions):
+        raise _refuse(chapter, cell, f"each function must be attached once, `{name}.f = f`: "
+                      f"defined {sorted(functions)}, attached {sorted(attached)}")
+    for function in functions.values():
+        for node in ast.walk(function):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                    and node.func.id == "super" and not node.args):
+                raise _refuse(chapter, cell, f"{function.name} calls super() without arguments, "
+                              f"which fails outside a class body: write super({name}, self)")
+    _refuse_multiline_strings(chapter, cell, tree)
+    lines = [line for i, line in enumerate(source.splitlines()) if i not in dropped]
+    kept = []
+    for line in lines:  # a run of blank lines (between functions, or in a docstring) becomes one
+        if line.strip() or (kept and kept[-1].strip()):
+            kept.append(f"    {line}" if line.strip() else "")
+    while kept and not kept[-1]:
+        kept.pop()
+    return kept
+
+
+def _refuse_multiline_strings(chapter: Chapter, cell: ExportCell, tree: ast.Module) -> None:
+    """Indenting a function changes a string literal that spans lines, unless it is a docstring
+    (whose indentation `inspect.getdoc` removes): such a cell is refused, not silently changed."""
+    docstrings = {node.body[0].lineno for node in ast.walk(tree)
+                  if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+                  and ast.get_docstring(node, clean=False) is not None}
+    opened = []  # from Python 3.12 an f-string is several tokens: where the open ones started
+    for token in tokenize.generate_tokens(io.StringIO(cell.source).readline):
+        kind = tokenize.tok_name[token.type]
+        if kind == "FSTRING_START":
+            opened.append(token.start)
+        start = opened.pop() if kind == "FSTRING_END" else token.start
+        spans = kind in ("STRING", "FSTRING_END") and start[0] != token.end[0]
+        if spans and start[0] not in docstrings:
+            raise _refuse(chapter, cell, f"line {start[0]} starts a string over several lines, "
+                          "which indenting into the class would change: build it from one-line "
+                          "strings, or define it outside the class")
+
+
+def _insert_methods(source: str, name: str, methods: list[str]) -> str:
+    """`source` with `methods` (lines, indented) added at the end of its top-level class `name`."""
+    classes = [node for node in ast.parse(source).body
+               if isinstance(node, ast.ClassDef) and node.name == name]
+    lines = source.splitlines()
+    end = classes[-1].end_lineno  # the class's last line
+    return "\n".join(lines[:end] + [""] + methods + lines[end:])
+
+
+def module_cells(cells: list[tuple[Chapter, ExportCell]]) -> list[tuple[Chapter, ExportCell, str]]:
+    """A module's cells, each with the source it contributes: a cell that continues a class
+    (`# continues Name`) contributes nothing of its own, its methods go into the class's cell."""
+    merged: list[tuple[Chapter, ExportCell, str]] = []
+    defined: dict[str, int] = {}  # a class name -> the merged cell that defines it
+    for chapter, cell in cells:
+        name = cell.continues
+        if name is None:
+            merged.append((chapter, cell, cell.source))
+            for node in ast.parse(cell.source).body:
+                if isinstance(node, ast.ClassDef):
+                    defined[node.name] = len(merged) - 1
+            continue
+        if name not in defined:
+            raise _refuse(chapter, cell, f"no earlier exported cell of module {cell.module!r} "
+                          f"defines a class {name}")
+        owner, owner_cell, source = merged[defined[name]]
+        comment = f"    {marker(chapter, cell).splitlines()[0]}"
+        merged[defined[name]] = (owner, owner_cell, _insert_methods(
+            source, name, [comment] + _method_lines(chapter, cell)))
+    return merged
 
 
 def module_source(parts: list[tuple[Chapter, list[ExportCell]]], module: str) -> str:
@@ -221,11 +337,11 @@ def module_source(parts: list[tuple[Chapter, list[ExportCell]]], module: str) ->
         f"Built and explained in the book's chapter{'s' if len(parts) > 1 else ''} {sources}.\n"
         '"""\n'
     )
-    cells = [cell for _, chapter_cells in parts for cell in chapter_cells]
-    names = public_names("\n\n".join(cell.source for cell in cells))
+    cells = module_cells([(chapter, cell) for chapter, chapter_cells in parts
+                          for cell in chapter_cells])
+    names = public_names("\n\n".join(source for _, _, source in cells))
     exports = "__all__ = [\n" + "".join(f'    "{name}",\n' for name in names) + "]\n"
-    body = "\n\n\n".join(marker(chapter, cell) for chapter, chapter_cells in parts
-                          for cell in chapter_cells)
+    body = "\n\n\n".join(marker(chapter, cell, source) for chapter, cell, source in cells)
     if function := owner.entry_points.get(module):
         body += (f'\n\n\nif __name__ == "__main__":  # python -m attnbook.{module}\n'
                  f"    {function}()")

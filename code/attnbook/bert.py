@@ -282,7 +282,11 @@ def mask_tokens(input_ids: torch.Tensor, mask_id: int, vocab_size: int, *,
     shape, device = tuple(input_ids.shape), input_ids.device
     can_mask = (torch.ones(shape, dtype=torch.bool, device=device) if can_mask is None
                 else _token_mask("can_mask", can_mask, shape, device))  # chapter 8's check
-    draw = dict(generator=generator, device=input_ids.device)
+    check_instance("generator", generator, (torch.Generator, type(None)))
+    if generator is not None and generator.device != device:
+        raise ValueError(f"generator must be on input_ids' device {device}, "
+                         f"got generator on {generator.device}")
+    draw = dict(generator=generator, device=device)
     chosen = (torch.rand(input_ids.shape, **draw) < p) & can_mask
     kind = torch.rand(input_ids.shape, **draw)  # < 0.8: [MASK], < 0.9: a random id, else kept
     random_ids = torch.randint(vocab_size, input_ids.shape, **draw)
