@@ -1,6 +1,7 @@
 """attnbook.checks (appendix A): one error policy, one check per concept."""
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -331,3 +332,11 @@ def test_check_divisible_refuses_a_divisor_below_1_by_name(by):
     assert c.check_divisible("d_model", 6, "num_heads", 3) == 6
     with pytest.raises(ValueError, match="d_model=6 is not divisible by num_heads=4"):
         c.check_divisible("d_model", 6, "num_heads", 4)
+
+
+@pytest.mark.parametrize("by", [True, 2.0, np.float64(2.0), "2"])
+def test_check_divisible_refuses_a_divisor_that_is_not_an_int_by_name(by):
+    # True passed as 1 and 2.0 as 2 (8 % 2.0 == 0.0); "2" raised "not all arguments converted"
+    with pytest.raises(TypeError, match="^num_heads must be an int, got num_heads=" + re.escape(repr(by))):
+        c.check_divisible("d_model", 8, "num_heads", by)
+    assert c.check_divisible("d_model", 8, "num_heads", np.int64(2)) == 8

@@ -545,3 +545,23 @@ def test_a_hand_made_kv_cache_larger_than_the_context_is_refused_past_it():
     model(torch.zeros(1, c.context_length, dtype=torch.long), kv_cache=cache)
     with pytest.raises(ValueError, match=f"passes context_length={c.context_length}"):
         model(torch.zeros(1, 1, dtype=torch.long), kv_cache=cache)
+
+
+@pytest.mark.parametrize("temperature", [0, 0.8])
+@pytest.mark.parametrize("generator", [3, "seed", torch.zeros(1)])
+def test_generate_refuses_a_generator_that_is_not_one_before_generating(temperature, generator):
+    # generator=3 reached torch.multinomial after the prefill (a TypeError naming no argument),
+    # and with temperature 0 it was never used at all
+    model, calls = tiny_gpt(), [0]
+    original = model._logits
+
+    def counted(idx, cache):
+        calls[0] += 1
+        return original(idx, cache)
+
+    model._logits = counted
+    with pytest.raises(TypeError, match="^generator must be an instance of Generator, got "
+                                        "generator="):
+        model.generate(torch.zeros(1, 2, dtype=torch.long), 3, temperature=temperature,
+                       generator=generator)
+    assert calls[0] == 0  # refused before the model ran

@@ -513,6 +513,20 @@ def test_cache_refuses_chunks_that_do_not_fit(k, v, error, match):
     assert cache.length == 4  # a refused chunk leaves the cache as it was
 
 
+@pytest.mark.parametrize("which", ["keys", "values"])
+def test_cache_refuses_storage_that_requires_grad_by_name(which):
+    # before, the cache was made, and its first append outside torch.no_grad() raised
+    # "a leaf Variable that requires grad is being used in an in-place operation"
+    storage = {"keys": torch.zeros(2, 2, 6, 4), "values": torch.zeros(2, 2, 6, 4)}
+    storage[which].requires_grad_()
+    with pytest.raises(ValueError, match=f"^{which} requires grad, but a LayerCache keeps no "
+                                         "autograd history"):
+        LayerCache(storage["keys"], storage["values"])
+    cache = LayerCache(*(t.detach() for t in storage.values()))  # as the message advises
+    keys, _ = cache.append(torch.ones(2, 2, 1, 4), torch.ones(2, 2, 1, 4))
+    assert torch.equal(keys, torch.ones(2, 2, 1, 4))
+
+
 def test_cache_arguments_are_checked():
     with pytest.raises(TypeError, match="keys must be a floating-point tensor"):
         LayerCache(torch.zeros(2, 2, 6, 4, dtype=torch.long), torch.zeros(2, 2, 6, 4))
@@ -734,8 +748,38 @@ def test_from_torch_of_a_sequence_first_layer_gives_its_output_on_the_same_tenso
     torch.testing.assert_close(ours(x), module(x, x, x)[0])
     causal = torch.ones(5, 5, dtype=torch.bool).triu(1)
     torch.testing.assert_close(ours(x, is_causal=True), module(x, x, x, attn_mask=causal)[0])
-    with pytest.raises(ValueError, match="x"):
-        ours(x[0])  # (B, d_model): refused by the layer's own check, naming x
+    with pytest.raises(ValueError, match=r"^x must have shape \(L, B, 16\), or \(L, 16\) "
+                                         r"unbatched, got shape \(3, 5, 8\)$"):
+        ours(x[..., :8].transpose(0, 1))  # the shape as given, not as the layer transposed it
+
+
+@pytest.mark.parametrize("batch_first", [False, True])
+def test_from_torch_copy_takes_unbatched_input_as_the_module_does(batch_first):
+    # nn.MultiheadAttention takes (L, d_model) in either layout; the sequence-first copy refused
+    # it ("x must have shape (*, *, 16), got shape (5, 16)", the batch-first layout's words)
+    g = torch.Generator().manual_seed(4)
+    module = nn.MultiheadAttention(16, 4, dtype=DOUBLE, batch_first=batch_first)
+    with torch.no_grad():
+        for parameter in module.parameters():
+            parameter.normal_(0.0, 0.3, generator=g)
+    module.eval()
+    x, context = (torch.randn(n, 16, generator=g, dtype=DOUBLE) for n in (5, 7))
+    mask = torch.rand(5, 7, generator=g) < 0.6
+    mask[:, 0] = True
+    ours = from_torch(module)
+    out_t, w_t = module(x, context, context, attn_mask=~mask, average_attn_weights=False)
+    if batch_first:  # the book's layer is batched: a batch of one
+        out, w = ours(x[None], context[None], mask=mask, return_weights=True)
+        out, w = out[0], w[0]
+    else:
+        out, w = ours(x, context, mask=mask, return_weights=True)
+    assert out.shape == (5, 16) and w.shape == (4, 5, 7)
+    torch.testing.assert_close(out, out_t)
+    torch.testing.assert_close(w, w_t)
+    if not batch_first:
+        torch.testing.assert_close(ours(x), module(x, x, x)[0])
+        with pytest.raises(ValueError, match=r"^context must have shape \(L, B, 16\)"):
+            ours(x, context[:, :8])
 
 
 # What one backend accepts, every backend accepts, with the explicit backend's answer --

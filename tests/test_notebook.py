@@ -2,6 +2,7 @@
 
 import math
 import os
+import re
 import sys
 import time
 
@@ -313,3 +314,24 @@ def test_an_empty_attnbook_device_or_profile_means_the_default(monkeypatch):
     monkeypatch.setenv("ATTNBOOK_DEVICE", "")
     monkeypatch.setenv("ATTNBOOK_PROFILE", "")
     assert runtime() == default
+
+
+@pytest.mark.parametrize("timeout", [1e300, 3601.0, float("inf"), float("nan"), 0.0, -1.0])
+@pytest.mark.parametrize("offline", ["1", None])
+def test_online_refuses_a_timeout_that_is_no_probe_by_name(monkeypatch, timeout, offline):
+    # 1e300 overflowed threading's timer after the connection was tried: "OverflowError: timeout
+    # value is too large", naming no argument; offline, it was accepted without a word
+    monkeypatch.setattr(notebook.socket, "create_connection", lambda *a, **k: pytest.fail("tried"))
+    if offline is None:
+        monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    else:
+        monkeypatch.setenv("HF_HUB_OFFLINE", offline)
+    with pytest.raises(ValueError, match=r"^timeout must be a finite number in \(0.0, 3600.0\], "
+                                         rf"got timeout={re.escape(repr(timeout))}$"):
+        notebook.online("example.org", timeout=timeout)
+
+
+def test_online_takes_a_timeout_of_up_to_an_hour(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert notebook.online("example.org", timeout=3600) is False
+    assert notebook.online("example.org", timeout=0.5) is False

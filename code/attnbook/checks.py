@@ -106,9 +106,9 @@ def check_choice(name: str, value, choices: Collection[str]) -> str:
 
 
 def check_divisible(name: str, value: int, by_name: str, by: int) -> int:
-    """`value`, which `by` divides: a width split into heads, query heads into key/value groups."""
-    if by < 1:  # value % 0 raises ZeroDivisionError, which names neither argument
-        raise ValueError(f"{by_name} must be at least 1, got {by_name}={by}")
+    """`value`, which `by` divides: a width split into heads, query heads into key/value groups.
+    `by` is an int (not a bool or a float) of at least 1: value % 0 would name neither."""
+    by = check_int(by_name, by, 1)
     if value % by:
         raise ValueError(f"{name}={value} is not divisible by {by_name}={by}")
     return value
@@ -212,6 +212,8 @@ def check_token_ids(name: str, ids, vocab_size: int, shape: tuple[int | None, ..
         ids = _as_int64(name, ids, vocab_size, shape, device)  # refuses what holds no ids
     elif shape is not None or device is not None:
         _check_shape_and_device(name, ids, shape, device)
+    if torch.compiler.is_compiling():  # a read of the values would cut the traced graph
+        return ids
     if bool(((ids < 0) | (ids >= vocab_size)).any()):  # one read of the device
         raise ValueError(f"{name} must lie in [0, vocab_size={vocab_size}), got values from "
                          f"{int(ids.min())} to {int(ids.max())}")

@@ -351,8 +351,9 @@ def _projected_dtype(weight: torch.Tensor) -> torch.dtype:
 def from_torch(module: nn.MultiheadAttention) -> MultiHeadAttention:
     """A MultiHeadAttention with the weights, device, dtype and mode of `module`. The book's layer
     is batch first, (B, L, d_model); for a sequence-first `module` (batch_first=False, PyTorch's
-    default) the copy reads and returns (L, B, d_model) as `module` does, while its masks and
-    weights stay batch first, (B, H, Lq, Lk), as everywhere in the book."""
+    default) the copy reads and returns (L, B, d_model), or unbatched (L, d_model), as `module`
+    does, while its masks and weights stay batch first, (B, H, Lq, Lk), as everywhere in the
+    book."""
     check_instance("module", module, nn.MultiheadAttention)
     if module.in_proj_weight is None or module.bias_k is not None or module.add_zero_attn:
         raise ValueError("module must have kdim == vdim == embed_dim, add_bias_kv=False and "
@@ -372,14 +373,28 @@ def from_torch(module: nn.MultiheadAttention) -> MultiHeadAttention:
 
 class _SequenceFirst(MultiHeadAttention):
     """MultiHeadAttention for inputs and outputs (L, B, d_model), as a sequence-first
-    nn.MultiheadAttention's; made by from_torch."""
+    nn.MultiheadAttention's, or unbatched (L, d_model), which it also takes (its weights then
+    (H, Lq, Lk)); made by from_torch."""
 
     def forward(self, x, context=None, *args, **kwargs):
-        def flip(t):  # (L, B, d) <-> (B, L, d); anything else is left for the checks to refuse
-            return t.transpose(0, 1) if isinstance(t, torch.Tensor) and t.dim() == 3 else t
+        d = self.d_model
+        for name, t in (("x", x), ("context", context)):  # shapes as the caller wrote them
+            if isinstance(t, torch.Tensor) and (t.dim() not in (2, 3) or t.shape[-1] != d):
+                raise ValueError(f"{name} must have shape (L, B, {d}), or (L, {d}) unbatched, "
+                                 f"got shape {tuple(t.shape)}")
+        unbatched = isinstance(x, torch.Tensor) and x.dim() == 2  # a batch of one
+
+        def flip(t):  # (L, B, d) <-> (B, L, d), or (L, d) -> (1, L, d); the rest left to checks
+            if not isinstance(t, torch.Tensor) or t.dim() != (2 if unbatched else 3):
+                return t
+            return t[None] if unbatched else t.transpose(0, 1)
 
         result = super().forward(flip(x), flip(context), *args, **kwargs)
-        return (flip(result[0]), result[1]) if isinstance(result, tuple) else flip(result)
+        out, weights = result if isinstance(result, tuple) else (result, None)
+        out = out[0] if unbatched else out.transpose(0, 1)  # (Lq, d_model) or (Lq, B, d_model)
+        if not isinstance(result, tuple):
+            return out
+        return out, weights[0] if unbatched else weights
 
 
 # chapters/04-heads-at-work.md, "Keeping keys and values for generation"
@@ -392,7 +407,11 @@ class LayerCache:
         self.keys = check_tensor("keys", keys, 4)  # (B, num_kv_heads, capacity, head_dim)
         self.values = check_tensor("values", values, 4, dtype=keys.dtype, device=keys.device,
                                    shape=(*keys.shape[:3], None))  # (B, nkv, capacity, d_v)
-        check_writable("keys", keys), check_writable("values", values)
+        for name, storage in (("keys", keys), ("values", values)):
+            check_writable(name, storage)
+            if storage.requires_grad:  # else append's in-place write fails outside no_grad
+                raise ValueError(f"{name} requires grad, but a LayerCache keeps no autograd "
+                                 "history: allocate it without requires_grad, or detach() it")
         if keys.numel() and not keys.is_meta and keys.data_ptr() == values.data_ptr():
             raise ValueError("keys and values are the same memory: give each its own storage")
         self.length = 0

@@ -216,9 +216,10 @@ def runtime() -> Runtime:
 
 # chapters/a1-conventions.md, "Downloading only when online"
 def online(host: str = "huggingface.co", timeout: float = 3.0) -> bool:
-    """Can `host` be reached on port 443 within `timeout` seconds? False if HF_HUB_OFFLINE is
-    true: 1, on, yes or true in any case, as huggingface_hub reads it."""
-    host, timeout = check_instance("host", host, str), check_positive("timeout", timeout)
+    """Can `host` be reached on port 443 within `timeout` seconds (at most an hour)? False if
+    HF_HUB_OFFLINE is true: 1, on, yes or true in any case, as huggingface_hub reads it."""
+    host = check_instance("host", host, str)
+    timeout = check_real("timeout", timeout, 0.0, 3600.0, open_low=True)  # 1e300: join overflows
     if _env_true("HF_HUB_OFFLINE"):
         return False
     reached = []
