@@ -284,6 +284,10 @@ def test_a_slow_candidate_is_stopped_waiting_for_not_hung_on():
     assert not result.passed and result.problem.startswith("no answer after 0.1 s")
 
 
+def test_a_time_limit_beyond_what_the_os_can_wait_is_as_long_as_it_can():
+    assert check("13.2", merge, timeout=1e12, show=False).passed  # threading.TIMEOUT_MAX is less
+
+
 def test_check_leaves_the_callers_random_state_alone():
     np.random.seed(0)
     torch.manual_seed(0)

@@ -10,13 +10,7 @@ __all__ = [
     "Case",
     "Exercise",
     "CheckResult",
-    "CH1",
     "EXERCISES",
-    "CH5",
-    "CH6",
-    "WINDOW",
-    "CH13",
-    "CH17",
     "check",
 ]
 
@@ -108,7 +102,7 @@ def _call(candidate, args: tuple, timeout: float) -> dict:
 
     thread = threading.Thread(target=run, name="attnbook-exercise-check", daemon=True)
     thread.start()
-    thread.join(timeout)
+    thread.join(min(timeout, threading.TIMEOUT_MAX))  # a day or a year: as long as the OS allows
     return {} if thread.is_alive() else box
 
 
@@ -201,17 +195,17 @@ def _tokens(length, d_model, d_k, d_v, dtype=np.float64, nan_at=None):
     return build
 
 
-CH1 = 'chapter 1, "{}"'
+_CH1 = 'chapter 1, "{}"'
 EXERCISES = {"1.2": Exercise("causal self-attention, one position at a time", (
     Case("one position", _tokens(1, 4, 4, 4),
          "with one position the output is its own value v_0 = x_0 W_V: position i reads "
          "positions 0..i, itself included, and the values come from W_V, the keys from W_K"),
     Case("four positions, d_k = 1", _tokens(4, 3, 1, 3),
          "position i reads positions 0..i only, never a later one: "
-         + CH1.format("What attention does not wait for")),
+         + _CH1.format("What attention does not wait for")),
     Case("six positions, d_k = 16", _tokens(6, 8, 16, 4),
          "the scores are divided by sqrt(d_k) before the softmax: "
-         + CH1.format("Scaling, batches and masks")),
+         + _CH1.format("Scaling, batches and masks")),
     Case("37 positions, d_k = 8, d_v = 5", _tokens(37, 16, 8, 5),
          "a longer sequence: check the loop's bounds, and that each row's softmax is over its own "
          "scores only"),
@@ -242,16 +236,16 @@ def _rope_case(shape, first_position=0, dtype=np.float64, nan_at=None):
     return build
 
 
-CH5 = 'chapter 5, "Rotary position embeddings (RoPE)"'
+_CH5 = 'chapter 5, "Rotary position embeddings (RoPE)"'
 EXERCISES["5.1"] = Exercise("RoPE with interleaved pairs", (
     Case("position 0", _rope_case((1, 2)),
          "at position 0 every angle is 0: the output is x unchanged"),
     Case("one pair at positions 0 to 3", _rope_case((4, 2)),
          "the pair (x_0, x_1) at position m turns by the angle m, counter-clockwise: "
-         "(x_0 cos m - x_1 sin m, x_0 sin m + x_1 cos m): " + CH5),
+         "(x_0 cos m - x_1 sin m, x_0 sin m + x_1 cos m): " + _CH5),
     Case("eight coordinates at positions 10 to 14", _rope_case((2, 5, 8), 10),
          "pair i is the neighbours (x_2i, x_2i+1), turned by position * 10000^(-2i/d): check "
-         "the pairing and the frequencies: " + CH5),
+         "the pairing and the frequencies: " + _CH5),
     Case("37 positions, 16 coordinates, batch and heads", _rope_case((2, 3, 37, 16)),
          "a batch and heads in front: rotate the last axis, positions along the one before it"),
     Case("float16", _rope_case((2, 7, 16), dtype=np.float16),
@@ -268,21 +262,21 @@ def _window_case(q_len, k_len, window):
     return build
 
 
-CH6 = 'chapter 6, "{}"'
-WINDOW = "a window of w keeps the w most recent keys, the query's own included: p - w < j <= p"
+_CH6 = 'chapter 6, "{}"'
+_WINDOW = "a window of w keeps the w most recent keys, the query's own included: p - w < j <= p"
 EXERCISES["6.1"] = Exercise("a sliding-window mask", (
     Case("one query, one key, window 1", _window_case(1, 1, 1),
          "a query always sees its own position: the mask is [[True]]"),
-    Case("4 x 4, window 1", _window_case(4, 4, 1), WINDOW + ", so a window of 1 is the diagonal"),
-    Case("7 x 7, window 3", _window_case(7, 7, 3), WINDOW),
+    Case("4 x 4, window 1", _window_case(4, 4, 1), _WINDOW + ", so a window of 1 is the diagonal"),
+    Case("7 x 7, window 3", _window_case(7, 7, 3), _WINDOW),
     Case("3 queries, 8 keys, window 3", _window_case(3, 8, 3),
          "queries are aligned bottom-right, as in causal_mask: query i stands at position "
-         "i + k_len - q_len: " + CH6.format("Which corner?")),
+         "i + k_len - q_len: " + _CH6.format("Which corner?")),
     Case("6 queries, 3 keys, window 2", _window_case(6, 3, 2),
          "the first q_len - k_len queries stand before every key and see none: their rows are all "
-         "False: " + CH6.format("Rows with nothing to see")),
+         "False: " + _CH6.format("Rows with nothing to see")),
     Case("a window wider than the keys", _window_case(5, 7, 10),
-         "a window at least k_len wide is causal_mask itself: " + CH6.format("The causal mask")),
+         "a window at least k_len wide is causal_mask itself: " + _CH6.format("The causal mask")),
 ))
 
 
@@ -316,13 +310,13 @@ def _workers(lq, split, lk, d, scale=1.0, dtype=np.float64, same_keys=False, nan
     return build
 
 
-CH13 = 'chapter 13, "Softmax from a stream of blocks"'
+_CH13 = 'chapter 13, "Softmax from a stream of blocks"'
 EXERCISES["13.2"] = Exercise("merging two workers' partial softmaxes", (
     Case("equal maxima", _workers(1, 2, 4, 4, same_keys=True),
          "with equal maxima the merge is a sum: l = l1 + l2, a = a1 + a2, and m is unchanged"),
     Case("different maxima", _workers(3, 5, 12, 8),
          "bring both sums to the common maximum before adding: m = max(m1, m2), "
-         "l = l1 e^(m1 - m) + l2 e^(m2 - m), and a likewise: " + CH13),
+         "l = l1 e^(m1 - m) + l2 e^(m2 - m), and a likewise: " + _CH13),
     Case("scores in the thousands", _workers(2, 3, 7, 8, scale=1000.0),
          "exponentiate only differences m_i - m, which are <= 0: e^m itself overflows once m > 709"),
     Case("one key against 300", _workers(7, 1, 301, 16),
@@ -349,14 +343,14 @@ def _linear_case(shape, dv, dtype=np.float64, nan_key=None):
     return build
 
 
-CH17 = 'chapter 17, "Linear attention"'
+_CH17 = 'chapter 17, "Linear attention"'
 EXERCISES["17.3"] = Exercise("causal linear attention", (
     Case("one position", _linear_case((1, 1, 4), 4),
          "the first position sees only itself, so its output is v_0 (up to eps): the sums run "
-         "over keys 0..i, i included, and the output is divided by phi(q_i) . z_i: " + CH17),
+         "over keys 0..i, i included, and the output is divided by phi(q_i) . z_i: " + _CH17),
     Case("five positions", _linear_case((1, 5, 4), 3),
          "output i reads keys 0..i only: running sums (torch.cumsum) of phi(k_j) v_j^T and of "
-         "phi(k_j) up to j = i, not sums over every key: " + CH17),
+         "phi(k_j) up to j = i, not sums over every key: " + _CH17),
     Case("a batch of 2, 3 heads, 9 positions", _linear_case((2, 3, 9, 8), 5),
          "a batch and heads in front: sum along the positions (axis -2), one state per batch "
          "and head"),
