@@ -55,6 +55,9 @@ Modules, in the order the book builds them:
   for a GPU that need not be present, and read what they use.
 - attnbook.train_command (chapters/a5-training-command.md): The attnbook-train command line: its
   options, read without loading PyTorch, and its entry point.
+- attnbook.exercises (chapters/a6-checking-exercises.md): A check of the reader's own answer to
+  an exercise: seeded cases from small to hard, compared with the package's reference, with a
+  short report and a hint.
 """
 
 import importlib
@@ -83,6 +86,7 @@ __all__ = [
     "viz",
     "compile_check",
     "train_command",
+    "exercises",
 ]
 
 

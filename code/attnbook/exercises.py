@@ -1,0 +1,413 @@
+# Do not edit: tools/tangle.py generates this file from chapters/a6-checking-exercises.md.
+"""A check of the reader's own answer to an exercise: seeded cases from small to hard, compared
+with the package's reference, with a short report and a hint.
+
+Built and explained in the book's chapter chapters/a6-checking-exercises.md.
+"""
+
+__all__ = [
+    "TOLERANCES",
+    "Case",
+    "Exercise",
+    "CheckResult",
+    "EXERCISES",
+    "check",
+]
+
+# chapters/a6-checking-exercises.md, "Comparing an answer"
+import copy
+import textwrap
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from attnbook.attention import scaled_dot_product_attention
+from attnbook.checks import check_bool, check_callable, check_choice, check_real
+from attnbook.efficient import linear_attention, sliding_window_mask
+from attnbook.positions import apply_rope
+
+TOLERANCES = {  # (absolute, relative), as the package's tests compare with a float64 reference
+    "float16": (1e-2, 1e-2),
+    "float32": (2e-5, 2e-5),
+    "float64": (1e-10, 1e-9),
+}
+
+
+def _kind(x) -> str:
+    """What `x` is, in words: 'a torch.Tensor', 'a tuple of 2', 'None'."""
+    if x is None:
+        return "None"
+    if isinstance(x, (tuple, list)):
+        return f"a {type(x).__name__} of {len(x)}"
+    return f"a {type(x).__module__.split('.')[0]}.{type(x).__name__}".replace("a builtins.", "a ")
+
+
+def _numbers(x) -> np.ndarray:
+    """An array or tensor of real numbers as float64 NumPy numbers (booleans become 0 and 1)."""
+    if x.is_complex() if isinstance(x, torch.Tensor) else np.iscomplexobj(x):
+        raise TypeError("complex numbers")
+    if isinstance(x, torch.Tensor):
+        return x.detach().cpu().to(torch.float64).numpy()
+    return np.asarray(x, dtype=np.float64)
+
+
+# chapters/a6-checking-exercises.md, "Comparing an answer"
+def _difference(got, expected, tolerance, name="output") -> tuple[str, float, tuple] | None:
+    """(problem, largest difference, its index) where `got` is not `expected`, else None."""
+    if isinstance(expected, tuple):  # several outputs: compare them one by one
+        if not isinstance(got, (tuple, list)) or len(got) != len(expected):
+            return f"{name} is {_kind(got)}, expected a tuple of {len(expected)}", None, None
+        for i, (g, e) in enumerate(zip(got, expected)):
+            if found := _difference(g, e, tolerance, f"{name}[{i}]"):
+                return found
+        return None
+    if not isinstance(got, torch.Tensor if isinstance(expected, torch.Tensor) else np.ndarray):
+        return f"{name} is {_kind(got)}, expected {_kind(expected)}", None, None
+    if tuple(got.shape) != tuple(expected.shape):
+        return f"{name} has shape {tuple(got.shape)}, expected {tuple(expected.shape)}", None, None
+    if isinstance(got, torch.Tensor) and got.dtype != expected.dtype:  # NumPy answers may widen
+        return f"{name} has dtype {got.dtype}, expected {expected.dtype}", None, None
+    try:
+        g = _numbers(got)
+    except (TypeError, ValueError, RuntimeError):  # complex, strings, objects
+        return f"{name} holds {got.dtype} values, expected real numbers", None, None
+    e, (atol, rtol) = _numbers(expected), tolerance
+    diff = np.where(g == e, 0.0, np.abs(g - e))  # equal infinities differ by 0
+    diff = np.where(np.isnan(g) != np.isnan(e), np.inf, np.nan_to_num(diff, nan=0.0))
+    if diff.size == 0 or np.all(diff <= atol + rtol * np.abs(np.nan_to_num(e))):
+        return None
+    where = np.unravel_index(int(np.argmax(diff)), diff.shape)
+    at = f"{name}[{', '.join(map(str, where))}]"
+    return (f"largest difference {diff[where]:.3g} at {at}: yours {g[where]:.6g}, expected "
+            f"{e[where]:.6g} (allowed: {atol:g} + {rtol:g} |expected|)", float(diff[where]), where)
+
+
+# chapters/a6-checking-exercises.md, "Running a candidate"
+def _call(candidate, args: tuple, timeout: float) -> dict:
+    """candidate(*args) in a daemon thread: {'value' or 'error', 'seconds'}, or {} after `timeout`."""
+    box = {}
+
+    def run():
+        start = time.perf_counter()
+        try:
+            with np.errstate(all="ignore"):  # a NaN the reader's code makes is reported, not warned
+                box["value"] = candidate(*args)
+        except BaseException as error:  # the reader's exception, shown with its case
+            box["error"] = error
+        box["seconds"] = time.perf_counter() - start
+
+    thread = threading.Thread(target=run, name="attnbook-exercise-check", daemon=True)
+    thread.start()
+    thread.join(min(timeout, threading.TIMEOUT_MAX))  # a day or a year: as long as the OS allows
+    return {} if thread.is_alive() else box
+
+
+def _unchanged(before, after) -> bool:
+    """Whether `after` holds what `before` held (NaN equals NaN), through tuples."""
+    if isinstance(before, (tuple, list)):
+        return len(before) == len(after) and all(map(_unchanged, before, after))
+    if isinstance(before, (np.ndarray, torch.Tensor)):
+        return (tuple(before.shape) == tuple(after.shape) and before.dtype == after.dtype
+                and np.array_equal(_numbers(before), _numbers(after), equal_nan=True))
+    return before == after
+
+
+# chapters/a6-checking-exercises.md, "The exercises"
+@dataclass(frozen=True)
+class Case:
+    """One input of an exercise: `build(rng)` gives (inputs by name, expected answer); `hint` says
+    the likely mistake when this case is the first to fail, and where the chapter explains it."""
+
+    name: str
+    build: Callable[[np.random.Generator], tuple[dict, object]]
+    hint: str
+
+
+@dataclass(frozen=True)
+class Exercise:
+    title: str
+    cases: tuple[Case, ...]
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    """What `check` found: `passed`, or the first failing `case` (its number and name), its
+    `inputs`, the `problem` in words, the `max_diff` and its index `where` when numbers differ,
+    and the `hint`; `str(result)` is the report `check` prints."""
+
+    exercise: str
+    passed: bool
+    cases_passed: int
+    cases: int
+    case: str | None = None
+    inputs: str | None = None
+    problem: str | None = None
+    max_diff: float | None = None
+    where: tuple | None = None
+    hint: str | None = None
+    title: str = ""
+
+    def __str__(self) -> str:
+        head = f"check {self.exercise} ({self.title})"
+        if self.passed:
+            return f"{head}: passed all {self.cases} cases."
+        lines = [f"{head}: failed case {self.cases_passed + 1} of {self.cases}, \"{self.case}\""]
+        for label, text in (("inputs", self.inputs), ("problem", self.problem), ("hint", self.hint)):
+            lines.append(textwrap.fill(text, 96, initial_indent=f"  {label + ':':<9}",
+                                       subsequent_indent=" " * 11, break_long_words=False))
+        return "\n".join(lines)
+
+
+# chapters/a6-checking-exercises.md, "The exercises"
+def _describe(inputs: dict) -> str:
+    """'X (6, 4) float64 with NaN at [3, 0], W_Q (4, 4) float64, ...' for a report."""
+    def one(x) -> str:
+        if isinstance(x, (tuple, list)):
+            return "(" + ", ".join(map(one, x)) + ")"
+        if not isinstance(x, (np.ndarray, torch.Tensor)):
+            return repr(x)
+        text = f"{tuple(x.shape)} {str(x.dtype).removeprefix('torch.')}"
+        nans = np.argwhere(np.isnan(_numbers(x)))
+        return text + (f" with NaN at {nans[0].tolist()}" if len(nans) else "")
+    return ", ".join(f"{name} {one(x)}" for name, x in inputs.items())
+
+
+# chapters/a6-checking-exercises.md, "The exercises"
+def _causal_rows(X, W_Q, W_K, W_V):
+    """Chapter 1: row i is query i's attention over positions 0..i alone."""
+    Q, K, V = X @ W_Q, X @ W_K, X @ W_V
+    return np.concatenate([scaled_dot_product_attention(Q[i:i + 1], K[:i + 1], V[:i + 1])[0]
+                           for i in range(len(X))])  # (L, dv)
+
+
+def _tokens(length, d_model, d_k, d_v, dtype=np.float64, nan_at=None):
+    def build(rng):
+        X = rng.standard_normal((length, d_model))
+        if nan_at is not None:
+            X[nan_at, 0] = np.nan
+        weights = [rng.standard_normal((d_model, d)) for d in (d_k, d_k, d_v)]
+        inputs = dict(zip(("X", "W_Q", "W_K", "W_V"), (a.astype(dtype) for a in (X, *weights))))
+        return inputs, _causal_rows(*inputs.values())
+    return build
+
+
+_CH1 = 'chapter 1, "{}"'
+EXERCISES = {"1.2": Exercise("causal self-attention, one position at a time", (
+    Case("one position", _tokens(1, 4, 4, 4),
+         "with one position the output is its own value v_0 = x_0 W_V: position i reads "
+         "positions 0..i, itself included, and the values come from W_V, the keys from W_K"),
+    Case("four positions, d_k = 1", _tokens(4, 3, 1, 3),
+         "position i reads positions 0..i only, never a later one: "
+         + _CH1.format("What attention does not wait for")),
+    Case("six positions, d_k = 16", _tokens(6, 8, 16, 4),
+         "the scores are divided by sqrt(d_k) before the softmax: "
+         + _CH1.format("Scaling, batches and masks")),
+    Case("37 positions, d_k = 8, d_v = 5", _tokens(37, 16, 8, 5),
+         "a longer sequence: check the loop's bounds, and that each row's softmax is over its own "
+         "scores only"),
+    Case("float32", _tokens(9, 8, 8, 8, np.float32),
+         "float32 input: compute in float32 or wider, without rounding the weights"),
+    Case("a NaN in token 3", _tokens(6, 4, 4, 4, nan_at=3),
+         "a NaN in token 3 reaches the outputs that read it (positions 3 and later) and no "
+         "earlier one: keep each position from reading later ones, and never replace a NaN"),
+))}
+
+
+# chapters/a6-checking-exercises.md, "The exercises"
+def _rope_interleaved(x, positions):
+    """Chapter 5: pairs (x_2i, x_2i+1) are apply_rope's pairs after reordering x_0, x_2, ..., x_1, x_3, ..."""
+    d = x.shape[-1]
+    order = torch.cat([torch.arange(0, d, 2), torch.arange(1, d, 2)])  # (d,)
+    return apply_rope(x[..., order], positions)[..., order.argsort()]
+
+
+def _rope_case(shape, first_position=0, dtype=np.float64, nan_at=None):
+    def build(rng):
+        x = rng.standard_normal(shape)
+        if nan_at is not None:
+            x[nan_at] = np.nan
+        x = torch.from_numpy(x.astype(dtype))
+        positions = torch.arange(first_position, first_position + shape[-2])
+        return {"x": x, "positions": positions}, _rope_interleaved(x, positions)
+    return build
+
+
+_CH5 = 'chapter 5, "Rotary position embeddings (RoPE)"'
+EXERCISES["5.1"] = Exercise("RoPE with interleaved pairs", (
+    Case("position 0", _rope_case((1, 2)),
+         "at position 0 every angle is 0: the output is x unchanged"),
+    Case("one pair at positions 0 to 3", _rope_case((4, 2)),
+         "the pair (x_0, x_1) at position m turns by the angle m, counter-clockwise: "
+         "(x_0 cos m - x_1 sin m, x_0 sin m + x_1 cos m): " + _CH5),
+    Case("eight coordinates at positions 10 to 14", _rope_case((2, 5, 8), 10),
+         "pair i is the neighbours (x_2i, x_2i+1), turned by position * 10000^(-2i/d): check "
+         "the pairing and the frequencies: " + _CH5),
+    Case("37 positions, 16 coordinates, batch and heads", _rope_case((2, 3, 37, 16)),
+         "a batch and heads in front: rotate the last axis, positions along the one before it"),
+    Case("float16", _rope_case((2, 7, 16), dtype=np.float16),
+         "float16 input: compute the angles in float32 or wider, and return x's dtype"),
+    Case("a NaN in one coordinate", _rope_case((1, 4, 8), nan_at=(0, 2, 5)),
+         "a NaN stays in its own pair: every other coordinate and position stays finite"),
+))
+
+
+def _window_case(q_len, k_len, window):
+    def build(rng):
+        return ({"q_len": q_len, "k_len": k_len, "window": window},
+                sliding_window_mask(q_len, k_len, window))
+    return build
+
+
+_CH6 = 'chapter 6, "{}"'
+_WINDOW = "a window of w keeps the w most recent keys, the query's own included: p - w < j <= p"
+EXERCISES["6.1"] = Exercise("a sliding-window mask", (
+    Case("one query, one key, window 1", _window_case(1, 1, 1),
+         "a query always sees its own position: the mask is [[True]]"),
+    Case("4 x 4, window 1", _window_case(4, 4, 1), _WINDOW + ", so a window of 1 is the diagonal"),
+    Case("7 x 7, window 3", _window_case(7, 7, 3), _WINDOW),
+    Case("3 queries, 8 keys, window 3", _window_case(3, 8, 3),
+         "queries are aligned bottom-right, as in causal_mask: query i stands at position "
+         "i + k_len - q_len: " + _CH6.format("Which corner?")),
+    Case("6 queries, 3 keys, window 2", _window_case(6, 3, 2),
+         "the first q_len - k_len queries stand before every key and see none: their rows are all "
+         "False: " + _CH6.format("Rows with nothing to see")),
+    Case("a window wider than the keys", _window_case(5, 7, 10),
+         "a window at least k_len wide is causal_mask itself: " + _CH6.format("The causal mask")),
+))
+
+
+# chapters/a6-checking-exercises.md, "The exercises"
+def _partial(Q, K, V):
+    """Chapter 13: one worker's (m, l, a) over its keys: row maxima, sums of exponentials, and
+    their products with V, not divided."""
+    s = Q @ K.T / np.sqrt(Q.shape[-1])  # (Lq, Lk)
+    m = s.max(axis=-1)  # (Lq,)
+    p = np.exp(s - m[:, None])
+    return m, p.sum(axis=-1), p @ V
+
+
+def _workers(lq, split, lk, d, scale=1.0, dtype=np.float64, same_keys=False, nan_key=None,
+             idle=False):
+    def build(rng):
+        Q = rng.standard_normal((lq, d)) * scale
+        K, V = rng.standard_normal((lk, d)), rng.standard_normal((lk, 4))
+        if same_keys:  # both workers hold the same keys: equal maxima
+            K[split:] = K[:split]
+        if nan_key is not None:
+            K[nan_key, 0] = np.nan
+        Q, K, V = (x.astype(dtype) for x in (Q, K, V))
+        with np.errstate(invalid="ignore"):
+            first, second, whole = (_partial(Q, K[r], V[r]) for r in
+                                    (slice(0, split), slice(split, lk), slice(0, lk)))
+        if idle:  # the first worker saw no keys
+            first = (np.full(lq, -np.inf, dtype), np.zeros(lq, dtype), np.zeros((lq, 4), dtype))
+            whole = second
+        return {"part1": first, "part2": second}, whole
+    return build
+
+
+_CH13 = 'chapter 13, "Softmax from a stream of blocks"'
+EXERCISES["13.2"] = Exercise("merging two workers' partial softmaxes", (
+    Case("equal maxima", _workers(1, 2, 4, 4, same_keys=True),
+         "with equal maxima the merge is a sum: l = l1 + l2, a = a1 + a2, and m is unchanged"),
+    Case("different maxima", _workers(3, 5, 12, 8),
+         "bring both sums to the common maximum before adding: m = max(m1, m2), "
+         "l = l1 e^(m1 - m) + l2 e^(m2 - m), and a likewise: " + _CH13),
+    Case("scores in the thousands", _workers(2, 3, 7, 8, scale=1000.0),
+         "exponentiate only differences m_i - m, which are <= 0: e^m itself overflows once m > 709"),
+    Case("one key against 300", _workers(7, 1, 301, 16),
+         "an uneven split: each query has its own maximum, so rescale row by row"),
+    Case("a worker that saw no keys", _workers(3, 4, 9, 8, idle=True),
+         "a worker with no keys has m = -inf, l = 0 and a = 0, and adds nothing: "
+         "e^(-inf - m) = 0 where m is the other worker's finite maximum"),
+    Case("float32", _workers(4, 6, 11, 8, dtype=np.float32),
+         "float32 input: keep the arithmetic in float32 or wider"),
+    Case("a NaN in one key", _workers(3, 4, 9, 8, nan_key=2),
+         "a NaN in a key makes every query's scores NaN, and the merge must keep it: "
+         "np.maximum keeps a NaN, np.fmax and max() drop it"),
+))
+
+
+def _linear_case(shape, dv, dtype=np.float64, nan_key=None):
+    def build(rng):
+        q, k = rng.standard_normal((2, *shape))
+        v = rng.standard_normal((*shape[:-1], dv))
+        if nan_key is not None:
+            k[..., nan_key, 0] = np.nan
+        q, k, v = (torch.from_numpy(x.astype(dtype)) for x in (q, k, v))
+        return {"q": q, "k": k, "v": v}, linear_attention(q, k, v, causal=True)
+    return build
+
+
+_CH17 = 'chapter 17, "Linear attention"'
+EXERCISES["17.3"] = Exercise("causal linear attention", (
+    Case("one position", _linear_case((1, 1, 4), 4),
+         "the first position sees only itself, so its output is v_0 (up to eps): the sums run "
+         "over keys 0..i, i included, and the output is divided by phi(q_i) . z_i: " + _CH17),
+    Case("five positions", _linear_case((1, 5, 4), 3),
+         "output i reads keys 0..i only: running sums (torch.cumsum) of phi(k_j) v_j^T and of "
+         "phi(k_j) up to j = i, not sums over every key: " + _CH17),
+    Case("a batch of 2, 3 heads, 9 positions", _linear_case((2, 3, 9, 8), 5),
+         "a batch and heads in front: sum along the positions (axis -2), one state per batch "
+         "and head"),
+    Case("70 positions", _linear_case((1, 2, 70, 8), 6),
+         "a longer sequence: check the running sums' bounds"),
+    Case("float16", _linear_case((1, 2, 12, 8), 4, np.float16),
+         "float16 input: sum in float32 (the running sums grow with the length) and return "
+         "float16"),
+    Case("a NaN in key 3", _linear_case((1, 6, 4), 4, nan_key=3),
+         "a NaN in key 3 reaches the outputs that read it (3 and later) and no earlier one"),
+))
+
+
+# chapters/a6-checking-exercises.md, "The check"
+def check(exercise_id: str, candidate, *, timeout: float = 10.0, show: bool = True) -> CheckResult:
+    """Appendix F: run `candidate` on exercise `exercise_id`'s cases in order, stop at the first
+    that fails, print the report (unless `show` is False) and return the CheckResult. Each
+    call may take `timeout` seconds. A wrong answer never raises; a wrong argument to check does."""
+    exercise = EXERCISES[check_choice("exercise_id", exercise_id, EXERCISES)]
+    candidate = check_callable("candidate", candidate)
+    timeout = check_real("timeout", timeout, 0.0, open_low=True)
+    result = _run_cases(exercise_id, exercise, candidate, timeout)
+    if check_bool("show", show):
+        print(result)
+    return result
+
+
+def _run_cases(exercise_id: str, exercise: Exercise, candidate, timeout: float) -> CheckResult:
+    """The first case `candidate` fails, or a pass."""
+    count = len(exercise.cases)
+    for number, case in enumerate(exercise.cases):
+        inputs, expected = case.build(np.random.default_rng([sum(map(ord, exercise_id)), number]))
+        kept = copy.deepcopy(inputs)
+        done = _call(candidate, tuple(inputs.values()), timeout)
+        if found := _judge(done, inputs, kept, expected, timeout):
+            return CheckResult(exercise_id, False, number, count, case.name, _describe(kept),
+                               *found, case.hint, exercise.title)
+    return CheckResult(exercise_id, True, count, count, title=exercise.title)
+
+
+def _judge(done: dict, inputs: dict, kept: dict, expected, timeout: float):
+    """(problem, largest difference, its index) for one call, or None when it is right."""
+    if not done:
+        return f"no answer after {timeout:g} s (it goes on in the background until it returns)", None, None
+    if "error" in done:
+        return f"raised {type(done['error']).__name__}: {done['error']}", None, None
+    for name in inputs:
+        if not _unchanged(kept[name], inputs[name]):
+            return f"changed its input {name} in place: work on a copy", None, None
+    return _difference(done["value"], expected, _tolerance(kept))
+
+
+def _tolerance(inputs: dict) -> tuple[float, float]:
+    """The (absolute, relative) tolerance of the least precise floating input."""
+    def dtypes(x):
+        if isinstance(x, (tuple, list)):
+            return [d for item in x for d in dtypes(item)]
+        return [str(x.dtype).removeprefix("torch.")] if hasattr(x, "dtype") else []
+    found = [d for x in inputs.values() for d in dtypes(x) if d in TOLERANCES]
+    return max((TOLERANCES[d] for d in found), default=TOLERANCES["float64"])
