@@ -16,6 +16,7 @@ __all__ = [
 ]
 
 # chapters/15-flash-attention-triton.md, "The Triton programming model"
+import contextlib
 import functools
 
 import torch
@@ -37,16 +38,16 @@ from attnbook.checks import (  # noqa: F401
 @triton.jit
 def _load_rows(base, rows, n_rows, stride_row, stride_d, HEAD_DIM: tl.constexpr):
     # A (len(rows), HEAD_DIM) tile. Rows at or past n_rows are not read; they come back as 0.
-    d = tl.arange(0, HEAD_DIM)
-    ptrs = base + rows[:, None] * stride_row + d[None, :] * stride_d
+    d = tl.arange(0, HEAD_DIM).to(tl.int64)  # 64-bit offsets: rows * stride may pass 2**31
+    ptrs = base + rows.to(tl.int64)[:, None] * stride_row + d[None, :] * stride_d
     return tl.load(ptrs, mask=rows[:, None] < n_rows, other=0.0)
 
 
 @triton.jit
 def _store_rows(base, tile, rows, n_rows, stride_row, stride_d, HEAD_DIM: tl.constexpr):
     # Write a (len(rows), HEAD_DIM) tile in the tensor's dtype, skipping rows past n_rows.
-    d = tl.arange(0, HEAD_DIM)
-    ptrs = base + rows[:, None] * stride_row + d[None, :] * stride_d
+    d = tl.arange(0, HEAD_DIM).to(tl.int64)
+    ptrs = base + rows.to(tl.int64)[:, None] * stride_row + d[None, :] * stride_d
     tl.store(ptrs, tile.to(base.dtype.element_ty), mask=rows[:, None] < n_rows)
 
 
@@ -64,7 +65,7 @@ def _delta_kernel(O, DO, DELTA, stride_ob, stride_oh, stride_om, stride_od,
                   stride_dob, stride_doh, stride_dom, stride_dod, H, L,
                   BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
     # Program (i, bh): delta = rowsum(O * dO) for rows i*BLOCK_M ... of (batch, head) bh.
-    bh, b, h, start_m = _program(H, BLOCK_M)
+    bh, b, h, start_m = _program(H, L, BLOCK_M)
     rows = start_m + tl.arange(0, BLOCK_M)
     o = _load_rows(O + b * stride_ob + h * stride_oh, rows, L, stride_om, stride_od, HEAD_DIM)
     do = _load_rows(DO + b * stride_dob + h * stride_doh, rows, L, stride_dom, stride_dod, HEAD_DIM)
@@ -73,10 +74,19 @@ def _delta_kernel(O, DO, DELTA, stride_ob, stride_oh, stride_om, stride_od,
 
 
 @triton.jit
-def _program(H, BLOCK: tl.constexpr):
-    # Program (i, bh): bh, its batch b and head h (int64: b * stride may pass 2**31), tile's row.
-    bh = tl.program_id(1)
-    return bh, (bh // H).to(tl.int64), (bh % H).to(tl.int64), tl.program_id(0) * BLOCK
+def _program(H, L, BLOCK: tl.constexpr):
+    # Program p = bh * tiles + i of _grid's one axis: its (batch, head) pair bh, batch b and
+    # head h (int64, like every offset), and the first of its rows, i * BLOCK.
+    tiles = tl.cdiv(L, BLOCK)
+    p = tl.program_id(0)
+    bh = (p // tiles).to(tl.int64)
+    return bh, bh // H, bh % H, (p % tiles) * BLOCK
+
+
+def _grid(length: int, block: int, pairs: int) -> tuple[int]:
+    # One program per tile of `block` rows of `length`, for each of the B * H pairs, on the
+    # first axis: CUDA allows 2**31 - 1 programs there, 65,535 on the others.
+    return (triton.cdiv(length, block) * pairs,)
 
 
 # chapters/15-flash-attention-triton.md, "The forward kernel"
@@ -87,7 +97,7 @@ def _forward_kernel(Q, K, V, O, LSE, stride_qb, stride_qh, stride_qm, stride_qd,
                     CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     HEAD_DIM: tl.constexpr):
     # Program (i, bh): output rows i*BLOCK_M ... of (batch, head) bh, and their logsumexp.
-    bh, b, h, start_m = _program(H, BLOCK_M)
+    bh, b, h, start_m = _program(H, Lq, BLOCK_M)
     rows = start_m + tl.arange(0, BLOCK_M)
     q = _load_rows(Q + b * stride_qb + h * stride_qh, rows, Lq, stride_qm, stride_qd, HEAD_DIM)
     K += b * stride_kb + h * stride_kh
@@ -225,23 +235,35 @@ def _launch_settings(kernel: str, element_size: int, head_dim: int,
 # chapters/15-flash-attention-triton.md, "The forward kernel"
 def _forward(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     # O (B, H, Lq, D) and the base-2 logsumexp of each row's scores (B, H, Lq), float32.
+    q, k, v = _unit_stride_d(q, k, v)
     B, H, Lq, D = q.shape
     o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((B, H, Lq), dtype=torch.float32, device=q.device)
-    _launch(_forward_kernel, "forward", q, k, causal,
-            q, k, v, o, lse, *_strides(q, k, v, o), H, Lq, k.shape[2], scale * _LOG2E)
+    with _device_guard(q.device):
+        _launch(_forward_kernel, "forward", q, k, causal,
+                q, k, v, o, lse, *_strides(q, k, v, o), H, Lq, k.shape[2], scale * _LOG2E)
     return o, lse
+
+
+def _unit_stride_d(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    # Each tensor, copied once if its last dimension is not contiguous (stride along D not 1).
+    return [t if t.stride(-1) == 1 else t.contiguous() for t in tensors]
+
+
+def _device_guard(device: torch.device):
+    # Triton launches on the current CUDA device: make it the inputs' one (on the CPU, nothing).
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def _launch(kernel, name: str, q, k, causal: bool, *args) -> None:
     # One program per tile of rows (of keys for dK, dV, else of queries), for every (batch,
-    # head), with the settings of launch_settings; large problems on a GPU autotune among them.
+    # head), on _grid's one axis, with the settings of launch_settings; large problems on a GPU autotune among them.
     capability = None if INTERPRETED else _capability(q.device)
     settings = _launch_settings(name, q.element_size(), q.shape[-1], capability)
     length, axis = (k.shape[2], "BLOCK_N") if name == "dkdv" else (q.shape[2], "BLOCK_M")
 
     def grid(meta):
-        return triton.cdiv(length, meta[axis]), q.shape[0] * q.shape[1]
+        return _grid(length, meta[axis], q.shape[0] * q.shape[1])
 
     if len(settings) > 1 and q.shape[2] * k.shape[2] >= AUTOTUNE_FROM:
         _autotuned(kernel, tuple(settings))[grid](*args, CAUSAL=causal, HEAD_DIM=q.shape[-1])
@@ -278,7 +300,7 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, stride_qb, stride_qh, stride_qm, strid
                  CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  HEAD_DIM: tl.constexpr):
     # Program (j, bh): dK and dV (with dK's strides) of key rows j*BLOCK_N ... of (batch, head) bh.
-    bh, b, h, start_n = _program(H, BLOCK_N)
+    bh, b, h, start_n = _program(H, Lk, BLOCK_N)
     cols = start_n + tl.arange(0, BLOCK_N)
     k = _load_rows(K + b * stride_kb + h * stride_kh, cols, Lk, stride_kn, stride_kd, HEAD_DIM)
     v = _load_rows(V + b * stride_vb + h * stride_vh, cols, Lk, stride_vn, stride_vd, HEAD_DIM)
@@ -345,7 +367,7 @@ def _dq_kernel(Q, K, V, DO, LSE, DELTA, stride_qb, stride_qh, stride_qm, stride_
                CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                HEAD_DIM: tl.constexpr):
     # Program (i, bh): dQ of query rows i*BLOCK_M ... of (batch, head) bh, a sum over key tiles.
-    bh, b, h, start_m = _program(H, BLOCK_M)
+    bh, b, h, start_m = _program(H, Lq, BLOCK_M)
     rows = start_m + tl.arange(0, BLOCK_M)
     q = _load_rows(Q + b * stride_qb + h * stride_qh, rows, Lq, stride_qm, stride_qd, HEAD_DIM)
     do = _load_rows(DO + b * stride_dob + h * stride_doh, rows, Lq, stride_dom, stride_dod,
@@ -389,15 +411,17 @@ TRITON_KERNELS = {"forward": _forward_kernel, "dkdv": _dkdv_kernel, "dq": _dq_ke
 
 def _backward(q, k, v, o, lse, do, causal: bool, scale: float):
     # dQ, dK, dV (contiguous, in the inputs' dtype) from the forward's O and logsumexp.
+    q, k, v, do = _unit_stride_d(q, k, v, do)  # as in _forward (chapter 15)
     B, H, Lq, D = q.shape
     delta = torch.empty_like(lse)  # (B, H, Lq): rowsum(O * dO)
-    _delta_kernel[(triton.cdiv(Lq, 32), B * H)](o, do, delta, *_strides(o, do), H, Lq,
-                                                BLOCK_M=32, HEAD_DIM=D)
     dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
     inputs = (q, k, v, do, lse, delta, *_strides(q, k, v, do), H, Lq, k.shape[2],
               scale * _LOG2E, scale)
-    _launch(_dkdv_kernel, "dkdv", q, k, causal, *inputs, dk, dv, *dk.stride())
-    _launch(_dq_kernel, "dq", q, k, causal, *inputs, dq, *dq.stride())
+    with _device_guard(q.device):
+        _delta_kernel[_grid(Lq, 32, B * H)](o, do, delta, *_strides(o, do), H, Lq,
+                                            BLOCK_M=32, HEAD_DIM=D)
+        _launch(_dkdv_kernel, "dkdv", q, k, causal, *inputs, dk, dv, *dk.stride())
+        _launch(_dq_kernel, "dq", q, k, causal, *inputs, dq, *dq.stride())
     return dq, dk, dv
 
 
@@ -405,8 +429,9 @@ def _backward(q, k, v, o, lse, do, causal: bool, scale: float):
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
                     scale: float | None = None) -> torch.Tensor:
     """Exact, differentiable attention softmax(scale * q k^T) v by tiled Triton kernels: q is
-    (B, H, Lq, D), k and v (B, H, Lk, D), D in {16, 32, 64, 128}, any strides. causal=True lets
-    query i see key j iff j <= i + Lk - Lq; a query that sees no key gets zero output."""
+    (B, H, Lq, D), k and v (B, H, Lk, D), D in {16, 32, 64, 128}, any strides (a last dimension
+    that is not contiguous is copied first). causal=True lets query i see key j iff
+    j <= i + Lk - Lq; a query that sees no key gets zero output."""
     _check_inputs(q, k, v)
     causal = check_bool("causal", causal)
     scale = check_real("scale", check_scale(scale, q.shape[-1]), -_LARGEST_SCALE, _LARGEST_SCALE)
@@ -424,6 +449,7 @@ def _flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: 
 class _FlashAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, causal: bool, scale: float):
+        q, k, v = _unit_stride_d(q, k, v)  # copied once here, not again for the backward
         o, lse = _forward(q, k, v, causal, scale)
         ctx.save_for_backward(q, k, v, o, lse)  # no (Lq, Lk) matrix: O and one float per row
         ctx.causal, ctx.scale = causal, scale
