@@ -279,6 +279,42 @@ def test_the_device_guard_makes_a_cuda_device_current_and_is_nothing_on_the_cpu(
     assert isinstance(guard, torch.cuda.device) and guard.idx == 1
 
 
+def test_autotuning_times_once_per_power_of_two_bucket_and_can_be_turned_off(monkeypatch):
+    # Keyed on the exact (Lq, Lk), every new pair of lengths was timed again (issue 42), and
+    # timing noise could pick other tiles in another process. The interpreter has one candidate
+    # and no GPU to time on: two candidates and a stand-in timer (the second one "faster").
+    from attnbook import kernels
+
+    candidates = [(32, 32, 4, 2), (16, 16, 4, 2)]
+    monkeypatch.setattr(kernels, "_launch_settings", lambda *args: candidates)
+    monkeypatch.setattr(kernels, "AUTOTUNE_FROM", 1)
+    monkeypatch.setattr(kernels, "_FASTEST", {}, raising=False)
+    timed = []
+
+    def seconds(run):
+        timed.append(run.args[0])
+        run()
+        return 1.0 if run.args[0] == candidates[0] else 0.5
+
+    monkeypatch.setattr(kernels, "_seconds", seconds, raising=False)
+    launches = Launches(monkeypatch)
+
+    def forward(length):
+        q = torch.randn(1, 2, length, 16, device=DEVICE)
+        out = flash_attention(q, q, q, causal=True)
+        torch.testing.assert_close(out, reference(q, q, q, causal=True), rtol=1e-5, atol=1e-5)
+        return launches.records[-1][1]  # the grid of the last launch
+
+    monkeypatch.setenv("ATTNBOOK_AUTOTUNE", "1")
+    assert forward(70) == (math.ceil(70 / 16) * 2,)  # timed both, launched the faster
+    assert timed == candidates
+    assert forward(100) == (math.ceil(100 / 16) * 2,) and len(timed) == 2  # 70, 100: bucket 128
+    forward(130)  # another bucket (256): timed again
+    assert len(timed) == 4
+    monkeypatch.setenv("ATTNBOOK_AUTOTUNE", "0")  # never timed: the first candidate, always
+    assert forward(300) == (math.ceil(300 / 32) * 2,) and len(timed) == 4
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_inputs_on_a_second_gpu_run_there():
     torch.manual_seed(7)
