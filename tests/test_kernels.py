@@ -241,6 +241,14 @@ def test_every_launch_stays_within_cudas_grid_limits(monkeypatch):
         assert math.prod(grid) >= 70_000, (name, grid)  # every (batch, head) has its programs
 
 
+def test_a_length_with_more_tiles_than_a_grid_axis_allows_is_refused_by_name():
+    from attnbook.kernels import _grid
+
+    assert _grid(65_535 * 16, 16, 70_000) == (70_000, 65_535)
+    with pytest.raises(ValueError, match="length of 1048577 rows needs 65537 tiles"):
+        _grid(65_536 * 16 + 1, 16, 1)
+
+
 def test_every_launch_runs_under_the_guard_of_the_inputs_device(monkeypatch):
     launches = Launches(monkeypatch)
     q = torch.randn(1, 2, 40, 16, device=DEVICE, requires_grad=True)
@@ -306,13 +314,13 @@ def test_autotuning_times_once_per_power_of_two_bucket_and_can_be_turned_off(mon
         return launches.records[-1][1]  # the grid of the last launch
 
     monkeypatch.setenv("ATTNBOOK_AUTOTUNE", "1")
-    assert forward(70) == (math.ceil(70 / 16) * 2,)  # timed both, launched the faster
+    assert forward(70) == (2, math.ceil(70 / 16))  # timed both, launched the faster
     assert timed == candidates
-    assert forward(100) == (math.ceil(100 / 16) * 2,) and len(timed) == 2  # 70, 100: bucket 128
+    assert forward(100) == (2, math.ceil(100 / 16)) and len(timed) == 2  # 70, 100: bucket 128
     forward(130)  # another bucket (256): timed again
     assert len(timed) == 4
     monkeypatch.setenv("ATTNBOOK_AUTOTUNE", "0")  # never timed: the first candidate, always
-    assert forward(300) == (math.ceil(300 / 32) * 2,) and len(timed) == 4
+    assert forward(300) == (2, math.ceil(300 / 32)) and len(timed) == 4
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")

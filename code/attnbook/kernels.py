@@ -39,16 +39,16 @@ from attnbook.checks import (  # noqa: F401
 @triton.jit
 def _load_rows(base, rows, n_rows, stride_row, stride_d, HEAD_DIM: tl.constexpr):
     # A (len(rows), HEAD_DIM) tile. Rows at or past n_rows are not read; they come back as 0.
-    d = tl.arange(0, HEAD_DIM).to(tl.int64)  # 64-bit offsets: rows * stride may pass 2**31
-    ptrs = base + rows.to(tl.int64)[:, None] * stride_row + d[None, :] * stride_d
+    d = tl.arange(0, HEAD_DIM)  # rows: int64 when the launch is WIDE (see _program)
+    ptrs = base + rows[:, None] * stride_row + d[None, :] * stride_d
     return tl.load(ptrs, mask=rows[:, None] < n_rows, other=0.0)
 
 
 @triton.jit
 def _store_rows(base, tile, rows, n_rows, stride_row, stride_d, HEAD_DIM: tl.constexpr):
     # Write a (len(rows), HEAD_DIM) tile in the tensor's dtype, skipping rows past n_rows.
-    d = tl.arange(0, HEAD_DIM).to(tl.int64)
-    ptrs = base + rows.to(tl.int64)[:, None] * stride_row + d[None, :] * stride_d
+    d = tl.arange(0, HEAD_DIM)
+    ptrs = base + rows[:, None] * stride_row + d[None, :] * stride_d
     tl.store(ptrs, tile.to(base.dtype.element_ty), mask=rows[:, None] < n_rows)
 
 
@@ -64,9 +64,9 @@ _MIXED = INTERPRETED and type(tl.standard.sum).__name__ != "InterpretedFunction"
 @triton.jit
 def _delta_kernel(O, DO, DELTA, stride_ob, stride_oh, stride_om, stride_od,
                   stride_dob, stride_doh, stride_dom, stride_dod, H, L,
-                  BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
-    # Program (i, bh): delta = rowsum(O * dO) for rows i*BLOCK_M ... of (batch, head) bh.
-    bh, b, h, start_m = _program(H, L, BLOCK_M)
+                  BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, WIDE: tl.constexpr):
+    # Program (bh, i): delta = rowsum(O * dO) for rows i*BLOCK_M ... of (batch, head) bh.
+    bh, b, h, start_m = _program(H, BLOCK_M, WIDE)
     rows = start_m + tl.arange(0, BLOCK_M)
     o = _load_rows(O + b * stride_ob + h * stride_oh, rows, L, stride_om, stride_od, HEAD_DIM)
     do = _load_rows(DO + b * stride_dob + h * stride_doh, rows, L, stride_dom, stride_dod, HEAD_DIM)
@@ -75,19 +75,30 @@ def _delta_kernel(O, DO, DELTA, stride_ob, stride_oh, stride_om, stride_od,
 
 
 @triton.jit
-def _program(H, L, BLOCK: tl.constexpr):
-    # Program p = bh * tiles + i of _grid's one axis: its (batch, head) pair bh, batch b and
-    # head h (int64, like every offset), and the first of its rows, i * BLOCK.
-    tiles = tl.cdiv(L, BLOCK)
-    p = tl.program_id(0)
-    bh = (p // tiles).to(tl.int64)
-    return bh, bh // H, bh % H, (p % tiles) * BLOCK
+def _program(H, BLOCK: tl.constexpr, WIDE: tl.constexpr):
+    # Program (bh, i) of _grid: its (batch, head) pair bh, batch b and head h (int64), and its
+    # first row i * BLOCK, int64 when WIDE so that the rows built from it are too.
+    bh = tl.program_id(0)
+    start = tl.program_id(1) * BLOCK
+    if WIDE:  # some tensor spans 2**31 elements or more: rows * stride may not fit 32 bits
+        start = start.to(tl.int64)
+    return bh.to(tl.int64), (bh // H).to(tl.int64), (bh % H).to(tl.int64), start
 
 
-def _grid(length: int, block: int, pairs: int) -> tuple[int]:
-    # One program per tile of `block` rows of `length`, for each of the B * H pairs, on the
-    # first axis: CUDA allows 2**31 - 1 programs there, 65,535 on the others.
-    return (triton.cdiv(length, block) * pairs,)
+def _grid(length: int, block: int, pairs: int) -> tuple[int, int]:
+    # (B * H pairs, tiles of `block` rows of `length`): CUDA allows 2**31 - 1 programs on the
+    # first axis, 65,535 on the second.
+    tiles = triton.cdiv(length, block)
+    if tiles > 65_535:
+        raise ValueError(f"a length of {length} rows needs {tiles} tiles of {block} rows; a "
+                         "launch takes at most 65,535")
+    return pairs, tiles
+
+
+def _wide(*tensors: torch.Tensor) -> bool:
+    # True when an offset into one of the tensors may pass 2**31 - 1 (the int32 limit).
+    return any(sum((n - 1) * s for n, s in zip(t.shape, t.stride())) >= 2**31 - 1
+               for t in tensors)
 
 
 # chapters/15-flash-attention-triton.md, "The forward kernel"
@@ -96,9 +107,9 @@ def _forward_kernel(Q, K, V, O, LSE, stride_qb, stride_qh, stride_qm, stride_qd,
                     stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn,
                     stride_vd, stride_ob, stride_oh, stride_om, stride_od, H, Lq, Lk, qk_scale,
                     CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    HEAD_DIM: tl.constexpr):
-    # Program (i, bh): output rows i*BLOCK_M ... of (batch, head) bh, and their logsumexp.
-    bh, b, h, start_m = _program(H, Lq, BLOCK_M)
+                    HEAD_DIM: tl.constexpr, WIDE: tl.constexpr):
+    # Program (bh, i): output rows i*BLOCK_M ... of (batch, head) bh, and their logsumexp.
+    bh, b, h, start_m = _program(H, BLOCK_M, WIDE)
     rows = start_m + tl.arange(0, BLOCK_M)
     q = _load_rows(Q + b * stride_qb + h * stride_qh, rows, Lq, stride_qm, stride_qd, HEAD_DIM)
     K += b * stride_kb + h * stride_kh
@@ -144,7 +155,7 @@ def _forward_step(acc, m, l, q, K, V, rows, start_n, stride_kn, stride_kd, strid
 def _key_tile(q, K, V, rows, start_n, stride_kn, stride_kd, stride_vn, stride_vd, Lq, Lk,
               qk_scale, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
     # The K and V tiles of keys start_n ..., their scores against q and where they are allowed.
-    cols = start_n + tl.arange(0, BLOCK_N)
+    cols = start_n + tl.arange(0, BLOCK_N).to(rows.dtype)  # int64 if rows are
     k = _load_rows(K, cols, Lk, stride_kn, stride_kd, HEAD_DIM)  # (BLOCK_N, D)
     v = _load_rows(V, cols, Lk, stride_vn, stride_vd, HEAD_DIM)  # (BLOCK_N, D)
     s, ok = _scores(q, k, rows, cols, Lq, Lk, qk_scale, CAUSAL)  # (BLOCK_M, BLOCK_N)
@@ -264,11 +275,13 @@ def _launch(kernel, name: str, q, k, causal: bool, *args) -> None:
     settings = _launch_settings(name, q.element_size(), q.shape[-1], capability)
     length = k.shape[2] if name == "dkdv" else q.shape[2]
 
+    wide = _wide(*(a for a in args if isinstance(a, torch.Tensor)))
+
     def run(setting):
         block_m, block_n, warps, stages = setting
         grid = _grid(length, block_n if name == "dkdv" else block_m, q.shape[0] * q.shape[1])
         kernel[grid](*args, CAUSAL=causal, BLOCK_M=block_m, BLOCK_N=block_n,
-                     HEAD_DIM=q.shape[-1], num_warps=warps, num_stages=stages)
+                     HEAD_DIM=q.shape[-1], WIDE=wide, num_warps=warps, num_stages=stages)
 
     setting = settings[0]
     if len(settings) > 1 and q.shape[2] * k.shape[2] >= AUTOTUNE_FROM and _autotuning():
@@ -316,9 +329,9 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, stride_qb, stride_qh, stride_qm, strid
                  stride_vd, stride_dob, stride_doh, stride_dom, stride_dod, H, Lq, Lk, qk_scale,
                  scale, DK, DV, stride_dkb, stride_dkh, stride_dkn, stride_dkd,
                  CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 HEAD_DIM: tl.constexpr):
-    # Program (j, bh): dK and dV (with dK's strides) of key rows j*BLOCK_N ... of (batch, head) bh.
-    bh, b, h, start_n = _program(H, Lk, BLOCK_N)
+                 HEAD_DIM: tl.constexpr, WIDE: tl.constexpr):
+    # Program (bh, j): dK and dV (with dK's strides) of key rows j*BLOCK_N ... of (batch, head) bh.
+    bh, b, h, start_n = _program(H, BLOCK_N, WIDE)
     cols = start_n + tl.arange(0, BLOCK_N)
     k = _load_rows(K + b * stride_kb + h * stride_kh, cols, Lk, stride_kn, stride_kd, HEAD_DIM)
     v = _load_rows(V + b * stride_vb + h * stride_vh, cols, Lk, stride_vn, stride_vd, HEAD_DIM)
@@ -345,7 +358,7 @@ def _dkdv_step(dk, dv, k, v, Q, DO, LSE, DELTA, cols, start_m, stride_qm, stride
                stride_dod, Lq, Lk, qk_scale, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
                BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
     # One query tile's share of dK and dV. Rows past Lq load as 0: with dO = delta = 0 they add 0.
-    rows = start_m + tl.arange(0, BLOCK_M)
+    rows = start_m + tl.arange(0, BLOCK_M).to(cols.dtype)  # int64 if cols are
     q = _load_rows(Q, rows, Lq, stride_qm, stride_qd, HEAD_DIM)  # (BLOCK_M, D)
     do = _load_rows(DO, rows, Lq, stride_dom, stride_dod, HEAD_DIM)  # (BLOCK_M, D)
     lse = tl.load(LSE + rows, mask=rows < Lq, other=0.0)  # (BLOCK_M,)
@@ -383,9 +396,9 @@ def _dq_kernel(Q, K, V, DO, LSE, DELTA, stride_qb, stride_qh, stride_qm, stride_
                stride_vd, stride_dob, stride_doh, stride_dom, stride_dod, H, Lq, Lk, qk_scale,
                scale, DQ, stride_dqb, stride_dqh, stride_dqm, stride_dqd,
                CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               HEAD_DIM: tl.constexpr):
-    # Program (i, bh): dQ of query rows i*BLOCK_M ... of (batch, head) bh, a sum over key tiles.
-    bh, b, h, start_m = _program(H, Lq, BLOCK_M)
+               HEAD_DIM: tl.constexpr, WIDE: tl.constexpr):
+    # Program (bh, i): dQ of query rows i*BLOCK_M ... of (batch, head) bh, a sum over key tiles.
+    bh, b, h, start_m = _program(H, BLOCK_M, WIDE)
     rows = start_m + tl.arange(0, BLOCK_M)
     q = _load_rows(Q + b * stride_qb + h * stride_qh, rows, Lq, stride_qm, stride_qd, HEAD_DIM)
     do = _load_rows(DO + b * stride_dob + h * stride_doh, rows, Lq, stride_dom, stride_dod,
@@ -437,7 +450,7 @@ def _backward(q, k, v, o, lse, do, causal: bool, scale: float):
               scale * _LOG2E, scale)
     with _device_guard(q.device):
         _delta_kernel[_grid(Lq, 32, B * H)](o, do, delta, *_strides(o, do), H, Lq,
-                                            BLOCK_M=32, HEAD_DIM=D)
+                                            BLOCK_M=32, HEAD_DIM=D, WIDE=_wide(o, do, delta))
         _launch(_dkdv_kernel, "dkdv", q, k, causal, *inputs, dk, dv, *dk.stride())
         _launch(_dq_kernel, "dq", q, k, causal, *inputs, dq, *dq.stride())
     return dq, dk, dv
