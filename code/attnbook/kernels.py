@@ -269,7 +269,7 @@ def _device_guard(device: torch.device):
 
 def _launch(kernel, name: str, q, k, causal: bool, *args) -> None:
     # One program per tile of rows (of keys for dK, dV, else of queries), for every (batch,
-    # head), on _grid's one axis, with a setting of launch_settings: the first, or on a GPU
+    # head), on _grid's (B * H, tiles), with a setting of launch_settings: the first, or on a GPU
     # and a large problem the fastest for its length bucket, unless ATTNBOOK_AUTOTUNE=0.
     capability = None if INTERPRETED else _capability(q.device)
     settings = _launch_settings(name, q.element_size(), q.shape[-1], capability)
