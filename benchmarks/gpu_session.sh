@@ -4,7 +4,10 @@
 #   bash benchmarks/gpu_session.sh              # the kernels and their speed (under 8 minutes on
 #                                               # an H100-class GPU):
 #     1. the GPU and software versions (versions.txt);
-#     2. tests/test_kernels.py with the Triton kernels compiled for this GPU (kernel_tests.txt);
+#     2. tests/test_kernels.py with the Triton kernels compiled for this GPU (kernel_tests.txt),
+#        among them the row offsets past 2**31 elements (a 5 GB buffer) and CUDA's grid limits;
+#     2b. with two GPUs or more, the device guard: inputs on cuda:1 while cuda:0 is current
+#        (two_gpus.txt; skipped, and said so, on one GPU or none);
 #     3. benchmarks/flash_attention.py: ours against every SDPA backend and naive attention,
 #        float16 and bfloat16, D = 64 and 128, N = 512 ... 16384, causal and not, forward and
 #        forward + backward, peak memory (flash_attention.csv, flash_attention.png);
@@ -68,12 +71,22 @@ kernel_tests() {
     "$python" -m pytest -q -p no:cacheprovider tests/test_kernels.py
 }
 
+two_gpus() {
+    "$python" -m pytest -q -p no:cacheprovider -rs tests/test_kernels.py -k "second_gpu or guard"
+}
+
 part versions versions.txt versions
 if [ "$mode" = chapters ]; then
     part chapters chapters.txt "$python" benchmarks/run_chapters.py --out "$out" $small \
         ${chapters[@]+"${chapters[@]}"}
 else
     part "kernel tests" kernel_tests.txt kernel_tests
+    gpus=$("$python" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null)
+    if [ "${gpus:-0}" -ge 2 ]; then
+        part "two GPUs" two_gpus.txt two_gpus
+    else
+        echo "== two GPUs: skipped, ${gpus:-0} GPU here (the device guard's check needs two)"
+    fi
     part benchmark benchmark.txt "$python" benchmarks/flash_attention.py --out "$out" $small
     part roofline roofline.txt "$python" benchmarks/flash_attention.py --roofline --out "$out" $small
 fi

@@ -5,6 +5,7 @@ shapes below are a covering subset (every length, head size, dtype and mask appe
 combination) with B x H = 1 x 2.
 """
 
+import contextlib
 import csv
 import importlib.util
 import json
@@ -139,6 +140,203 @@ def test_launch_settings_choose_by_gpu_and_dtype():
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_any_strides(layout, causal):
     check_against_torch(65, 70, 32, causal, torch.float32, seed=1, layout=layout)
+
+
+# Launch hazards that the interpreter used to hide (issue 42): offsets past 2**31 elements,
+# CUDA's grid limits, the device the kernels launch on, and inputs strided along D.
+
+LARGE_OFFSETS = """
+import resource, sys, torch, torch.nn.functional as F
+from attnbook.triton_mode import use_triton_interpreter
+use_triton_interpreter()
+from attnbook.kernels import INTERPRETED, flash_attention
+device = "cpu" if INTERPRETED else "cuda"
+L, H, D, STRIDE = 20, 2, 16, 2**27  # row 16 of each tensor starts past element 2**31
+# q, k, v and dO side by side in each row, like a packed QKV, rows STRIDE elements apart; the
+# buffer (5 GB of float16) is reserved, but only the pages of its 20 rows are ever touched.
+buffer = torch.empty(STRIDE * (L - 1) + 4 * H * D, dtype=torch.float16, device=device)
+gen = torch.Generator().manual_seed(0)
+views = []
+for i in range(4):
+    view = buffer.as_strided((1, H, L, D), (STRIDE * L, D, STRIDE, 1), storage_offset=i * H * D)
+    view.copy_(torch.randn(1, H, L, D, generator=gen))
+    views.append(view)
+q, k, v, do = views
+assert (L - 1) * STRIDE > 2**31 and not q.is_contiguous()
+for causal in (False, True):
+    inputs = [t.detach().requires_grad_() for t in (q, k, v)]
+    out = flash_attention(*inputs, causal=causal)
+    grads = torch.autograd.grad(out, inputs, do)
+    exact = [t.double().cpu().requires_grad_() for t in (q, k, v)]
+    ref = F.scaled_dot_product_attention(*exact, is_causal=causal)
+    ref_grads = torch.autograd.grad(ref, exact, do.double().cpu())
+    for name, ours, theirs in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref, *ref_grads)):
+        error = (ours.double().cpu() - theirs).abs().max().item()
+        assert error < 1e-2, f"causal={causal} {name}: max error {error:.2e}"
+rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB (Linux)
+print(f"large offsets: forward and backward match SDPA; peak RSS {rss:.2f} GiB")
+"""
+
+
+def test_row_offsets_past_2_31_elements_are_formed_in_64_bits():
+    # 32-bit offsets wrap at row 16: a segmentation fault in the interpreter, wrong memory on a
+    # GPU. In a child process, so that a crash fails this test rather than the test run.
+    result = run_python(LARGE_OFFSETS, timeout=600)
+    assert result.returncode == 0, (result.returncode, result.stdout, result.stderr[-3000:])
+    peak = float(result.stdout.split("peak RSS ")[1].split()[0])
+    assert peak < 2.0, result.stdout  # the 5 GB buffer stays mostly untouched
+
+
+class Launches:
+    """Stands in for the kernels of attnbook.kernels: records each launch's kernel, grid (as
+    CUDA would get it), tensor arguments and the device the guard made current, then runs it
+    (unless run=False)."""
+
+    CUDA_GRID_LIMITS = (2**31 - 1, 65_535, 65_535)
+
+    def __init__(self, monkeypatch, run=True):
+        from attnbook import kernels
+
+        self.records, self.current = [], None
+        for name in ("_forward_kernel", "_dkdv_kernel", "_dq_kernel", "_delta_kernel"):
+            monkeypatch.setattr(kernels, name, self._stand_in(name, getattr(kernels, name), run))
+
+        @contextlib.contextmanager
+        def guard(device):
+            self.current = device
+            yield
+            self.current = None
+
+        monkeypatch.setattr(kernels, "_device_guard", guard, raising=False)
+
+    def _stand_in(self, name, kernel, run):
+        launches = self
+
+        class StandIn:
+            def __getitem__(self, grid):
+                def launch(*args, **kwargs):
+                    shape = tuple(grid(kwargs) if callable(grid) else grid)
+                    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+                    launches.records.append((name, shape, tensors, launches.current))
+                    if run:
+                        kernel[grid](*args, **kwargs)
+                return launch
+
+        return StandIn()
+
+
+def test_every_launch_stays_within_cudas_grid_limits(monkeypatch):
+    # B * H = 70,000 (large-batch inference): a grid of (tiles, B * H) has 70,000 programs on its
+    # second axis, where CUDA allows 65,535. The launches are recorded, not run (the
+    # interpreter would take minutes over 70,000 programs); test_batch_and_heads runs them.
+    launches = Launches(monkeypatch, run=False)
+    q = torch.zeros(7_000, 10, 3, 16, device=DEVICE, requires_grad=True)
+    out = flash_attention(q, q, q, causal=True)
+    out.backward(torch.zeros_like(out))
+    names = [name for name, *_ in launches.records]
+    assert sorted(names) == ["_delta_kernel", "_dkdv_kernel", "_dq_kernel", "_forward_kernel"]
+    for name, grid, *_ in launches.records:
+        assert 1 <= len(grid) <= 3, (name, grid)
+        assert all(1 <= n <= limit for n, limit in zip(grid, Launches.CUDA_GRID_LIMITS)), (name, grid)
+        assert math.prod(grid) >= 70_000, (name, grid)  # every (batch, head) has its programs
+
+
+def test_a_length_with_more_tiles_than_a_grid_axis_allows_is_refused_by_name():
+    from attnbook.kernels import _grid
+
+    assert _grid(65_535 * 16, 16, 70_000) == (70_000, 65_535)
+    with pytest.raises(ValueError, match="length of 1048577 rows needs 65537 tiles"):
+        _grid(65_536 * 16 + 1, 16, 1)
+
+
+def test_every_launch_runs_under_the_guard_of_the_inputs_device(monkeypatch):
+    launches = Launches(monkeypatch)
+    q = torch.randn(1, 2, 40, 16, device=DEVICE, requires_grad=True)
+    flash_attention(q, q, q).sum().backward()
+    assert len(launches.records) == 4
+    for name, _, _, current in launches.records:
+        assert current == q.device, name  # the guard (on a GPU, torch.cuda.device) was entered
+
+
+def test_inputs_strided_along_d_are_copied_once_and_give_the_same_answer(monkeypatch):
+    # A last dimension that is not contiguous compiles to a kernel without vector loads (issue
+    # 42): the launcher copies such inputs, so every tensor it launches has stride 1 along D.
+    launches = Launches(monkeypatch)
+    torch.manual_seed(6)
+    q, k, v, do = (inside_nan(torch.randn(1, 2, 40, 16).to(DEVICE), "transposed") for _ in range(4))
+    assert q.stride(-1) != 1
+    inputs = [t.detach().requires_grad_() for t in (q, k, v)]
+    out = flash_attention(*inputs, causal=True)
+    grads = torch.autograd.grad(out, inputs, do)
+    assert len(launches.records) == 4
+    for name, _, tensors, _ in launches.records:
+        assert all(t.stride(-1) == 1 for t in tensors), (name, [t.stride() for t in tensors])
+    # the copy changes nothing: the same answer, bit for bit, as from contiguous inputs
+    same = [t.contiguous().requires_grad_() for t in (q, k, v)]
+    out_contiguous = flash_attention(*same, causal=True)
+    assert torch.equal(out, out_contiguous)
+    for ours, theirs in zip(grads, torch.autograd.grad(out_contiguous, same, do.contiguous())):
+        assert torch.equal(ours, theirs)
+
+
+def test_the_device_guard_makes_a_cuda_device_current_and_is_nothing_on_the_cpu():
+    from attnbook.kernels import _device_guard
+
+    assert isinstance(_device_guard(torch.device("cpu")), contextlib.nullcontext)
+    guard = _device_guard(torch.device("cuda:1"))  # made, not entered: no GPU needed
+    assert isinstance(guard, torch.cuda.device) and guard.idx == 1
+
+
+def test_autotuning_times_once_per_power_of_two_bucket_and_can_be_turned_off(monkeypatch):
+    # Keyed on the exact (Lq, Lk), every new pair of lengths was timed again (issue 42), and
+    # timing noise could pick other tiles in another process. The interpreter has one candidate
+    # and no GPU to time on: two candidates and a stand-in timer (the second one "faster").
+    from attnbook import kernels
+
+    candidates = [(32, 32, 4, 2), (16, 16, 4, 2)]
+    monkeypatch.setattr(kernels, "_launch_settings", lambda *args: candidates)
+    monkeypatch.setattr(kernels, "AUTOTUNE_FROM", 1)
+    monkeypatch.setattr(kernels, "_FASTEST", {}, raising=False)
+    timed = []
+
+    def seconds(run):
+        timed.append(run.args[0])
+        run()
+        return 1.0 if run.args[0] == candidates[0] else 0.5
+
+    monkeypatch.setattr(kernels, "_seconds", seconds, raising=False)
+    launches = Launches(monkeypatch)
+
+    def forward(length):
+        q = torch.randn(1, 2, length, 16, device=DEVICE)
+        out = flash_attention(q, q, q, causal=True)
+        torch.testing.assert_close(out, reference(q, q, q, causal=True), rtol=1e-5, atol=1e-5)
+        return launches.records[-1][1]  # the grid of the last launch
+
+    monkeypatch.setenv("ATTNBOOK_AUTOTUNE", "1")
+    assert forward(70) == (2, math.ceil(70 / 16))  # timed both, launched the faster
+    assert timed == candidates
+    assert forward(100) == (2, math.ceil(100 / 16)) and len(timed) == 2  # 70, 100: bucket 128
+    forward(130)  # another bucket (256): timed again
+    assert len(timed) == 4
+    monkeypatch.setenv("ATTNBOOK_AUTOTUNE", "0")  # never timed: the first candidate, always
+    assert forward(300) == (2, math.ceil(300 / 32)) and len(timed) == 4
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_inputs_on_a_second_gpu_run_there():
+    torch.manual_seed(7)
+    q, k, v = (torch.randn(2, 3, 300, 64, device="cuda:1", dtype=torch.float16,
+                           requires_grad=True) for _ in range(3))
+    with torch.cuda.device(0):
+        out = flash_attention(q, k, v, causal=True)
+        grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+        assert torch.cuda.current_device() == 0  # the guard restored the current device
+    expected = reference(q, k, v, causal=True)
+    torch.testing.assert_close(out, expected, rtol=2e-3, atol=2e-3)
+    for ours, theirs in zip(grads, torch.autograd.grad(expected, (q, k, v), torch.ones_like(out))):
+        assert ours.device == q.device
+        torch.testing.assert_close(ours, theirs, rtol=1e-2, atol=1e-2)
 
 
 @pytest.mark.parametrize("scale", [0.05, 1.0, 3.0])
@@ -308,11 +506,11 @@ def test_bad_input_is_refused(kwargs, error, message):
         flash_attention(**args)
 
 
-def run_python(code, **env_changes):
+def run_python(code, timeout=120, **env_changes):
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     env.update(env_changes)
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                          cwd=ROOT, timeout=120)
+                          cwd=ROOT, timeout=timeout)
 
 
 def test_importing_the_package_does_not_import_triton():

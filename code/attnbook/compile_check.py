@@ -135,7 +135,8 @@ def _compile_here(kernel: str, gpu: str, dtype: str, head_dim: int, causal: bool
     block, block_n, warps, stages = (given or d for given, d in
                                      zip((block, block_n, warps, stages), default))
     signature, constants, attrs = _signature(kernel, dtype)
-    constants.update(CAUSAL=causal, BLOCK_M=block, BLOCK_N=block_n, HEAD_DIM=head_dim)
+    constants.update(CAUSAL=causal, BLOCK_M=block, BLOCK_N=block_n, HEAD_DIM=head_dim,
+                     WIDE=False)  # 32-bit rows: every tensor spans fewer than 2**31 elements
     log = io.StringIO()
     with contextlib.redirect_stdout(log):
         compiled = triton.compile(

@@ -16,7 +16,9 @@ __all__ = [
 ]
 
 # chapters/15-flash-attention-triton.md, "The Triton programming model"
+import contextlib
 import functools
+import os
 
 import torch
 import triton  # compiled, or interpreted after use_triton_interpreter() without a GPU
@@ -37,7 +39,7 @@ from attnbook.checks import (  # noqa: F401
 @triton.jit
 def _load_rows(base, rows, n_rows, stride_row, stride_d, HEAD_DIM: tl.constexpr):
     # A (len(rows), HEAD_DIM) tile. Rows at or past n_rows are not read; they come back as 0.
-    d = tl.arange(0, HEAD_DIM)
+    d = tl.arange(0, HEAD_DIM)  # rows: int64 when the launch is WIDE (see _program)
     ptrs = base + rows[:, None] * stride_row + d[None, :] * stride_d
     return tl.load(ptrs, mask=rows[:, None] < n_rows, other=0.0)
 
@@ -62,9 +64,9 @@ _MIXED = INTERPRETED and type(tl.standard.sum).__name__ != "InterpretedFunction"
 @triton.jit
 def _delta_kernel(O, DO, DELTA, stride_ob, stride_oh, stride_om, stride_od,
                   stride_dob, stride_doh, stride_dom, stride_dod, H, L,
-                  BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
-    # Program (i, bh): delta = rowsum(O * dO) for rows i*BLOCK_M ... of (batch, head) bh.
-    bh, b, h, start_m = _program(H, BLOCK_M)
+                  BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, WIDE: tl.constexpr):
+    # Program (bh, i): delta = rowsum(O * dO) for rows i*BLOCK_M ... of (batch, head) bh.
+    bh, b, h, start_m = _program(H, BLOCK_M, WIDE)
     rows = start_m + tl.arange(0, BLOCK_M)
     o = _load_rows(O + b * stride_ob + h * stride_oh, rows, L, stride_om, stride_od, HEAD_DIM)
     do = _load_rows(DO + b * stride_dob + h * stride_doh, rows, L, stride_dom, stride_dod, HEAD_DIM)
@@ -73,10 +75,30 @@ def _delta_kernel(O, DO, DELTA, stride_ob, stride_oh, stride_om, stride_od,
 
 
 @triton.jit
-def _program(H, BLOCK: tl.constexpr):
-    # Program (i, bh): bh, its batch b and head h (int64: b * stride may pass 2**31), tile's row.
-    bh = tl.program_id(1)
-    return bh, (bh // H).to(tl.int64), (bh % H).to(tl.int64), tl.program_id(0) * BLOCK
+def _program(H, BLOCK: tl.constexpr, WIDE: tl.constexpr):
+    # Program (bh, i) of _grid: its (batch, head) pair bh, batch b and head h (int64), and its
+    # first row i * BLOCK, int64 when WIDE so that the rows built from it are too.
+    bh = tl.program_id(0)
+    start = tl.program_id(1) * BLOCK
+    if WIDE:  # some tensor spans 2**31 elements or more: rows * stride may not fit 32 bits
+        start = start.to(tl.int64)
+    return bh.to(tl.int64), (bh // H).to(tl.int64), (bh % H).to(tl.int64), start
+
+
+def _grid(length: int, block: int, pairs: int) -> tuple[int, int]:
+    # (B * H pairs, tiles of `block` rows of `length`): CUDA allows 2**31 - 1 programs on the
+    # first axis, 65,535 on the second.
+    tiles = triton.cdiv(length, block)
+    if tiles > 65_535:
+        raise ValueError(f"a length of {length} rows needs {tiles} tiles of {block} rows; a "
+                         "launch takes at most 65,535")
+    return pairs, tiles
+
+
+def _wide(*tensors: torch.Tensor) -> bool:
+    # True when an offset into one of the tensors may pass 2**31 - 1 (the int32 limit).
+    return any(sum((n - 1) * s for n, s in zip(t.shape, t.stride())) >= 2**31 - 1
+               for t in tensors)
 
 
 # chapters/15-flash-attention-triton.md, "The forward kernel"
@@ -85,9 +107,9 @@ def _forward_kernel(Q, K, V, O, LSE, stride_qb, stride_qh, stride_qm, stride_qd,
                     stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn,
                     stride_vd, stride_ob, stride_oh, stride_om, stride_od, H, Lq, Lk, qk_scale,
                     CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    HEAD_DIM: tl.constexpr):
-    # Program (i, bh): output rows i*BLOCK_M ... of (batch, head) bh, and their logsumexp.
-    bh, b, h, start_m = _program(H, BLOCK_M)
+                    HEAD_DIM: tl.constexpr, WIDE: tl.constexpr):
+    # Program (bh, i): output rows i*BLOCK_M ... of (batch, head) bh, and their logsumexp.
+    bh, b, h, start_m = _program(H, BLOCK_M, WIDE)
     rows = start_m + tl.arange(0, BLOCK_M)
     q = _load_rows(Q + b * stride_qb + h * stride_qh, rows, Lq, stride_qm, stride_qd, HEAD_DIM)
     K += b * stride_kb + h * stride_kh
@@ -133,7 +155,7 @@ def _forward_step(acc, m, l, q, K, V, rows, start_n, stride_kn, stride_kd, strid
 def _key_tile(q, K, V, rows, start_n, stride_kn, stride_kd, stride_vn, stride_vd, Lq, Lk,
               qk_scale, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
     # The K and V tiles of keys start_n ..., their scores against q and where they are allowed.
-    cols = start_n + tl.arange(0, BLOCK_N)
+    cols = start_n + tl.arange(0, BLOCK_N).to(rows.dtype)  # int64 if rows are
     k = _load_rows(K, cols, Lk, stride_kn, stride_kd, HEAD_DIM)  # (BLOCK_N, D)
     v = _load_rows(V, cols, Lk, stride_vn, stride_vd, HEAD_DIM)  # (BLOCK_N, D)
     s, ok = _scores(q, k, rows, cols, Lq, Lk, qk_scale, CAUSAL)  # (BLOCK_M, BLOCK_N)
@@ -225,44 +247,75 @@ def _launch_settings(kernel: str, element_size: int, head_dim: int,
 # chapters/15-flash-attention-triton.md, "The forward kernel"
 def _forward(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     # O (B, H, Lq, D) and the base-2 logsumexp of each row's scores (B, H, Lq), float32.
+    q, k, v = _unit_stride_d(q, k, v)
     B, H, Lq, D = q.shape
     o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((B, H, Lq), dtype=torch.float32, device=q.device)
-    _launch(_forward_kernel, "forward", q, k, causal,
-            q, k, v, o, lse, *_strides(q, k, v, o), H, Lq, k.shape[2], scale * _LOG2E)
+    with _device_guard(q.device):
+        _launch(_forward_kernel, "forward", q, k, causal,
+                q, k, v, o, lse, *_strides(q, k, v, o), H, Lq, k.shape[2], scale * _LOG2E)
     return o, lse
+
+
+def _unit_stride_d(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    # Each tensor, copied once if its last dimension is not contiguous (stride along D not 1).
+    return [t if t.stride(-1) == 1 else t.contiguous() for t in tensors]
+
+
+def _device_guard(device: torch.device):
+    # Triton launches on the current CUDA device: make it the inputs' one (on the CPU, nothing).
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def _launch(kernel, name: str, q, k, causal: bool, *args) -> None:
     # One program per tile of rows (of keys for dK, dV, else of queries), for every (batch,
-    # head), with the settings of launch_settings; large problems on a GPU autotune among them.
+    # head), on _grid's (B * H, tiles), with a setting of launch_settings: the first, or on a GPU
+    # and a large problem the fastest for its length bucket, unless ATTNBOOK_AUTOTUNE=0.
     capability = None if INTERPRETED else _capability(q.device)
     settings = _launch_settings(name, q.element_size(), q.shape[-1], capability)
-    length, axis = (k.shape[2], "BLOCK_N") if name == "dkdv" else (q.shape[2], "BLOCK_M")
+    length = k.shape[2] if name == "dkdv" else q.shape[2]
 
-    def grid(meta):
-        return triton.cdiv(length, meta[axis]), q.shape[0] * q.shape[1]
+    wide = _wide(*(a for a in args if isinstance(a, torch.Tensor)))
 
-    if len(settings) > 1 and q.shape[2] * k.shape[2] >= AUTOTUNE_FROM:
-        _autotuned(kernel, tuple(settings))[grid](*args, CAUSAL=causal, HEAD_DIM=q.shape[-1])
-    else:
-        block_m, block_n, warps, stages = settings[0]
+    def run(setting):
+        block_m, block_n, warps, stages = setting
+        grid = _grid(length, block_n if name == "dkdv" else block_m, q.shape[0] * q.shape[1])
         kernel[grid](*args, CAUSAL=causal, BLOCK_M=block_m, BLOCK_N=block_n,
-                     HEAD_DIM=q.shape[-1], num_warps=warps, num_stages=stages)
+                     HEAD_DIM=q.shape[-1], WIDE=wide, num_warps=warps, num_stages=stages)
+
+    setting = settings[0]
+    if len(settings) > 1 and q.shape[2] * k.shape[2] >= AUTOTUNE_FROM and _autotuning():
+        key = (name, _bucket(q.shape[2]), _bucket(k.shape[2]), q.shape[-1], causal, q.dtype,
+               capability)
+        if key not in _FASTEST:  # timed once per key and process: each run overwrites the same
+            _FASTEST[key] = min(settings, key=lambda s: _seconds(functools.partial(run, s)))
+        setting = _FASTEST[key]
+    run(setting)
+
+
+_FASTEST = {}  # (kernel, Lq bucket, Lk bucket, D, causal, dtype, capability) -> its setting
+
+
+def _bucket(length: int) -> int:
+    # The power of two at or above `length`: lengths 1025 ... 2048 share one timing.
+    return 1 << (length - 1).bit_length()
+
+
+def _autotuning() -> bool:
+    # ATTNBOOK_AUTOTUNE=0: always the first setting, the same in every process (reproducible).
+    return os.environ.get("ATTNBOOK_AUTOTUNE", "1") != "0"
+
+
+def _seconds(run) -> float:
+    from triton.testing import do_bench  # on a GPU only: it times with CUDA events
+
+    return do_bench(run, return_mode="median")  # milliseconds, a median of many runs
 
 
 @functools.cache
 def _capability(device: torch.device) -> int:
     major, minor = torch.cuda.get_device_capability(device)
     return 10 * major + minor  # 75 for a T4, 80 for an A100, 90 for an H100
-
-
-@functools.cache
-def _autotuned(kernel, settings: tuple):
-    # `kernel` timed over `settings` once for each (Lq, Lk, D, mask, dtype); the fastest is kept.
-    configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
-               for m, n, w, s in settings]
-    return triton.autotune(configs, key=["Lq", "Lk", "HEAD_DIM", "CAUSAL"])(kernel)
 
 
 def _strides(*tensors: torch.Tensor) -> list[int]:
@@ -276,9 +329,9 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, stride_qb, stride_qh, stride_qm, strid
                  stride_vd, stride_dob, stride_doh, stride_dom, stride_dod, H, Lq, Lk, qk_scale,
                  scale, DK, DV, stride_dkb, stride_dkh, stride_dkn, stride_dkd,
                  CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 HEAD_DIM: tl.constexpr):
-    # Program (j, bh): dK and dV (with dK's strides) of key rows j*BLOCK_N ... of (batch, head) bh.
-    bh, b, h, start_n = _program(H, BLOCK_N)
+                 HEAD_DIM: tl.constexpr, WIDE: tl.constexpr):
+    # Program (bh, j): dK and dV (with dK's strides) of key rows j*BLOCK_N ... of (batch, head) bh.
+    bh, b, h, start_n = _program(H, BLOCK_N, WIDE)
     cols = start_n + tl.arange(0, BLOCK_N)
     k = _load_rows(K + b * stride_kb + h * stride_kh, cols, Lk, stride_kn, stride_kd, HEAD_DIM)
     v = _load_rows(V + b * stride_vb + h * stride_vh, cols, Lk, stride_vn, stride_vd, HEAD_DIM)
@@ -305,7 +358,7 @@ def _dkdv_step(dk, dv, k, v, Q, DO, LSE, DELTA, cols, start_m, stride_qm, stride
                stride_dod, Lq, Lk, qk_scale, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
                BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
     # One query tile's share of dK and dV. Rows past Lq load as 0: with dO = delta = 0 they add 0.
-    rows = start_m + tl.arange(0, BLOCK_M)
+    rows = start_m + tl.arange(0, BLOCK_M).to(cols.dtype)  # int64 if cols are
     q = _load_rows(Q, rows, Lq, stride_qm, stride_qd, HEAD_DIM)  # (BLOCK_M, D)
     do = _load_rows(DO, rows, Lq, stride_dom, stride_dod, HEAD_DIM)  # (BLOCK_M, D)
     lse = tl.load(LSE + rows, mask=rows < Lq, other=0.0)  # (BLOCK_M,)
@@ -343,9 +396,9 @@ def _dq_kernel(Q, K, V, DO, LSE, DELTA, stride_qb, stride_qh, stride_qm, stride_
                stride_vd, stride_dob, stride_doh, stride_dom, stride_dod, H, Lq, Lk, qk_scale,
                scale, DQ, stride_dqb, stride_dqh, stride_dqm, stride_dqd,
                CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               HEAD_DIM: tl.constexpr):
-    # Program (i, bh): dQ of query rows i*BLOCK_M ... of (batch, head) bh, a sum over key tiles.
-    bh, b, h, start_m = _program(H, BLOCK_M)
+               HEAD_DIM: tl.constexpr, WIDE: tl.constexpr):
+    # Program (bh, i): dQ of query rows i*BLOCK_M ... of (batch, head) bh, a sum over key tiles.
+    bh, b, h, start_m = _program(H, BLOCK_M, WIDE)
     rows = start_m + tl.arange(0, BLOCK_M)
     q = _load_rows(Q + b * stride_qb + h * stride_qh, rows, Lq, stride_qm, stride_qd, HEAD_DIM)
     do = _load_rows(DO + b * stride_dob + h * stride_doh, rows, Lq, stride_dom, stride_dod,
@@ -389,15 +442,17 @@ TRITON_KERNELS = {"forward": _forward_kernel, "dkdv": _dkdv_kernel, "dq": _dq_ke
 
 def _backward(q, k, v, o, lse, do, causal: bool, scale: float):
     # dQ, dK, dV (contiguous, in the inputs' dtype) from the forward's O and logsumexp.
+    q, k, v, do = _unit_stride_d(q, k, v, do)  # as in _forward (chapter 15)
     B, H, Lq, D = q.shape
     delta = torch.empty_like(lse)  # (B, H, Lq): rowsum(O * dO)
-    _delta_kernel[(triton.cdiv(Lq, 32), B * H)](o, do, delta, *_strides(o, do), H, Lq,
-                                                BLOCK_M=32, HEAD_DIM=D)
     dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
     inputs = (q, k, v, do, lse, delta, *_strides(q, k, v, do), H, Lq, k.shape[2],
               scale * _LOG2E, scale)
-    _launch(_dkdv_kernel, "dkdv", q, k, causal, *inputs, dk, dv, *dk.stride())
-    _launch(_dq_kernel, "dq", q, k, causal, *inputs, dq, *dq.stride())
+    with _device_guard(q.device):
+        _delta_kernel[_grid(Lq, 32, B * H)](o, do, delta, *_strides(o, do), H, Lq,
+                                            BLOCK_M=32, HEAD_DIM=D, WIDE=_wide(o, do, delta))
+        _launch(_dkdv_kernel, "dkdv", q, k, causal, *inputs, dk, dv, *dk.stride())
+        _launch(_dq_kernel, "dq", q, k, causal, *inputs, dq, *dq.stride())
     return dq, dk, dv
 
 
@@ -405,8 +460,9 @@ def _backward(q, k, v, o, lse, do, causal: bool, scale: float):
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
                     scale: float | None = None) -> torch.Tensor:
     """Exact, differentiable attention softmax(scale * q k^T) v by tiled Triton kernels: q is
-    (B, H, Lq, D), k and v (B, H, Lk, D), D in {16, 32, 64, 128}, any strides. causal=True lets
-    query i see key j iff j <= i + Lk - Lq; a query that sees no key gets zero output."""
+    (B, H, Lq, D), k and v (B, H, Lk, D), D in {16, 32, 64, 128}, any strides (a last dimension
+    that is not contiguous is copied first). causal=True lets query i see key j iff
+    j <= i + Lk - Lq; a query that sees no key gets zero output."""
     _check_inputs(q, k, v)
     causal = check_bool("causal", causal)
     scale = check_real("scale", check_scale(scale, q.shape[-1]), -_LARGEST_SCALE, _LARGEST_SCALE)
@@ -424,6 +480,7 @@ def _flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: 
 class _FlashAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, causal: bool, scale: float):
+        q, k, v = _unit_stride_d(q, k, v)  # copied once here, not again for the backward
         o, lse = _forward(q, k, v, causal, scale)
         ctx.save_for_backward(q, k, v, o, lse)  # no (Lq, Lk) matrix: O and one float per row
         ctx.causal, ctx.scale = causal, scale
