@@ -786,6 +786,10 @@ COUNTER = "class Counter:\n    count = 1"
     (("class Path:\n    count = 1", "from pathlib import Path",
       "# continues Path\ndef f(self):\n    return 'mine'\n\n\nPath.f = f"),
      r"Path is rebound after its class \(chapters/99-extra.md, cell \d+, line 1\)"),
+    # a cell between reads the class when it runs: the chapter's class has no f yet
+    ((COUNTER, "HAS_F = hasattr(Counter, 'f')",
+      "# continues Counter\ndef f(self):\n    return 1\n\n\nCounter.f = f"),
+     r"chapters/99-extra.md, cell \d+, line 1 uses Counter when it runs, before this cell adds"),
     # __class__ exists in a class body only
     ((COUNTER, "# continues Counter\ndef f(self):\n    return __class__\n\n\nCounter.f = f"),
      r"f uses __class__, which only a class body defines"),

@@ -408,11 +408,31 @@ class _Continued:
     where: str  # its chapter and cell
     body: set[str]  # the names its body binds
     later: set[str]  # the names module-level code binds after it
+    used: str | None = None  # where module-level code first uses it after it is made
+
+
+def _import_time_names(node: ast.AST) -> set[str]:
+    """The names a statement reads when it runs (not in the bodies of its functions)."""
+    names, stack = set(), [node]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            args = node.args
+            stack.extend([*getattr(node, "decorator_list", []), *args.defaults,
+                          *(d for d in args.kw_defaults if d is not None)])
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load):
+            names.add(node.id)
+        else:
+            stack.extend(ast.iter_child_nodes(node))
+    return names
 
 
 def _check_continued_class(chapter: Chapter, cell: ExportCell, state: _Continued,
                            abstract: set[str]) -> None:
     node, name = state.node, cell.continues
+    if state.used:
+        raise _refuse(chapter, cell, f"{state.used} uses {name} when it runs, before this cell "
+                      "adds its methods (in the module they are there already): add them first")
     if node.body[0].lineno == node.lineno:
         raise _refuse(chapter, cell, f"class {name} ({state.where}) has its body on the line of "
                       "`class`: write the body on lines of its own")
@@ -477,9 +497,11 @@ def module_cells(cells: list[tuple[Chapter, ExportCell]]) -> list[tuple[Chapter,
         if name is None:
             merged.append((chapter, cell, cell.source))
             for node in ast.parse(cell.source).body:
-                bound = _bindings(node)
-                for state in classes.values():
+                bound, read = _bindings(node), _import_time_names(node)
+                for class_name, state in classes.items():
                     state.later |= bound
+                    if class_name in read and state.used is None:
+                        state.used = f"{chapter.relpath}, cell {cell.index}, line {node.lineno}"
                 if isinstance(node, ast.ClassDef):
                     classes[node.name] = _Continued(
                         len(merged) - 1, node, f"{chapter.relpath}, cell {cell.index}",
