@@ -701,7 +701,7 @@ def test_a_continuing_cell_that_the_module_could_not_hold_as_written_is_refused(
         tangler.package_files([_chapter_from_text(text)])
 
 
-def test_a_docstring_over_several_lines_is_indented_with_its_method(tmp_path):
+def test_a_docstring_over_several_lines_reads_as_in_the_chapter(tmp_path):
     cell = ('# continues Counter\ndef f(self):\n    """First line.\n\n    More."""\n'
             "    return 1\n\n\nCounter.f = f")
     text = CLASS_OVER_CELLS.split("## Adding")[0] + f"```{{code-cell}} ipython3\n:tags: [export]\n\n{cell}\n```\n"
@@ -710,3 +710,118 @@ def test_a_docstring_over_several_lines_is_indented_with_its_method(tmp_path):
     import inspect
 
     assert inspect.getdoc(module.Counter.f) == "First line.\n\nMore." and module.Counter().f() == 1
+
+
+def _chapter_of_cells(*cells: str):
+    """A synthetic chapter of module `extra` whose code cells, all exported, are `cells`."""
+    text = "---\nattnbook:\n  module: extra\n---\n\n# Extra\n\n## Cells\n" + "".join(
+        f"\n```{{code-cell}} ipython3\n:tags: [export]\n\n{cell}\n```\n" for cell in cells)
+    return _chapter_from_text(text)
+
+
+def _run_as_chapter(chapter) -> dict:
+    namespace = {}
+    for cell in chapter.notebook.cells:
+        if cell.cell_type == "code":
+            exec(cell.source, namespace)
+    return namespace
+
+
+COUNTER = "class Counter:\n    count = 1"
+
+
+# Each of these tangled, before, into a module that behaves otherwise than the chapter as run
+# (shown in the comment): the tangler refuses them, naming the chapter and the cell.
+@pytest.mark.parametrize("cells,problem", [
+    # a __name is mangled in a class body only: the chapter raises AttributeError, the module not
+    ((COUNTER + "\n\n    def __init__(self):\n        self.__n = 1",
+      "# continues Counter\ndef peek(self):\n    return self.__n\n\n\nCounter.peek = peek"),
+     r"line 3 uses __n, which Python renames to _Counter__n in a class body only"),
+    # a method calling its sibling by bare name: the module raises NameError
+    ((COUNTER, "# continues Counter\ndef _half(self, x):\n    return x / 2\n\n\n"
+      "def g(self):\n    return _half(self, 4)\n\n\nCounter._half = _half\nCounter.g = g"),
+     r"_half is also used by its bare name in module 'extra'"),
+    # __init_subclass__ is implicitly a classmethod in a body only
+    ((COUNTER, "# continues Counter\ndef __init_subclass__(cls):\n    pass\n\n\n"
+      "Counter.__init_subclass__ = __init_subclass__"),
+     r"__init_subclass__: of the names starting with '__', only __call__, .* may be defined"),
+    # a dataclass reads __post_init__ when it is made: the module's runs, the chapter's not
+    (("from dataclasses import dataclass\n\n\n@dataclass\nclass Counter:\n    count: int = 0",
+      "# continues Counter\ndef __post_init__(self):\n    self.count = 2\n\n\n"
+      "Counter.__post_init__ = __post_init__"),
+     r"class Counter \(chapters/99-extra.md, cell \d+\) is decorated, has a metaclass or is an ABC"),
+    # implementing an abstract method later leaves the chapter's class abstract
+    (("from abc import ABC, abstractmethod\n\n\nclass Shape(ABC):\n    @abstractmethod\n"
+      "    def area(self): ...", "class Square(Shape):\n    side = 1",
+      "# continues Square\ndef area(self):\n    return 1.0\n\n\nSquare.area = area"),
+     r"area is an abstract method of the module"),
+    # cached_property needs __set_name__, which only a class body calls
+    (("import functools", COUNTER, "# continues Counter\n@functools.cached_property\n"
+      "def big(self):\n    return 42\n\n\nCounter.big = big"),
+     r"big is decorated with @functools.cached_property; a continuing cell allows only"),
+    # a default naming a global bound after the class: the module fails to import
+    ((COUNTER, "LIMIT = 7", "# continues Counter\ndef f(self, n=LIMIT):\n    return n\n\n\n"
+      "Counter.f = f"),
+     r"f's decorators, defaults or annotations name LIMIT, which a cell after the class binds"),
+    # an annotation naming a class attribute: the class body's `count`, the chapter's global
+    (("count = int", COUNTER, "# continues Counter\ndef f(self) -> count:\n    return 1\n\n\n"
+      "Counter.f = f"),
+     r"f's decorators, defaults or annotations name count, which the class's body binds"),
+    # a one-line class: before, a raw IndentationError from the generated source
+    (("class Counter: pass", "# continues Counter\ndef f(self):\n    return 1\n\n\nCounter.f = f"),
+     r"class Counter \(chapters/99-extra.md, cell \d+\) has its body on the line of `class`"),
+    # a method named like a module-level function: the chapter's later cells call the method
+    (("def size(x):\n    return len(x)\n\n\n" + COUNTER,
+      "# continues Counter\ndef size(self):\n    return 99\n\n\nCounter.size = size",
+      "def total(xs):\n    return size(xs)"),
+     r"size is also a module-level name in module 'extra'"),
+    # attaching before the def: the chapter attaches whatever the name meant before
+    ((COUNTER, "# continues Counter\nCounter.f = f\n\n\ndef f(self):\n    return 'new'"),
+     r"line 2 attaches f before the cell defines it"),
+    # a multi-line string on a docstring's line was exempted with the docstring, and indented
+    ((COUNTER, "# continues Counter\ndef f(self):\n    \"\"\"Doc.\"\"\"; s = '''a\nb'''\n"
+      "    return s\n\n\nCounter.f = f"),
+     r"line 3 starts a string over several lines"),
+    # the class's name rebound before the continuing cell: the chapter adds to pathlib.Path
+    (("class Path:\n    count = 1", "from pathlib import Path",
+      "# continues Path\ndef f(self):\n    return 'mine'\n\n\nPath.f = f"),
+     r"Path is rebound after its class \(chapters/99-extra.md, cell \d+, line 1\)"),
+    # a cell between reads the class when it runs: the chapter's class has no f yet
+    ((COUNTER, "HAS_F = hasattr(Counter, 'f')",
+      "# continues Counter\ndef f(self):\n    return 1\n\n\nCounter.f = f"),
+     r"chapters/99-extra.md, cell \d+, line 1 uses Counter when it runs, before this cell adds"),
+    # __class__ exists in a class body only
+    ((COUNTER, "# continues Counter\ndef f(self):\n    return __class__\n\n\nCounter.f = f"),
+     r"f uses __class__, which only a class body defines"),
+])
+def test_a_continuing_cell_that_would_run_otherwise_in_the_module_is_refused(cells, problem):
+    with pytest.raises(ValueError, match=r"chapters/99-extra.md, cell \d+ \(# continues \w+\): "
+                                         + problem):
+        tangler.package_files([_chapter_of_cells(*cells)])
+
+
+def test_a_continued_methods_docstring_is_the_chapters(tmp_path):
+    """Before, the docstring's inner lines were indented with the method (and blank runs
+    collapsed), so that `__doc__` differed from the chapter's: 'One.\\n\\n        Two.'."""
+    cell = ('# continues Counter\ndef f(self):\n    """One.\n\n\n    Two.\n    """\n'
+            "    return 1\n\n\nCounter.f = f")
+    chapter = _chapter_of_cells(COUNTER, cell)
+    module = _import_module(tangler.package_files([chapter])["code/attnbook/extra.py"], tmp_path)
+    assert module.Counter.f.__doc__ == _run_as_chapter(chapter)["Counter"].f.__doc__
+    assert module.Counter.f.__doc__ == "One.\n\n\n    Two.\n    " and module.Counter().f() == 1
+
+
+def test_what_a_continuing_cell_may_hold_runs_alike_in_chapter_and_module(tmp_path):
+    """The allowed decorators and special methods give the same class both ways."""
+    cells = ("import torch", COUNTER + "\n\n    def __init__(self):\n        self.n = 0",
+             "# continues Counter\ndef __init__(self, n=2):\n    super(Counter, self).__init__()\n"
+             "    self.n = n\n\n\ndef __repr__(self):\n    return f'Counter({self.n})'\n\n\n"
+             "@staticmethod\ndef twice(x):\n    return 2 * x\n\n\n@torch.no_grad()\n"
+             "def grad_free(self):\n    return torch.is_grad_enabled()\n\n\n"
+             "Counter.__init__ = __init__\nCounter.__repr__ = __repr__\n"
+             "Counter.twice = twice\nCounter.grad_free = grad_free")
+    chapter = _chapter_of_cells(*cells)
+    module = _import_module(tangler.package_files([chapter])["code/attnbook/extra.py"], tmp_path)
+    for cls in (module.Counter, _run_as_chapter(chapter)["Counter"]):
+        assert (repr(cls()), cls.twice(3), cls().grad_free(), cls.count) == ("Counter(2)", 6,
+                                                                             False, 1)

@@ -12,7 +12,8 @@ the chapter's own module defaults to the chapter's title), and `attnbook: {main:
 cell sits in, so that any generated line leads back to the prose that explains it. A cell whose
 first line is `# continues <Class>` adds methods to a class an earlier cell of the module defines:
 in the chapter it defines functions and attaches them (`Class.f = f`); in the module they go into
-the class's body and the attaching lines are left out (CONTRIBUTING.md, "Writing a chapter").
+the class's body and the attaching lines are left out; a cell that would behave otherwise there
+is refused (CONTRIBUTING.md, "Writing a chapter").
 The same chapter becomes `notebooks/<chapter>.ipynb`:
 its cells behind one setup cell that, on Colab only, installs the package from the repository named in
 `_config.yml`, at the branch named there (main): a notebook on main installs the package of main.
@@ -227,7 +228,19 @@ def marker(chapter: Chapter, cell: ExportCell, source: str | None = None) -> str
 # each method as a function and attaches it, `Name.method = method`, so that it runs as written;
 # in the module the functions go, indented, at the end of the class's body, behind a comment
 # naming the cell's chapter and section, and the attaching lines are left out: the module reads
-# as one class.
+# as one class. Where a function would behave otherwise in a class body than attached after the
+# class was made, the tangler refuses the cell rather than rewrite it (CONTRIBUTING.md, "Writing
+# a chapter").
+
+# Decorators that do the same to a function attached after its class was made as in its body
+# (not e.g. functools.cached_property, which needs `__set_name__`, or abc.abstractmethod).
+CONTINUED_DECORATORS = frozenset({"staticmethod", "classmethod", "property", "torch.no_grad()",
+                                  "torch.inference_mode()"})
+# Special methods that Python looks up on the class when used, so attaching them later is the
+# same as defining them in the body (not e.g. __init_subclass__, implicitly a classmethod, or
+# __eq__, which in a body also sets __hash__ to None).
+CONTINUED_DUNDERS = frozenset({"__init__", "__repr__", "__str__", "__call__", "__len__",
+                               "__iter__", "__getitem__", "__contains__", "__enter__", "__exit__"})
 
 
 def _refuse(chapter: Chapter, cell: ExportCell, problem: str) -> ValueError:
@@ -235,12 +248,33 @@ def _refuse(chapter: Chapter, cell: ExportCell, problem: str) -> ValueError:
                       f"{problem}")
 
 
-def _method_lines(chapter: Chapter, cell: ExportCell) -> list[str]:
-    """The lines of a continuing cell's functions, with the comments and single blank lines
-    between them, at the indentation of a class body; without the marker and the attaching lines."""
-    name, source = cell.continues, cell.source
-    tree = ast.parse(source)
-    functions, attached, dropped = {}, [], {0}  # the marker is line 0
+def _bindings(node: ast.AST) -> set[str]:
+    """The names a statement binds in the scope it runs in (not in the functions, classes,
+    lambdas and comprehensions it holds)."""
+    names, stack = set(), [node]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+            stack.extend(node.decorator_list)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((alias.asname or alias.name).split(".")[0] for alias in node.names
+                         if alias.name != "*")
+        elif isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load):
+            names.add(node.id)
+        elif isinstance(node, ast.ExceptHandler) and node.name:
+            names.add(node.name)
+            stack.extend(ast.iter_child_nodes(node))
+        elif not isinstance(node, (ast.Lambda, ast.ListComp, ast.SetComp, ast.DictComp,
+                                   ast.GeneratorExp)):
+            stack.extend(ast.iter_child_nodes(node))
+    return names
+
+
+def _functions_and_attaching_lines(chapter: Chapter, cell: ExportCell, tree: ast.Module):
+    """A continuing cell's functions by name, and the statements that attach them."""
+    name = cell.continues
+    functions, attaching = {}, []
     for node in tree.body:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             if node.name in functions:
@@ -250,48 +284,111 @@ def _method_lines(chapter: Chapter, cell: ExportCell) -> list[str]:
               and isinstance(target := node.targets[0], ast.Attribute)
               and isinstance(target.value, ast.Name) and isinstance(node.value, ast.Name)
               and target.value.id == name and target.attr == node.value.id):
-            attached.append(target.attr)
-            dropped.update(range(node.lineno - 1, node.end_lineno))
+            if target.attr not in functions:
+                raise _refuse(chapter, cell, f"line {node.lineno} attaches {target.attr} before "
+                              "the cell defines it: attach each function after its def")
+            attaching.append(node)
         else:
             raise _refuse(chapter, cell, f"line {node.lineno} is neither a method (def) nor "
                           f"its attaching line, `{name}.<method> = <method>`")
-    if sorted(attached) != sorted(functions):
+    attached = sorted(node.targets[0].attr for node in attaching)
+    if attached != sorted(functions):
         raise _refuse(chapter, cell, f"each function must be attached once, `{name}.f = f`: "
-                      f"defined {sorted(functions)}, attached {sorted(attached)}")
+                      f"defined {sorted(functions)}, attached {attached}")
+    return functions, attaching
+
+
+def _check_function(chapter: Chapter, cell: ExportCell, function: ast.FunctionDef) -> None:
+    """Refuse a function that would behave otherwise in the class body than attached."""
+    name = cell.continues
+    if function.name.startswith("__") and function.name not in CONTINUED_DUNDERS:
+        raise _refuse(chapter, cell, f"{function.name}: of the names starting with '__', only "
+                      f"{', '.join(sorted(CONTINUED_DUNDERS))} may be defined in a continuing cell")
+    for decorator in function.decorator_list:
+        if ast.unparse(decorator) not in CONTINUED_DECORATORS:
+            raise _refuse(chapter, cell, f"{function.name} is decorated with "
+                          f"@{ast.unparse(decorator)}; a continuing cell allows only "
+                          f"{', '.join('@' + d for d in sorted(CONTINUED_DECORATORS))}")
+    for node in ast.walk(function):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                and node.func.id == "super" and not node.args):
+            raise _refuse(chapter, cell, f"{function.name} calls super() without arguments, "
+                          f"which fails outside a class body: write super({name}, self)")
+        if isinstance(node, ast.Name) and node.id == "__class__":
+            raise _refuse(chapter, cell, f"{function.name} uses __class__, which only a class "
+                          "body defines")
+
+
+def _refuse_private_names(chapter: Chapter, cell: ExportCell) -> None:
+    """A name `__x` in a class body becomes `_Class__x` (name mangling), outside it stays."""
+    for token in tokenize.generate_tokens(io.StringIO(cell.source).readline):
+        if (token.type == tokenize.NAME and token.string.startswith("__")
+                and not token.string.endswith("__")):
+            raise _refuse(chapter, cell, f"line {token.start[0]} uses {token.string}, which "
+                          f"Python renames to _{cell.continues.lstrip('_')}{token.string} in a "
+                          "class body only: use one leading underscore")
+
+
+def _docstring_tokens(tree: ast.Module, source: str) -> set[tuple[int, int]]:
+    """Where the docstrings of a cell start, (line, column in characters) as tokenize counts."""
+    lines = source.splitlines()
+    starts = set()
+    for node in ast.walk(tree):
+        if (isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+                and ast.get_docstring(node, clean=False) is not None):
+            string = node.body[0].value
+            line = lines[string.lineno - 1].encode()
+            starts.add((string.lineno, len(line[:string.col_offset].decode())))
+    return starts
+
+
+def _method_lines(chapter: Chapter, cell: ExportCell) -> list[str]:
+    """The lines of a continuing cell's functions, with the comments and single blank lines
+    between them, at the indentation of a class body; without the marker and the attaching lines.
+    The lines inside a docstring stay as they are, so that the method's __doc__ is the chapter's."""
+    source = cell.source
+    tree = ast.parse(source)
+    functions, attaching = _functions_and_attaching_lines(chapter, cell, tree)
+    dropped = {0}  # the marker is line 0
+    for node in attaching:
+        dropped.update(range(node.lineno - 1, node.end_lineno))
     for function in functions.values():
-        for node in ast.walk(function):
-            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-                    and node.func.id == "super" and not node.args):
-                raise _refuse(chapter, cell, f"{function.name} calls super() without arguments, "
-                              f"which fails outside a class body: write super({name}, self)")
-    _refuse_multiline_strings(chapter, cell, tree)
-    lines = [line for i, line in enumerate(source.splitlines()) if i not in dropped]
+        _check_function(chapter, cell, function)
+    _refuse_private_names(chapter, cell)
+    verbatim = _refuse_multiline_strings(chapter, cell, tree)
     kept = []
-    for line in lines:  # a run of blank lines (between functions, or in a docstring) becomes one
-        if line.strip() or (kept and kept[-1].strip()):
+    for i, line in enumerate(source.splitlines()):
+        if i in dropped:
+            continue
+        if i in verbatim:
+            kept.append(line)
+        elif line.strip() or (kept and kept[-1].strip()):  # a run of blank lines becomes one
             kept.append(f"    {line}" if line.strip() else "")
     while kept and not kept[-1]:
         kept.pop()
     return kept
 
 
-def _refuse_multiline_strings(chapter: Chapter, cell: ExportCell, tree: ast.Module) -> None:
-    """Indenting a function changes a string literal that spans lines, unless it is a docstring
-    (whose indentation `inspect.getdoc` removes): such a cell is refused, not silently changed."""
-    docstrings = {node.body[0].lineno for node in ast.walk(tree)
-                  if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
-                  and ast.get_docstring(node, clean=False) is not None}
+def _refuse_multiline_strings(chapter: Chapter, cell: ExportCell, tree: ast.Module) -> set[int]:
+    """Indenting a function changes a string literal that spans lines, unless it is a docstring,
+    whose inner lines are then kept as written: any other such string is refused, not silently
+    changed. Returns the (0-based) lines inside the docstrings, not to be indented."""
+    docstrings = _docstring_tokens(tree, cell.source)
+    verbatim = set()
     opened = []  # from Python 3.12 an f-string is several tokens: where the open ones started
     for token in tokenize.generate_tokens(io.StringIO(cell.source).readline):
         kind = tokenize.tok_name[token.type]
         if kind == "FSTRING_START":
             opened.append(token.start)
         start = opened.pop() if kind == "FSTRING_END" else token.start
-        spans = kind in ("STRING", "FSTRING_END") and start[0] != token.end[0]
-        if spans and start[0] not in docstrings:
+        if kind not in ("STRING", "FSTRING_END") or start[0] == token.end[0]:
+            continue
+        if start not in docstrings or kind != "STRING":
             raise _refuse(chapter, cell, f"line {start[0]} starts a string over several lines, "
                           "which indenting into the class would change: build it from one-line "
                           "strings, or define it outside the class")
+        verbatim.update(range(start[0], token.end[0]))  # 0-based: the lines after the first
+    return verbatim
 
 
 def _insert_methods(source: str, name: str, methods: list[str]) -> str:
@@ -303,26 +400,134 @@ def _insert_methods(source: str, name: str, methods: list[str]) -> str:
     return "\n".join(lines[:end] + [""] + methods + lines[end:])
 
 
+@dataclass
+class _Continued:
+    """A class that continuing cells may add methods to, while its name still means it."""
+    merged: int  # the index of the merged cell that defines it
+    node: ast.ClassDef
+    where: str  # its chapter and cell
+    body: set[str]  # the names its body binds
+    later: set[str]  # the names module-level code binds after it
+    used: str | None = None  # where module-level code first uses it after it is made
+
+
+def _import_time_names(node: ast.AST) -> set[str]:
+    """The names a statement reads when it runs (not in the bodies of its functions)."""
+    names, stack = set(), [node]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            args = node.args
+            stack.extend([*getattr(node, "decorator_list", []), *args.defaults,
+                          *(d for d in args.kw_defaults if d is not None)])
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load):
+            names.add(node.id)
+        else:
+            stack.extend(ast.iter_child_nodes(node))
+    return names
+
+
+def _check_continued_class(chapter: Chapter, cell: ExportCell, state: _Continued,
+                           abstract: set[str]) -> None:
+    node, name = state.node, cell.continues
+    if state.used:
+        raise _refuse(chapter, cell, f"{state.used} uses {name} when it runs, before this cell "
+                      "adds its methods (in the module they are there already): add them first")
+    if node.body[0].lineno == node.lineno:
+        raise _refuse(chapter, cell, f"class {name} ({state.where}) has its body on the line of "
+                      "`class`: write the body on lines of its own")
+    if node.decorator_list or node.keywords or any(
+            ast.unparse(base) in ("ABC", "abc.ABC") for base in node.bases):
+        raise _refuse(chapter, cell, f"class {name} ({state.where}) is decorated, has a "
+                      "metaclass or is an ABC, which reads the body when the class is made: "
+                      "define its methods in the class's cell")
+    tree = ast.parse(cell.source)
+    functions, _ = _functions_and_attaching_lines(chapter, cell, tree)
+    for function in functions.values():
+        if function.name in abstract:
+            raise _refuse(chapter, cell, f"{function.name} is an abstract method of the module, "
+                          "which only a class body implements: define it in the class's cell")
+        args = function.args
+        evaluated = [*function.decorator_list, *args.defaults,
+                     *(d for d in args.kw_defaults if d is not None), function.returns,
+                     *(a.annotation for a in (*args.posonlyargs, *args.args, *args.kwonlyargs,
+                                              args.vararg, args.kwarg) if a is not None)]
+        used = {n.id for e in evaluated if e is not None for n in ast.walk(e)
+                if isinstance(n, ast.Name)}
+        for found in sorted(used & (state.later | state.body)):
+            where = "the class's body" if found in state.body else "a cell after the class"
+            raise _refuse(chapter, cell, f"{function.name}'s decorators, defaults or annotations "
+                          f"name {found}, which {where} binds: in the class body it would mean "
+                          "something else")
+
+
+def _continuing_names(cells: list[tuple[Chapter, ExportCell]]) -> None:
+    """A continuing cell's functions are globals of the chapter but not of the module: refuse
+    one whose name the module binds or uses (the chapter would overwrite or call it)."""
+    defined, uses, bound = {}, set(), set()
+    for chapter, cell in cells:
+        tree = ast.parse(cell.source)
+        if cell.continues is None:
+            bound.update(*(_bindings(node) for node in tree.body))
+            nodes = [tree]
+        else:
+            nodes = [n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+            defined.update({n.name: (chapter, cell) for n in nodes})
+        uses.update(n.id for node in nodes for n in ast.walk(node) if isinstance(n, ast.Name))
+    for name, (chapter, cell) in defined.items():
+        if name in bound or name in uses:
+            how = "a module-level name" if name in bound else "used by its bare name"
+            raise _refuse(chapter, cell, f"{name} is also {how} in module {cell.module!r}; in "
+                          "the chapter the cell makes it a global, in the module a method only: "
+                          f"rename it, or call it as self.{name}")
+
+
 def module_cells(cells: list[tuple[Chapter, ExportCell]]) -> list[tuple[Chapter, ExportCell, str]]:
     """A module's cells, each with the source it contributes: a cell that continues a class
     (`# continues Name`) contributes nothing of its own, its methods go into the class's cell."""
     merged: list[tuple[Chapter, ExportCell, str]] = []
-    defined: dict[str, int] = {}  # a class name -> the merged cell that defines it
+    classes: dict[str, _Continued] = {}  # a class name -> where it is defined, while it is
+    shadowed: dict[str, str] = {}  # a class name -> what rebound it
+    _continuing_names(cells)
+    abstract = {node.name for _, cell in cells for node in ast.walk(ast.parse(cell.source))
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+                and any("abstract" in ast.unparse(d) for d in node.decorator_list)}
     for chapter, cell in cells:
         name = cell.continues
         if name is None:
             merged.append((chapter, cell, cell.source))
             for node in ast.parse(cell.source).body:
+                bound, read = _bindings(node), _import_time_names(node)
+                for class_name, state in classes.items():
+                    state.later |= bound
+                    if class_name in read and state.used is None:
+                        state.used = f"{chapter.relpath}, cell {cell.index}, line {node.lineno}"
                 if isinstance(node, ast.ClassDef):
-                    defined[node.name] = len(merged) - 1
+                    classes[node.name] = _Continued(
+                        len(merged) - 1, node, f"{chapter.relpath}, cell {cell.index}",
+                        set().union(*(_bindings(n) for n in node.body)), set())
+                    shadowed.pop(node.name, None)
+                for other in bound & set(classes) - {getattr(node, "name", None)
+                                                     if isinstance(node, ast.ClassDef) else None}:
+                    del classes[other]
+                    shadowed[other] = f"{chapter.relpath}, cell {cell.index}, line {node.lineno}"
             continue
-        if name not in defined:
+        if name in shadowed:
+            raise _refuse(chapter, cell, f"{name} is rebound after its class ({shadowed[name]}), "
+                          "so the chapter adds the methods to something else: the class must be "
+                          "the last thing the name is bound to before this cell")
+        if name not in classes:
             raise _refuse(chapter, cell, f"no earlier exported cell of module {cell.module!r} "
                           f"defines a class {name}")
-        owner, owner_cell, source = merged[defined[name]]
+        state = classes[name]
+        _check_continued_class(chapter, cell, state, abstract)
+        methods = _method_lines(chapter, cell)
+        owner, owner_cell, source = merged[state.merged]
         comment = f"    {marker(chapter, cell).splitlines()[0]}"
-        merged[defined[name]] = (owner, owner_cell, _insert_methods(
-            source, name, [comment] + _method_lines(chapter, cell)))
+        merged[state.merged] = (owner, owner_cell, _insert_methods(
+            source, name, [comment] + methods))
+        state.body.update(n.name for n in ast.parse(cell.source).body
+                          if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)))
     return merged
 
 
