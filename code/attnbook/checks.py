@@ -107,8 +107,8 @@ def check_choice(name: str, value, choices: Collection[str]) -> str:
 
 def check_divisible(name: str, value: int, by_name: str, by: int) -> int:
     """`value`, which `by` divides: a width split into heads, query heads into key/value groups.
-    `by` is an int (not a bool or a float) of at least 1: value % 0 would name neither."""
-    by = check_int(by_name, by, 1)
+    Both are ints (not bools, floats or strings), `by` at least 1: value % 0 would name neither."""
+    value, by = check_int(name, value), check_int(by_name, by, 1)
     if value % by:
         raise ValueError(f"{name}={value} is not divisible by {by_name}={by}")
     return value
