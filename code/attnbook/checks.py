@@ -212,7 +212,9 @@ def check_token_ids(name: str, ids, vocab_size: int, shape: tuple[int | None, ..
         ids = _as_int64(name, ids, vocab_size, shape, device)  # refuses what holds no ids
     elif shape is not None or device is not None:
         _check_shape_and_device(name, ids, shape, device)
-    if torch.compiler.is_compiling():  # a read of the values would cut the traced graph
+    if torch.compiler.is_compiling():  # a read would cut the graph: the graph checks, and
+        in_range = ((ids >= 0) & (ids < vocab_size)).all()  # raises RuntimeError when it runs
+        torch._assert_async(in_range, f"{name} must lie in [0, vocab_size={vocab_size})")
         return ids
     if bool(((ids < 0) | (ids >= vocab_size)).any()):  # one read of the device
         raise ValueError(f"{name} must lie in [0, vocab_size={vocab_size}), got values from "
