@@ -340,3 +340,12 @@ def test_check_divisible_refuses_a_divisor_that_is_not_an_int_by_name(by):
     with pytest.raises(TypeError, match="^num_heads must be an int, got num_heads=" + re.escape(repr(by))):
         c.check_divisible("d_model", 8, "num_heads", by)
     assert c.check_divisible("d_model", 8, "num_heads", np.int64(2)) == 8
+
+
+@pytest.mark.parametrize("value", [True, 8.0, np.float64(8.0), "8"])
+def test_check_divisible_refuses_a_value_that_is_not_an_int_by_name(value):
+    # "8" raised a raw "not all arguments converted" TypeError; 8.0 came back as a float; True passed
+    with pytest.raises(TypeError, match="^d_model must be an int, got d_model=" + re.escape(repr(value))):
+        c.check_divisible("d_model", value, "num_heads", 2 if value is not True else 1)
+    out = c.check_divisible("d_model", np.int64(8), "num_heads", 2)
+    assert out == 8 and type(out) is int

@@ -61,6 +61,8 @@ CASES = {
     "bert": (bert, lambda: (ids(), None, padding()), lambda out: out.square().mean()),
     "encoder-decoder": (encdec, lambda: (ids(), ids(1), [LENGTH, 5]),
                         lambda out: out.square().mean()),
+    "encoder-decoder-tensor-lengths": (encdec, lambda: (ids(), ids(1), torch.tensor([LENGTH, 5])),
+                                       lambda out: out.square().mean()),  # broke the graph once
     "multi-head-attention": (lambda: MultiHeadAttention(32, 4, num_kv_heads=2),
                              lambda: (tokens(), tokens(1), causal_mask()),
                              lambda out: out.square().mean()),
@@ -121,8 +123,8 @@ def test_torch_export_takes_gpts_forward_for_any_batch_and_length():
 
 
 def test_compiled_models_still_refuse_what_eager_refuses():
-    """Under the compiler the id values are not read (appendix A): the refusal that remains is
-    the embedding's, and the eager call beside it still names the argument."""
+    """Under the compiler the id values are not read into Python (appendix A): the graph checks
+    them and raises a RuntimeError naming the argument; the eager call gives the ValueError."""
     model = gpt(layers=1).eval()
     bad = torch.tensor([[3, VOCAB]])
     with pytest.raises(ValueError, match=r"^idx must lie in \[0, vocab_size=50\), got values "
@@ -131,8 +133,8 @@ def test_compiled_models_still_refuse_what_eager_refuses():
     dynamo.reset()
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
     compiled(ids())  # traced on good ids: the bad ones run the same graph
-    with pytest.raises((IndexError, RuntimeError), match="index out of range"):
-        compiled(bad)
+    with pytest.raises(RuntimeError, match=r"idx must lie in \[0, vocab_size=50\)"):
+        compiled(bad)  # was the embedding's "index out of range", naming no argument
     empty = torch.zeros(2, 0, dtype=torch.long)
     with pytest.raises(Exception, match="idx must have shape"):  # shapes are still checked: under
         compiled(empty)  # fullgraph, dynamo reports our ValueError as an unsupported exception
@@ -155,3 +157,39 @@ def test_generation_with_the_kv_cache_recompiles_for_each_length():
         step(idx[:, -1:], cache)  # one token: a new length, compiled again
         with pytest.raises(dynamo.exc.FailOnRecompileLimitHit):
             step(idx[:, -1:], cache)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_a_compiled_bert_refuses_a_mask_that_is_not_0_or_1(backend):
+    """A float mask holding NaN, 0.5, 2 or -1 gave finite logits once compiled (the value check
+    was skipped while tracing, and mask != 0 turned each into True); eager refuses it."""
+    model = bert().eval()
+    dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend=backend)
+    good = padding().float()
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(ids(), None, good), model(ids(), None, good),
+                                   **TOLERANCE)
+        for value in (float("nan"), 0.5, 2.0, -1.0):
+            bad = good.clone()
+            bad[0, 2] = value
+            with pytest.raises(ValueError, match="^attention_mask must be boolean or hold only"):
+                model(ids(), None, bad)
+            with pytest.raises(RuntimeError, match="attention_mask must be boolean or hold only"):
+                compiled(ids(), None, bad)
+
+
+def test_a_compiled_encoder_decoder_refuses_tensor_lengths_out_of_range():
+    """Lengths given as a tensor are checked inside the compiled graph; eager names the entry."""
+    model = encdec().eval()
+    dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    with torch.no_grad():
+        lengths = torch.tensor([LENGTH, 5])
+        torch.testing.assert_close(compiled(ids(), ids(1), lengths),
+                                   model(ids(), ids(1), [LENGTH, 5]), **TOLERANCE)
+        for bad in ([LENGTH + 1, 5], [0, 5]):
+            with pytest.raises(ValueError, match=r"^src_lengths\[0\] must be at"):
+                model(ids(), ids(1), torch.tensor(bad))
+            with pytest.raises(RuntimeError, match=r"src_lengths must hold 2 ints in \[1, 8\]"):
+                compiled(ids(), ids(1), torch.tensor(bad))

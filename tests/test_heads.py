@@ -1,6 +1,7 @@
 """attnbook.layers (chapters 3 and 4) against torch.nn.MultiheadAttention and scaled_dot_product_attention."""
 
 import dataclasses
+import re
 
 import numpy as np
 import pytest
@@ -914,3 +915,32 @@ def test_a_query_that_is_not_finite_gives_nan_on_every_backend(backend, bad, mas
     assert out[1].isfinite().all() and out[0, 0].isfinite().all()
     if masked:
         torch.testing.assert_close(out[:, 2], layer.out_proj.bias.expand(2, 32))  # zeros, projected
+
+
+@pytest.mark.parametrize("batch_first", [False, True])
+def test_from_torch_copy_takes_unbatched_input_in_either_layout(batch_first):
+    # the batch-first copy refused (L, d_model), which nn.MultiheadAttention(batch_first=True) takes
+    g = torch.Generator().manual_seed(5)
+    module = nn.MultiheadAttention(8, 2, dtype=DOUBLE, batch_first=batch_first).eval()
+    x, context = (torch.randn(n, 8, generator=g, dtype=DOUBLE) for n in (5, 3))
+    out_t, w_t = module(x, context, context, average_attn_weights=False)
+    out, w = from_torch(module)(x, context, return_weights=True)
+    assert out.shape == (5, 8) and w.shape == (2, 5, 3)
+    torch.testing.assert_close(out, out_t)
+    torch.testing.assert_close(w, w_t)
+
+
+@pytest.mark.parametrize("batch_first,x_shape,context_shape,wanted", [
+    (False, (5, 8), (3, 1, 8), "(S, 8)"),  # mixed ranks: was "(1, *, 8), got shape (1, 3, 8)"
+    (False, (5, 1, 8), (3, 8), "(S, 1, 8)"),
+    (False, (5, 2, 8), (3, 4, 8), "(S, 2, 8)"),  # was "(2, *, 8), got shape (4, 3, 8)"
+    (True, (2, 5, 8), (4, 3, 8), "(2, S, 8)"),
+    (True, (5, 8), (1, 3, 8), "(S, 8)"),
+])
+def test_from_torch_copy_names_the_context_shape_in_the_callers_layout(
+        batch_first, x_shape, context_shape, wanted):
+    ours = from_torch(nn.MultiheadAttention(8, 2, batch_first=batch_first))
+    message = (f"^context must have shape {re.escape(wanted)}, as x of shape "
+               f"{re.escape(str(x_shape))} asks, got shape {re.escape(str(context_shape))}$")
+    with pytest.raises(ValueError, match=message):
+        ours(torch.randn(x_shape), torch.randn(context_shape))

@@ -182,15 +182,19 @@ def _check_encode(c: BERTConfig, input_ids, token_type_ids, attention_mask):
 
 def _token_mask(name: str, mask, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
     """`mask`, one flag per token, of `shape` on `device`, bool or 0/1, as bool. Only a mask
-    that is not bool has its values read, and not under torch.compile (appendix A)."""
+    that is not bool has its values checked; under torch.compile, inside the graph (appendix A)."""
     wanted = f"{name} must be a tensor of shape {shape} on {device}, bool or 0/1"
     if not isinstance(mask, torch.Tensor):
         raise TypeError(f"{wanted}, got {type(mask).__name__}")
     if tuple(mask.shape) != shape or mask.device != device:
         raise ValueError(f"{wanted}, got shape {tuple(mask.shape)} on {mask.device}")
-    if (mask.dtype != torch.bool and not torch.compiler.is_compiling()
-            and not ((mask == 0) | (mask == 1)).all()):
-        raise ValueError(f"{name} must be boolean or hold only 0 and 1, got dtype {mask.dtype}")
+    if mask.dtype != torch.bool:
+        zero_or_one = ((mask == 0) | (mask == 1)).all()  # NaN, 0.5 or 2 is neither
+        refusal = f"{name} must be boolean or hold only 0 and 1"
+        if torch.compiler.is_compiling():  # a RuntimeError when the graph runs, with no read
+            torch._assert_async(zero_or_one, refusal)
+        elif not zero_or_one:
+            raise ValueError(f"{refusal}, got dtype {mask.dtype}")
     return mask != 0
 
 

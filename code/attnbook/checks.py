@@ -107,8 +107,8 @@ def check_choice(name: str, value, choices: Collection[str]) -> str:
 
 def check_divisible(name: str, value: int, by_name: str, by: int) -> int:
     """`value`, which `by` divides: a width split into heads, query heads into key/value groups.
-    `by` is an int (not a bool or a float) of at least 1: value % 0 would name neither."""
-    by = check_int(by_name, by, 1)
+    Both are ints (not bools, floats or strings), `by` at least 1: value % 0 would name neither."""
+    value, by = check_int(name, value), check_int(by_name, by, 1)
     if value % by:
         raise ValueError(f"{name}={value} is not divisible by {by_name}={by}")
     return value
@@ -212,7 +212,9 @@ def check_token_ids(name: str, ids, vocab_size: int, shape: tuple[int | None, ..
         ids = _as_int64(name, ids, vocab_size, shape, device)  # refuses what holds no ids
     elif shape is not None or device is not None:
         _check_shape_and_device(name, ids, shape, device)
-    if torch.compiler.is_compiling():  # a read of the values would cut the traced graph
+    if torch.compiler.is_compiling():  # a read would cut the graph: the graph checks, and
+        in_range = ((ids >= 0) & (ids < vocab_size)).all()  # raises RuntimeError when it runs
+        torch._assert_async(in_range, f"{name} must lie in [0, vocab_size={vocab_size})")
         return ids
     if bool(((ids < 0) | (ids >= vocab_size)).any()):  # one read of the device
         raise ValueError(f"{name} must lie in [0, vocab_size={vocab_size}), got values from "

@@ -200,16 +200,27 @@ class EncoderDecoder(nn.Module):
         if src_lengths is None:
             return src, src != self.config.pad_id
         b, ls = src.shape  # src_lengths: B ints in [1, ls], as a sequence, tensor or array
-        wanted = f"src_lengths must hold {b} ints in [1, {ls}], got {src_lengths=}"
-        if tuple(getattr(src_lengths, "shape", (b,))) != (b,):
-            raise ValueError(wanted)
+        wanted = f"src_lengths must hold {b} ints in [1, {ls}]"  # a repr only when refusing:
+        if tuple(getattr(src_lengths, "shape", (b,))) != (b,):  # it would cut a traced graph
+            raise ValueError(f"{wanted}, got {src_lengths=}")
+        if isinstance(src_lengths, torch.Tensor) and torch.compiler.is_compiling():
+            return src, _traced_padding(src_lengths, wanted, ls, src.device)
         values = src_lengths.tolist() if hasattr(src_lengths, "tolist") else src_lengths
         if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
-            raise TypeError(wanted)
+            raise TypeError(f"{wanted}, got {src_lengths=}")
         if len(values) != b:
-            raise ValueError(wanted)
+            raise ValueError(f"{wanted}, got {src_lengths=}")
         lengths = [check_int(f"src_lengths[{i}]", n, 1, ls) for i, n in enumerate(values)]
         return src, padding_mask(lengths, ls, device=src.device)
+
+
+def _traced_padding(lengths: torch.Tensor, wanted: str, ls: int, device) -> torch.Tensor:
+    """The padding mask (B, ls) of a (B,) tensor of lengths, under torch.compile: the values are
+    checked inside the graph (a RuntimeError when it runs), not read into Python (appendix A)."""
+    if lengths.dtype == torch.bool or lengths.is_floating_point() or lengths.is_complex():
+        raise TypeError(f"{wanted}, got dtype {lengths.dtype}")
+    torch._assert_async(((lengths >= 1) & (lengths <= ls)).all(), wanted)
+    return torch.arange(ls, device=device)[None, :] < lengths.to(device)[:, None]  # (B, ls)
 
 
 def _check_ids(name: str, ids, vocab: int, longest: int, batch: int | None = None) -> torch.Tensor:

@@ -349,19 +349,19 @@ def _projected_dtype(weight: torch.Tensor) -> torch.dtype:
 
 # chapters/03-heads.md, "Checking against PyTorch's MultiheadAttention"
 def from_torch(module: nn.MultiheadAttention) -> MultiHeadAttention:
-    """A MultiHeadAttention with the weights, device, dtype and mode of `module`. The book's layer
-    is batch first, (B, L, d_model); for a sequence-first `module` (batch_first=False, PyTorch's
-    default) the copy reads and returns (L, B, d_model), or unbatched (L, d_model), as `module`
-    does, while its masks and weights stay batch first, (B, H, Lq, Lk), as everywhere in the
-    book."""
+    """A MultiHeadAttention with the weights, device, dtype and mode of `module`, which reads and
+    returns `module`'s layout: (B, L, d_model) batch first, (L, B, d_model) sequence first
+    (batch_first=False, PyTorch's default), or unbatched (L, d_model) in either. Its masks and
+    weights stay batch first, as everywhere in the book: (B, H, Lq, Lk), or (H, Lq, Lk)
+    unbatched."""
     check_instance("module", module, nn.MultiheadAttention)
     if module.in_proj_weight is None or module.bias_k is not None or module.add_zero_attn:
         raise ValueError("module must have kdim == vdim == embed_dim, add_bias_kv=False and "
                          f"add_zero_attn=False, got {module}")
     has_bias = module.in_proj_bias is not None
-    kind = MultiHeadAttention if module.batch_first else _SequenceFirst
-    ours = kind(module.embed_dim, module.num_heads, bias=has_bias,
-                dropout=module.dropout).to(module.in_proj_weight)  # dtype, device
+    ours = _TorchLayout(module.embed_dim, module.num_heads, bias=has_bias,
+                        dropout=module.dropout).to(module.in_proj_weight)  # dtype, device
+    ours.batch_first = bool(module.batch_first)
     names = ("q_proj", "k_proj", "v_proj")  # in_proj_* holds the three stacked: (3 d_model, ...)
     state = {f"{n}.weight": w for n, w in zip(names, module.in_proj_weight.chunk(3))}
     state |= {f"out_proj.{k}": t for k, t in module.out_proj.state_dict().items()}
@@ -371,30 +371,44 @@ def from_torch(module: nn.MultiheadAttention) -> MultiHeadAttention:
     return ours.train(module.training)
 
 
-class _SequenceFirst(MultiHeadAttention):
-    """MultiHeadAttention for inputs and outputs (L, B, d_model), as a sequence-first
-    nn.MultiheadAttention's, or unbatched (L, d_model), which it also takes (its weights then
-    (H, Lq, Lk)); made by from_torch."""
+class _TorchLayout(MultiHeadAttention):
+    """MultiHeadAttention for inputs and outputs in an nn.MultiheadAttention's layout: (L, B,
+    d_model) sequence first, (B, L, d_model) batch first, or unbatched (L, d_model) in either (its
+    weights then (H, Lq, Lk)); made by from_torch."""
+
+    batch_first = False  # from_torch sets the module's
 
     def forward(self, x, context=None, *args, **kwargs):
-        d = self.d_model
+        d, batch_axis = self.d_model, 0 if self.batch_first else 1
+        layout = f"(B, L, {d})" if self.batch_first else f"(L, B, {d})"
         for name, t in (("x", x), ("context", context)):  # shapes as the caller wrote them
             if isinstance(t, torch.Tensor) and (t.dim() not in (2, 3) or t.shape[-1] != d):
-                raise ValueError(f"{name} must have shape (L, B, {d}), or (L, {d}) unbatched, "
+                raise ValueError(f"{name} must have shape {layout}, or (L, {d}) unbatched, "
                                  f"got shape {tuple(t.shape)}")
+        if isinstance(x, torch.Tensor) and isinstance(context, torch.Tensor):
+            _check_context_like_x(x, context, batch_axis)
         unbatched = isinstance(x, torch.Tensor) and x.dim() == 2  # a batch of one
 
         def flip(t):  # (L, B, d) <-> (B, L, d), or (L, d) -> (1, L, d); the rest left to checks
             if not isinstance(t, torch.Tensor) or t.dim() != (2 if unbatched else 3):
                 return t
-            return t[None] if unbatched else t.transpose(0, 1)
+            return t[None] if unbatched else t.transpose(0, 1) if batch_axis else t
 
         result = super().forward(flip(x), flip(context), *args, **kwargs)
         out, weights = result if isinstance(result, tuple) else (result, None)
-        out = out[0] if unbatched else out.transpose(0, 1)  # (Lq, d_model) or (Lq, B, d_model)
+        out = out[0] if unbatched else flip(out)  # (Lq, d_model), or x's layout
         if not isinstance(result, tuple):
             return out
         return out, weights[0] if unbatched else weights
+
+
+def _check_context_like_x(x: torch.Tensor, context: torch.Tensor, batch_axis: int) -> None:
+    """context, as the caller wrote it: of x's rank, with x's batch size on `batch_axis`."""
+    d, b = x.shape[-1], None if x.dim() == 2 else x.shape[batch_axis]
+    wanted = f"(S, {d})" if b is None else f"({b}, S, {d})" if batch_axis == 0 else f"(S, {b}, {d})"
+    if context.dim() != x.dim() or (b is not None and context.shape[batch_axis] != b):
+        raise ValueError(f"context must have shape {wanted}, as x of shape {tuple(x.shape)} "
+                         f"asks, got shape {tuple(context.shape)}")
 
 
 # chapters/04-heads-at-work.md, "Keeping keys and values for generation"
@@ -409,7 +423,9 @@ class LayerCache:
                                    shape=(*keys.shape[:3], None))  # (B, nkv, capacity, d_v)
         for name, storage in (("keys", keys), ("values", values)):
             check_writable(name, storage)
-            if storage.requires_grad:  # else append's in-place write fails outside no_grad
+            # append writes in place: outside no_grad, that fails on a leaf that requires
+            # grad and, on a non-leaf, silently records autograd history
+            if storage.requires_grad:
                 raise ValueError(f"{name} requires grad, but a LayerCache keeps no autograd "
                                  "history: allocate it without requires_grad, or detach() it")
         if keys.numel() and not keys.is_meta and keys.data_ptr() == values.data_ptr():
