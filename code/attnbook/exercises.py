@@ -16,6 +16,7 @@ __all__ = [
 
 # chapters/a6-checking-exercises.md, "Comparing an answer"
 import copy
+import math
 import textwrap
 import threading
 import time
@@ -76,20 +77,30 @@ def _difference(got, expected, tolerance, name="output") -> tuple[str, float, tu
     except (TypeError, ValueError, RuntimeError):  # complex, strings, objects
         return f"{name} holds {got.dtype} values, expected real numbers", None, None
     e, (atol, rtol) = _numbers(expected), tolerance
-    diff = np.where(g == e, 0.0, np.abs(g - e))  # equal infinities differ by 0
+    with np.errstate(invalid="ignore"):  # inf - inf: equal infinities differ by 0
+        diff = np.where(g == e, 0.0, np.abs(g - e))
     diff = np.where(np.isnan(g) != np.isnan(e), np.inf, np.nan_to_num(diff, nan=0.0))
     if diff.size == 0 or np.all(diff <= atol + rtol * np.abs(np.nan_to_num(e))):
         return None
     where = np.unravel_index(int(np.argmax(diff)), diff.shape)
     at = f"{name}[{', '.join(map(str, where))}]"
-    return (f"largest difference {diff[where]:.3g} at {at}: yours {g[where]:.6g}, expected "
-            f"{e[where]:.6g} (allowed: {atol:g} + {rtol:g} |expected|)", float(diff[where]), where)
+    if str(expected.dtype) in ("bool", "torch.bool"):  # a mask: count entries
+        wrong = int(np.count_nonzero(g != e))
+        return (f"{wrong} of {e.size} entries differ, first at {at}: yours {bool(g[where])}, "
+                f"expected {bool(e[where])}", float(diff[where]), where)
+    digits = next((n for n in range(6, 18) if f"{g[where]:.{n}g}" != f"{e[where]:.{n}g}"), 17)
+    small = (": a difference of rounding size: check the dtype you compute in"
+             if diff[where] < 1e-4 * max(1.0, abs(float(e[where]))) else "")
+    return (f"largest difference {diff[where]:.3g} at {at}: yours {g[where]:.{digits}g}, expected "
+            f"{e[where]:.{digits}g} (allowed: {atol:g} + {rtol:g} |expected|){small}",
+            float(diff[where]), where)
 
 
 # chapters/a6-checking-exercises.md, "Running a candidate"
 def _call(candidate, args: tuple, timeout: float) -> dict:
     """candidate(*args) in a daemon thread: {'value' or 'error', 'seconds'}, or {} after `timeout`."""
     box = {}
+    state = _global_state()
 
     def run():
         start = time.perf_counter()
@@ -103,7 +114,25 @@ def _call(candidate, args: tuple, timeout: float) -> dict:
     thread = threading.Thread(target=run, name="attnbook-exercise-check", daemon=True)
     thread.start()
     thread.join(min(timeout, threading.TIMEOUT_MAX))  # a day or a year: as long as the OS allows
+    if not thread.is_alive():  # a function still running may change the state again later
+        _restore(state)
     return {} if thread.is_alive() else box
+
+
+def _global_state() -> tuple:
+    """What a candidate may change for everything after it: torch's default dtype, its number of
+    threads, and the random states of torch and NumPy (gradient mode is the thread's own)."""
+    return (torch.get_default_dtype(), torch.get_num_threads(), torch.get_rng_state(),
+            np.random.get_state())
+
+
+def _restore(state: tuple) -> None:
+    dtype, threads, torch_rng, numpy_rng = state
+    torch.set_default_dtype(dtype)
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+    torch.set_rng_state(torch_rng)
+    np.random.set_state(numpy_rng)
 
 
 def _unchanged(before, after) -> bool:
@@ -137,7 +166,7 @@ class Exercise:
 class CheckResult:
     """What `check` found: `passed`, or the first failing `case` (its number and name), its
     `inputs`, the `problem` in words, the `max_diff` and its index `where` when numbers differ,
-    and the `hint`; `str(result)` is the report `check` prints."""
+    and the case's `hint` (given only when the numbers differ); `str(result)` is the report `check` prints."""
 
     exercise: str
     passed: bool
@@ -157,6 +186,8 @@ class CheckResult:
             return f"{head}: passed all {self.cases} cases."
         lines = [f"{head}: failed case {self.cases_passed + 1} of {self.cases}, \"{self.case}\""]
         for label, text in (("inputs", self.inputs), ("problem", self.problem), ("hint", self.hint)):
+            if text is None:
+                continue
             lines.append(textwrap.fill(text, 96, initial_indent=f"  {label + ':':<9}",
                                        subsequent_indent=" " * 11, break_long_words=False))
         return "\n".join(lines)
@@ -184,9 +215,9 @@ def _causal_rows(X, W_Q, W_K, W_V):
                            for i in range(len(X))])  # (L, dv)
 
 
-def _tokens(length, d_model, d_k, d_v, dtype=np.float64, nan_at=None):
+def _tokens(length, d_model, d_k, d_v, dtype=np.float64, nan_at=None, scale=1.0):
     def build(rng):
-        X = rng.standard_normal((length, d_model))
+        X = rng.standard_normal((length, d_model)) * scale
         if nan_at is not None:
             X[nan_at, 0] = np.nan
         weights = [rng.standard_normal((d_model, d)) for d in (d_k, d_k, d_v)]
@@ -202,18 +233,23 @@ EXERCISES = {"1.2": Exercise("causal self-attention, one position at a time", (
          "positions 0..i, itself included, and the values come from W_V, the keys from W_K"),
     Case("four positions, d_k = 1", _tokens(4, 3, 1, 3),
          "position i reads positions 0..i only, never a later one: "
-         + _CH1.format("What attention does not wait for")),
+         + _CH1.format("From an average to attention")),
     Case("six positions, d_k = 16", _tokens(6, 8, 16, 4),
          "the scores are divided by sqrt(d_k) before the softmax: "
          + _CH1.format("Scaling, batches and masks")),
     Case("37 positions, d_k = 8, d_v = 5", _tokens(37, 16, 8, 5),
          "a longer sequence: check the loop's bounds, and that each row's softmax is over its own "
          "scores only"),
+    Case("scores in the thousands", _tokens(5, 8, 8, 4, scale=30.0),
+         "e^s overflows a float64 once s > 709.78: subtract each row's largest score before "
+         "exponentiating: " + _CH1.format("Scores, softmax and the weighted sum")),
     Case("float32", _tokens(9, 8, 8, 8, np.float32),
-         "float32 input: compute in float32 or wider, without rounding the weights"),
+         "float32 input: compute in float32 or wider, never in float16"),
     Case("a NaN in token 3", _tokens(6, 4, 4, 4, nan_at=3),
          "a NaN in token 3 reaches the outputs that read it (positions 3 and later) and no "
-         "earlier one: keep each position from reading later ones, and never replace a NaN"),
+         "earlier one: keep each position from reading later ones, and never replace a NaN "
+         "(the masked scaled_dot_product_attention is no reference here: its zero weights times "
+         "the NaN value make every row NaN)"),
 ))}
 
 
@@ -225,11 +261,9 @@ def _rope_interleaved(x, positions):
     return apply_rope(x[..., order], positions)[..., order.argsort()]
 
 
-def _rope_case(shape, first_position=0, dtype=np.float64, nan_at=None):
+def _rope_case(shape, first_position=0, dtype=np.float64):
     def build(rng):
         x = rng.standard_normal(shape)
-        if nan_at is not None:
-            x[nan_at] = np.nan
         x = torch.from_numpy(x.astype(dtype))
         positions = torch.arange(first_position, first_position + shape[-2])
         return {"x": x, "positions": positions}, _rope_interleaved(x, positions)
@@ -248,10 +282,9 @@ EXERCISES["5.1"] = Exercise("RoPE with interleaved pairs", (
          "the pairing and the frequencies: " + _CH5),
     Case("37 positions, 16 coordinates, batch and heads", _rope_case((2, 3, 37, 16)),
          "a batch and heads in front: rotate the last axis, positions along the one before it"),
-    Case("float16", _rope_case((2, 7, 16), dtype=np.float16),
-         "float16 input: compute the angles in float32 or wider, and return x's dtype"),
-    Case("a NaN in one coordinate", _rope_case((1, 4, 8), nan_at=(0, 2, 5)),
-         "a NaN stays in its own pair: every other coordinate and position stays finite"),
+    Case("float16 at positions 3000 to 3006", _rope_case((2, 7, 16), 3000, dtype=np.float16),
+         "float16 input: compute the angles in float32 or wider (float16 rounds an angle near "
+         "3000 to a multiple of 2)"),
 ))
 
 
@@ -284,14 +317,14 @@ EXERCISES["6.1"] = Exercise("a sliding-window mask", (
 def _partial(Q, K, V):
     """Chapter 13: one worker's (m, l, a) over its keys: row maxima, sums of exponentials, and
     their products with V, not divided."""
-    s = Q @ K.T / np.sqrt(Q.shape[-1])  # (Lq, Lk)
+    s = Q @ K.T / math.sqrt(Q.shape[-1])  # (Lq, Lk), in Q's dtype (a NumPy float64 would widen it)
     m = s.max(axis=-1)  # (Lq,)
     p = np.exp(s - m[:, None])
     return m, p.sum(axis=-1), p @ V
 
 
 def _workers(lq, split, lk, d, scale=1.0, dtype=np.float64, same_keys=False, nan_key=None,
-             idle=False):
+             idle=False, both_idle=False):
     def build(rng):
         Q = rng.standard_normal((lq, d)) * scale
         K, V = rng.standard_normal((lk, d)), rng.standard_normal((lk, 4))
@@ -306,6 +339,10 @@ def _workers(lq, split, lk, d, scale=1.0, dtype=np.float64, same_keys=False, nan
         if idle:  # the first worker saw no keys
             first = (np.full(lq, -np.inf, dtype), np.zeros(lq, dtype), np.zeros((lq, 4), dtype))
             whole = second
+        if both_idle:  # and for query 0, neither did the second: the merge saw no keys either
+            second, whole = (tuple(x.copy() for x in part) for part in (second, whole))
+            for part in (second, whole):
+                part[0][0], part[1][0], part[2][0] = -np.inf, 0.0, 0.0
         return {"part1": first, "part2": second}, whole
     return build
 
@@ -315,29 +352,30 @@ EXERCISES["13.2"] = Exercise("merging two workers' partial softmaxes", (
     Case("equal maxima", _workers(1, 2, 4, 4, same_keys=True),
          "with equal maxima the merge is a sum: l = l1 + l2, a = a1 + a2, and m is unchanged"),
     Case("different maxima", _workers(3, 5, 12, 8),
-         "bring both sums to the common maximum before adding: m = max(m1, m2), "
+         "bring both sums to the common maximum before adding: m = np.maximum(m1, m2), "
          "l = l1 e^(m1 - m) + l2 e^(m2 - m), and a likewise: " + _CH13),
     Case("scores in the thousands", _workers(2, 3, 7, 8, scale=1000.0),
-         "exponentiate only differences m_i - m, which are <= 0: e^m itself overflows once m > 709"),
+         "exponentiate only differences m_i - m, which are <= 0: e^m itself overflows a float64 once m > 709.78"),
     Case("one key against 300", _workers(7, 1, 301, 16),
          "an uneven split: each query has its own maximum, so rescale row by row"),
     Case("a worker that saw no keys", _workers(3, 4, 9, 8, idle=True),
          "a worker with no keys has m = -inf, l = 0 and a = 0, and adds nothing: "
          "e^(-inf - m) = 0 where m is the other worker's finite maximum"),
+    Case("a query neither worker saw a key for", _workers(3, 4, 9, 8, idle=True, both_idle=True),
+         "with no keys on either side the merge is (-inf, 0, 0), as a row with no allowed key: "
+         "e^(-inf - (-inf)) is NaN, so subtract 0 where m = -inf: " + _CH13),
     Case("float32", _workers(4, 6, 11, 8, dtype=np.float32),
-         "float32 input: keep the arithmetic in float32 or wider"),
+         "float32 input: keep the arithmetic in float32 or wider, never in float16"),
     Case("a NaN in one key", _workers(3, 4, 9, 8, nan_key=2),
          "a NaN in a key makes every query's scores NaN, and the merge must keep it: "
          "np.maximum keeps a NaN, np.fmax and max() drop it"),
 ))
 
 
-def _linear_case(shape, dv, dtype=np.float64, nan_key=None):
+def _linear_case(shape, dv, dtype=np.float64, v_mean=0.0):
     def build(rng):
         q, k = rng.standard_normal((2, *shape))
-        v = rng.standard_normal((*shape[:-1], dv))
-        if nan_key is not None:
-            k[..., nan_key, 0] = np.nan
+        v = rng.standard_normal((*shape[:-1], dv)) + v_mean
         q, k, v = (torch.from_numpy(x.astype(dtype)) for x in (q, k, v))
         return {"q": q, "k": k, "v": v}, linear_attention(q, k, v, causal=True)
     return build
@@ -356,11 +394,9 @@ EXERCISES["17.3"] = Exercise("causal linear attention", (
          "and head"),
     Case("70 positions", _linear_case((1, 2, 70, 8), 6),
          "a longer sequence: check the running sums' bounds"),
-    Case("float16", _linear_case((1, 2, 12, 8), 4, np.float16),
-         "float16 input: sum in float32 (the running sums grow with the length) and return "
-         "float16"),
-    Case("a NaN in key 3", _linear_case((1, 6, 4), 4, nan_key=3),
-         "a NaN in key 3 reaches the outputs that read it (3 and later) and no earlier one"),
+    Case("float16, 2048 positions", _linear_case((1, 1, 2048, 8), 4, np.float16, v_mean=3.0),
+         "float16 input: sum in float32 (the running sums grow with the length, here past "
+         "float16's largest number, 65504)"),
 ))
 
 
@@ -368,14 +404,26 @@ EXERCISES["17.3"] = Exercise("causal linear attention", (
 def check(exercise_id: str, candidate, *, timeout: float = 10.0, show: bool = True) -> CheckResult:
     """Appendix F: run `candidate` on exercise `exercise_id`'s cases in order, stop at the first
     that fails, print the report (unless `show` is False) and return the CheckResult. Each
-    call may take `timeout` seconds. A wrong answer never raises; a wrong argument to check does."""
+    call may take `timeout` seconds (math.inf: no limit). A wrong answer never raises; a wrong
+    argument to check does."""
     exercise = EXERCISES[check_choice("exercise_id", exercise_id, EXERCISES)]
     candidate = check_callable("candidate", candidate)
-    timeout = check_real("timeout", timeout, 0.0, open_low=True)
+    timeout = _check_timeout(timeout)
+    show = check_bool("show", show)
     result = _run_cases(exercise_id, exercise, candidate, timeout)
-    if check_bool("show", show):
+    if show:
         print(result)
     return result
+
+
+def _check_timeout(timeout) -> float:
+    """A number of seconds above 0, or math.inf for no limit."""
+    if isinstance(timeout, (float, np.floating)) and timeout == math.inf:
+        return math.inf
+    if isinstance(timeout, int) and not isinstance(timeout, bool) and timeout > 10**300:
+        raise ValueError(f"timeout must be a number of seconds above 0 that a float can hold, "
+                         f"or math.inf for no limit; got a timeout of {len(str(timeout))} digits")
+    return check_real("timeout", timeout, 0.0, open_low=True)
 
 
 def _run_cases(exercise_id: str, exercise: Exercise, candidate, timeout: float) -> CheckResult:
@@ -386,8 +434,10 @@ def _run_cases(exercise_id: str, exercise: Exercise, candidate, timeout: float) 
         kept = copy.deepcopy(inputs)
         done = _call(candidate, tuple(inputs.values()), timeout)
         if found := _judge(done, inputs, kept, expected, timeout):
+            # the case's hint names a mistake in the numbers: shown only when the numbers differ
+            hint = case.hint if found[1] is not None else None
             return CheckResult(exercise_id, False, number, count, case.name, _describe(kept),
-                               *found, case.hint, exercise.title)
+                               *found, hint, exercise.title)
     return CheckResult(exercise_id, True, count, count, title=exercise.title)
 
 
@@ -397,6 +447,8 @@ def _judge(done: dict, inputs: dict, kept: dict, expected, timeout: float):
         return f"no answer after {timeout:g} s (it goes on in the background until it returns)", None, None
     if "error" in done:
         return f"raised {type(done['error']).__name__}: {done['error']}", None, None
+    if done["seconds"] > timeout:  # one long call that holds the GIL cannot be interrupted
+        return (f"took {done['seconds']:.3g} s, more than the {timeout:g} s allowed", None, None)
     for name in inputs:
         if not _unchanged(kept[name], inputs[name]):
             return f"changed its input {name} in place: work on a copy", None, None
