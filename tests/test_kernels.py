@@ -697,3 +697,92 @@ def test_launch_settings_name_what_they_have_no_entry_for(kwargs, error, match):
     args = dict(kernel="forward", element_size=2, head_dim=64, capability=None) | kwargs
     with pytest.raises(error, match=match):
         launch_settings(**args)
+
+
+class _Recorded:
+    """A stand-in kernel: records each launch's BLOCK_M and runs nothing; a BLOCK_M in `fail`
+    raises Triton's OutOfResources, as a compilation that needs too much shared memory does."""
+
+    def __init__(self, fail=()):
+        self.blocks, self.fail = [], fail
+
+    def __getitem__(self, grid):
+        def launch(*args, BLOCK_M, **kwargs):
+            if BLOCK_M in self.fail:
+                from attnbook.kernels import triton
+
+                raise triton.runtime.OutOfResources(300_000, 232_448, "shared memory")
+            self.blocks.append(BLOCK_M)
+        return launch
+
+
+def test_autotuning_skips_candidates_that_do_not_fit_or_run_out_of_resources(monkeypatch):
+    # One candidate's refusal (too many tiles) or compile failure failed the whole call, though
+    # another candidate fits (the outside findings, F3). Stand-in candidates, kernel and timer.
+    from attnbook import kernels
+
+    candidates = [(16, 16, 4, 2), (32, 32, 4, 2), (64, 64, 4, 2)]
+    monkeypatch.setattr(kernels, "_launch_settings", lambda *args: candidates)
+    monkeypatch.setattr(kernels, "AUTOTUNE_FROM", 1)
+    monkeypatch.setattr(kernels, "_FASTEST", {}, raising=False)
+    monkeypatch.setattr(kernels, "_seconds", lambda run: (run(), 1.0 / run.args[0][0])[1])
+    q = torch.zeros(1, 1, 1, 16, device=DEVICE).expand(1, 1, 65_535 * 16 + 1, 16)  # no memory
+    for flag in ("1", "0"):
+        monkeypatch.setenv("ATTNBOOK_AUTOTUNE", flag)
+        kernels._FASTEST.clear()
+        kernel = _Recorded(fail=(64,))  # 16 rows: 65,536 tiles, never launched; 64 fails
+        kernels._launch(kernel, "forward", q, q, False)
+        assert kernel.blocks[-1] == 32 and 16 not in kernel.blocks, (flag, kernel.blocks)
+    monkeypatch.setenv("ATTNBOOK_AUTOTUNE", "1")
+    kernels._FASTEST.clear()
+    with pytest.raises(ValueError, match=r"no launch setting of the forward kernel fits"):
+        kernels._launch(_Recorded(fail=(32, 64)), "forward", q, q, False)
+    long = torch.zeros(1, 1, 1, 16, device=DEVICE).expand(1, 1, 65_535 * 64 + 1, 16)
+    with pytest.raises(ValueError, match=r"q has Lq = 4194241 rows, too many for the forward"):
+        kernels._launch(_Recorded(), "forward", long, long, False)
+
+
+@pytest.mark.parametrize("value", ["0", " 0", "0 ", "false", "False", "OFF", "no", " No "])
+def test_autotuning_is_off_for_every_spelling_of_false(monkeypatch, value):
+    from attnbook.kernels import _autotuning
+
+    monkeypatch.setenv("ATTNBOOK_AUTOTUNE", value)
+    assert _autotuning() is False
+
+
+@pytest.mark.parametrize("value", ["1", "true", "ON", " yes", ""])
+def test_autotuning_is_on_for_every_spelling_of_true_and_when_unset(monkeypatch, value):
+    from attnbook.kernels import _autotuning
+
+    monkeypatch.setenv("ATTNBOOK_AUTOTUNE", value)
+    assert _autotuning() is True
+    monkeypatch.delenv("ATTNBOOK_AUTOTUNE")
+    assert _autotuning() is True
+
+
+@pytest.mark.parametrize("value", ["00", "2", "fals", "yes please"])
+def test_an_unknown_autotune_setting_is_refused_by_name(monkeypatch, value):
+    from attnbook.kernels import _autotuning
+
+    monkeypatch.setenv("ATTNBOOK_AUTOTUNE", value)
+    with pytest.raises(ValueError, match=f"ATTNBOOK_AUTOTUNE={value!r}"):
+        _autotuning()
+
+
+@pytest.mark.parametrize("long", ["q", "k"])
+def test_a_length_the_backward_cannot_launch_is_refused_before_the_forward(monkeypatch, long):
+    # The forward took it, and loss.backward() failed after the forward's work, with a message
+    # naming neither argument nor kernel (F2, F6). Kernels recorded, not run: no memory, no time.
+    launches = Launches(monkeypatch, run=False)
+    n = 65_535 * 32 + 1  # float32, D = 16: the forward's tiles of 64 rows fit, the backward's 32 not
+    short = torch.zeros(1, 1, 4, 16, device=DEVICE)
+    big = torch.zeros(1, 1, 1, 16, device=DEVICE).expand(1, 1, n, 16)
+    q, k = (big, short) if long == "q" else (short, big)
+    flash_attention(q, k, k)  # no gradient asked for: the forward alone runs
+    assert [name for name, *_ in launches.records] == ["_forward_kernel"]
+    short.requires_grad_()  # a gradient for the short one only: the long one stays unallocated
+    kernel = "delta" if long == "q" else "dK, dV"
+    with pytest.raises(ValueError, match=rf"{long} has L{long} = {n} rows, too many for the "
+                                         rf"backward's {kernel} kernel.*L{long} <= 2097120"):
+        flash_attention(q, k, k)
+    assert len(launches.records) == 1  # refused before the forward launched

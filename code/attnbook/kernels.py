@@ -269,10 +269,11 @@ def _device_guard(device: torch.device):
 
 def _launch(kernel, name: str, q, k, causal: bool, *args) -> None:
     # One program per tile of rows (of keys for dK, dV, else of queries), for every (batch,
-    # head), on _grid's (B * H, tiles), with a setting of launch_settings: the first, or on a GPU
-    # and a large problem the fastest for its length bucket, unless ATTNBOOK_AUTOTUNE=0.
+    # head), on _grid's (B * H, tiles), with a setting of launch_settings that fits the grid: the
+    # first, or on a GPU and a large problem the fastest that compiles for its length bucket,
+    # unless ATTNBOOK_AUTOTUNE is off.
     capability = None if INTERPRETED else _capability(q.device)
-    settings = _launch_settings(name, q.element_size(), q.shape[-1], capability)
+    settings = _fitting(name, q, k)
     length = k.shape[2] if name == "dkdv" else q.shape[2]
 
     wide = _wide(*(a for a in args if isinstance(a, torch.Tensor)))
@@ -288,9 +289,49 @@ def _launch(kernel, name: str, q, k, causal: bool, *args) -> None:
         key = (name, _bucket(q.shape[2]), _bucket(k.shape[2]), q.shape[-1], causal, q.dtype,
                capability)
         if key not in _FASTEST:  # timed once per key and process: each run overwrites the same
-            _FASTEST[key] = min(settings, key=lambda s: _seconds(functools.partial(run, s)))
+            _FASTEST[key] = _fastest(name, settings, run)
         setting = _FASTEST[key]
     run(setting)
+
+
+def _fitting(name: str, q, k) -> list[tuple[int, int, int, int]]:
+    # launch_settings' candidates for `name` whose tiles fit on _grid's second axis, the default
+    # first; a ValueError naming the tensor and its length if none does.
+    capability = None if INTERPRETED else _capability(q.device)
+    settings = _launch_settings(name, q.element_size(), q.shape[-1], capability)
+    arg, length = ("k", k.shape[2]) if name == "dkdv" else ("q", q.shape[2])
+    rows = [s[1] if name == "dkdv" else s[0] for s in settings]  # rows of a tile
+    _check_tiles(name, arg, length, max(rows))
+    return [s for s, r in zip(settings, rows) if triton.cdiv(length, r) <= 65_535]
+
+
+_KERNEL_NAMES = {"forward": "forward", "delta": "backward's delta", "dkdv": "backward's dK, dV",
+                 "dq": "backward's dQ"}
+
+
+def _check_tiles(kernel: str, arg: str, length: int, rows: int) -> None:
+    # Refuse a length of `arg` whose tiles of `rows` rows pass the 65,535 programs of a grid
+    # axis (_grid's second), naming the argument, its length and the kernel.
+    if triton.cdiv(length, rows) > 65_535:
+        raise ValueError(f"{arg} has L{arg} = {length} rows, too many for the "
+                         f"{_KERNEL_NAMES[kernel]} kernel: its tiles of {rows} rows would need "
+                         f"{triton.cdiv(length, rows)} programs on a grid axis that takes 65,535 "
+                         f"(L{arg} <= {65_535 * rows})")
+
+
+def _fastest(name: str, settings, run) -> tuple[int, int, int, int]:
+    # The setting whose timed run is the fastest, skipping one that runs out of the GPU's
+    # resources (shared memory, registers) when it compiles; a ValueError if every one does.
+    seconds = {}
+    for setting in settings:
+        try:
+            seconds[setting] = _seconds(functools.partial(run, setting))
+        except triton.runtime.OutOfResources:
+            continue
+    if not seconds:
+        raise ValueError(f"no launch setting of the {_KERNEL_NAMES[name]} kernel fits this GPU's "
+                         f"resources: tried {settings}")
+    return min(seconds, key=seconds.get)
 
 
 _FASTEST = {}  # (kernel, Lq bucket, Lk bucket, D, causal, dtype, capability) -> its setting
@@ -302,8 +343,15 @@ def _bucket(length: int) -> int:
 
 
 def _autotuning() -> bool:
-    # ATTNBOOK_AUTOTUNE=0: always the first setting, the same in every process (reproducible).
-    return os.environ.get("ATTNBOOK_AUTOTUNE", "1") != "0"
+    # ATTNBOOK_AUTOTUNE off (0, false, off or no, in any case): always the first setting that
+    # fits, the same in every process (reproducible). Unset, empty, 1, true, on or yes: timed.
+    value = os.environ.get("ATTNBOOK_AUTOTUNE", "").strip().upper()
+    if value in ("0", "FALSE", "OFF", "NO"):
+        return False
+    if value in ("", "1", "TRUE", "ON", "YES"):
+        return True
+    raise ValueError(f"ATTNBOOK_AUTOTUNE must be 1, true, on, yes or 0, false, off, no (any "
+                     f"case), got ATTNBOOK_AUTOTUNE={os.environ['ATTNBOOK_AUTOTUNE']!r}")
 
 
 def _seconds(run) -> float:
@@ -481,6 +529,8 @@ class _FlashAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, causal: bool, scale: float):
         q, k, v = _unit_stride_d(q, k, v)  # copied once here, not again for the backward
+        if any(ctx.needs_input_grad[:3]):  # refuse now what the backward could not launch
+            _check_backward_lengths(q, k)
         o, lse = _forward(q, k, v, causal, scale)
         ctx.save_for_backward(q, k, v, o, lse)  # no (Lq, Lk) matrix: O and one float per row
         ctx.causal, ctx.scale = causal, scale
@@ -491,6 +541,14 @@ class _FlashAttention(torch.autograd.Function):
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
         return (*_backward(q, k, v, o, lse, do, ctx.causal, ctx.scale), None, None)
+
+
+def _check_backward_lengths(q, k) -> None:
+    # A ValueError naming q and Lq or k and Lk if a backward launch would need more tiles than
+    # a grid axis takes: raised before the forward runs, not in loss.backward() after it.
+    _check_tiles("delta", "q", q.shape[2], 32)
+    for name in ("dkdv", "dq"):
+        _fitting(name, q, k)
 
 
 # chapters/16-flash-attention-backward.md, "A checked, differentiable function"
