@@ -61,7 +61,7 @@ def _tile_rows(kernel, head_dim, element_size) -> int:
 
 
 def _request(kernel, gpu, dtype, head_dim, causal=True, block=None, block_n=None, warps=None,
-             stages=None) -> dict:
+             stages=None, wide=False) -> dict:
     """A request with its defaults filled in as compile_kernels fills them (block None: the
     launcher's settings on that GPU; a block alone: square tiles, 4 warps, 2 stages), so that
     equal compilations have equal requests."""
@@ -72,7 +72,7 @@ def _request(kernel, gpu, dtype, head_dim, causal=True, block=None, block_n=None
     block, block_n, warps, stages = (given or d for given, d in
                                      zip((block, block_n, warps, stages), default))
     return dict(kernel=kernel, gpu=gpu, dtype=dtype, head_dim=head_dim, causal=causal,
-                block=block, block_n=block_n, warps=warps, stages=stages)
+                block=block, block_n=block_n, warps=warps, stages=stages, wide=wide)
 
 
 def _clean(r: Compiled) -> bool:
@@ -233,6 +233,9 @@ REPORT = [dict(kernel="forward", gpu="H100", dtype="float16", head_dim=64, causa
           dict(kernel="forward", gpu="H100", dtype="float16", head_dim=64, causal=False,
                block=64)]
 FLOAT32_DQ = [dict(kernel="dq", gpu="A100", dtype="float32", head_dim=16, block=None)]
+# The dK, dV kernel as a 32-bit and as a WIDE launch: appendix D reports the WIDE compilation.
+WIDE = [dict(kernel="dkdv", gpu="H100", dtype="float16", head_dim=128, wide=wide)
+        for wide in (False, True)]
 # float32 on the T4, at the launcher's settings (the portable tiles): appendix D's second report.
 FLOAT32_T4 = [dict(kernel=kernel, gpu="T4", dtype="float32", head_dim=d)
               for kernel in KERNELS for d in HEAD_DIMS]
@@ -257,6 +260,7 @@ def compiler(request):
                   "test_every_launch_candidate_compiles_cleanly_on_its_gpu": LAUNCH_CANDIDATES,
                   "test_report_describes_the_compiled_kernel": REPORT,
                   "test_float32_products_do_not_use_tensor_cores": FLOAT32_DQ,
+                  "test_wide_requests_compile_the_64_bit_rows": WIDE,
                   "test_float32_kernels_fit_the_t4_and_spill_nothing": FLOAT32_T4}.get(name, [])
     # compile_kernels deals the requests out to its processes in turn: the slowest first (the
     # larger tiles, which spill heavily, biggest first), so that they are dealt out evenly
@@ -405,6 +409,15 @@ def test_float32_products_do_not_use_tensor_cores(compiler):
     assert r.block == _tile_rows("dq", 16, 4)
 
 
+def test_wide_requests_compile_the_64_bit_rows(compiler):
+    # The same kernel and settings with WIDE set: the report says so, and the compiler's report
+    # differs from the 32-bit one's (64-bit row offsets take other registers).
+    narrow, wide = compiler(WIDE)
+    assert (narrow.wide, wide.wide) == (False, True)
+    assert (narrow.block, narrow.block_n, narrow.warps) == (wide.block, wide.block_n, wide.warps)
+    assert (narrow.registers, narrow.spill_bytes) != (wide.registers, wide.spill_bytes)
+
+
 def test_float32_kernels_fit_the_t4_and_spill_nothing(compiler):
     # Chapter 15 and appendix D say that the T4 runs the float32 kernels at the portable tiles
     # without spilling; choose_tiles holds those tiles to the T4's shared memory only.
@@ -546,6 +559,8 @@ def test_signature_is_the_launchers_specialisation_of_a_typical_call():
 @pytest.mark.parametrize("request_, error, message", [
     (dict(kernel="dq", gpu="T4", dtype="float16", head_dim=64, causal="yes"), TypeError,
      "request causal must be True or False, got request causal='yes'"),
+    (dict(kernel="dq", gpu="T4", dtype="float16", head_dim=64, wide=1), TypeError,
+     "request wide must be True or False, got request wide=1"),
     (dict(kernel="dq", gpu="T4", dtype="float16", head_dim=64.0), TypeError,
      "request head_dim must be an int, got request head_dim=64.0"),
     (dict(kernel="dq", gpu="T4", dtype="float16", head_dim=64, block=True), TypeError,

@@ -60,6 +60,7 @@ class Compiled:
     registers: int  # 32-bit registers per thread
     spill_bytes: int  # registers that did not fit, stored to slow local memory
     tensor_cores: bool  # whether the machine code uses matrix-multiply (mma/wgmma) instructions
+    wide: bool = False  # compiled as a WIDE launch (64-bit rows), else with 32-bit rows
 
     @property
     def fits(self) -> bool:
@@ -119,7 +120,7 @@ def _ptxas_usage(log: str) -> tuple[int, int]:
 
 def _compile_here(kernel: str, gpu: str, dtype: str, head_dim: int, causal: bool,
                   block: int | None, block_n: int | None = None, warps: int | None = None,
-                  stages: int | None = None) -> Compiled:
+                  stages: int | None = None, wide: bool = False) -> Compiled:
     # Compile in this process, which must have imported the kernels in compiled mode.
     import torch
     import triton
@@ -136,7 +137,7 @@ def _compile_here(kernel: str, gpu: str, dtype: str, head_dim: int, causal: bool
                                      zip((block, block_n, warps, stages), default))
     signature, constants, attrs = _signature(kernel, dtype)
     constants.update(CAUSAL=causal, BLOCK_M=block, BLOCK_N=block_n, HEAD_DIM=head_dim,
-                     WIDE=False)  # 32-bit rows: every tensor spans fewer than 2**31 elements
+                     WIDE=wide)  # False: 32-bit rows, every tensor under 2**31 elements
     log = io.StringIO()
     with contextlib.redirect_stdout(log):
         compiled = triton.compile(
@@ -146,7 +147,7 @@ def _compile_here(kernel: str, gpu: str, dtype: str, head_dim: int, causal: bool
     registers, spills = _ptxas_usage(log.getvalue())
     tensor_cores = re.search(r"\b(wgmma\.mma_async|mma\.sync)", compiled.asm["ptx"]) is not None
     return Compiled(kernel, gpu, dtype, head_dim, causal, block, block_n, warps, stages,
-                    compiled.metadata.shared, registers, spills, tensor_cores)
+                    compiled.metadata.shared, registers, spills, tensor_cores, wide)
 
 
 # chapters/a4-compiling.md, "Appendix D: Compiling for GPUs the machine does not have"
@@ -155,7 +156,8 @@ def compile_kernels(requests: list[dict], workers: int | None = None) -> list[Co
     `workers` (at most 4) fresh processes, and report their resources. Each request names kernel, gpu, dtype (in
     KERNELS, GPUS, DTYPES), head_dim, and optionally causal (True), block and block_n (rows
     of the query and key tiles), warps and stages (all the launcher's, or block alone: square
-    tiles, NUM_WARPS and NUM_STAGES)."""
+    tiles, NUM_WARPS and NUM_STAGES), and wide (False: 32-bit rows; True: the launch of a
+    tensor spanning 2**31 elements or more)."""
     requests = [_checked(r) for r in check_instance("requests", requests, (list, tuple))]
     workers = (os.cpu_count() or 1) if workers is None else check_int("workers", workers, 1)
     n = min(workers, len(requests), 4)  # processes, each compiling every n-th request
@@ -176,7 +178,8 @@ def compile_kernels(requests: list[dict], workers: int | None = None) -> list[Co
 
 
 _CHILD = "from attnbook.compile_check import _main; _main()"
-_KEYS = ("kernel", "gpu", "dtype", "head_dim", "causal", "block", "block_n", "warps", "stages")
+_KEYS = ("kernel", "gpu", "dtype", "head_dim", "causal", "block", "block_n", "warps", "stages",
+         "wide")
 _SIZES = (16, 32, 64, 128)  # of a head, or of a tile's rows
 
 
@@ -187,10 +190,11 @@ def _checked(request: dict) -> dict:
     for key in request:
         check_choice("request key", key, _KEYS)
     r = {"causal": True, "block": None, "block_n": None, "warps": None, "stages": None,
-         **request}
+         "wide": False, **request}
     for key, allowed in (("kernel", KERNELS), ("gpu", GPUS), ("dtype", DTYPES)):
         check_choice(f"request {key}", r[key], allowed)
     r["causal"] = check_bool("request causal", r["causal"])
+    r["wide"] = check_bool("request wide", r["wide"])
     r["head_dim"] = _check_size("request head_dim", r["head_dim"])
     for key in ("block", "block_n"):
         r[key] = None if r[key] is None else _check_size(f"request {key}", r[key])
