@@ -1,8 +1,8 @@
-# Do not edit: tools/tangle.py generates this file from chapters/a6-checking-exercises.md.
+# Do not edit: tools/tangle.py generates this file from chapters/a6-checking-exercises.md and chapters/a7-exercise-cases.md.
 """A check of the reader's own answer to an exercise: seeded cases from small to hard, compared
 with the package's reference, with a short report and a hint.
 
-Built and explained in the book's chapter chapters/a6-checking-exercises.md.
+Built and explained in the book's chapters chapters/a6-checking-exercises.md and chapters/a7-exercise-cases.md.
 """
 
 __all__ = [
@@ -463,3 +463,205 @@ def _tolerance(inputs: dict) -> tuple[float, float]:
         return [str(x.dtype).removeprefix("torch.")] if hasattr(x, "dtype") else []
     found = [d for x in inputs.values() for d in dtypes(x) if d in TOLERANCES]
     return max((TOLERANCES[d] for d in found), default=TOLERANCES["float64"])
+
+
+# chapters/a7-exercise-cases.md, "Chapter 2"
+def _ch2_backward_case(shape, dtype=np.float64, spread=1.0, masked=None):
+    def build(rng):
+        from attnbook.scaling import softmax_jacobian
+
+        scores, grad = rng.standard_normal(shape) * spread, rng.standard_normal(shape)
+        if masked is not None:
+            scores[..., masked] = -np.inf
+        scores, grad = scores.astype(dtype), grad.astype(dtype)
+        jacobian = softmax_jacobian(scores.astype(np.float64))  # (..., n, n), symmetric
+        expected = (jacobian @ grad.astype(np.float64)[..., None])[..., 0]
+        return {"scores": scores, "grad": grad}, expected.astype(dtype)
+    return build
+
+
+_CH2 = 'chapter 2, "What saturation does to gradients"'
+EXERCISES["2.3"] = Exercise("the gradient through the softmax", (
+    Case("one key", _ch2_backward_case((1,)),
+         "with one key p = 1 whatever the score, so no gradient reaches it: p * (g - p . g) is 0"),
+    Case("eight keys", _ch2_backward_case((8,)),
+         "J g = p * (g - p . g): each weight's gradient minus the weighted mean of all of them, "
+         "times p: " + _CH2),
+    Case("a batch of rows, 3 x 5 x 6", _ch2_backward_case((3, 5, 6)),
+         "each row is its own softmax: p . g is a sum over the last axis only (keepdims=True)"),
+    Case("scores in the thousands", _ch2_backward_case((4, 7), spread=1000.0),
+         "e^s overflows a float64 once s > 709.78: subtract each row's largest score before "
+         "exponentiating"),
+    Case("a masked key", _ch2_backward_case((3, 6), masked=2),
+         "a masked key (score -inf) has p = 0 and gets no gradient: " + _CH2),
+    Case("float32", _ch2_backward_case((5, 9), np.float32),
+         "float32 input: compute in float32 or wider, never in float16"),
+))
+
+
+# chapters/a7-exercise-cases.md, "Chapter 3"
+def _ch3_heads_case(batch, length, d_model, heads, dtype=np.float64):
+    def build(rng):
+        from attnbook.layers import MultiHeadAttention
+
+        x = rng.standard_normal((batch, length, d_model))
+        W_Q, W_K, W_V, W_O = rng.standard_normal((4, d_model, d_model)) / np.sqrt(d_model)
+        layer = MultiHeadAttention(d_model, heads, bias=False).double()
+        with torch.no_grad():
+            for linear, W in zip((layer.q_proj, layer.k_proj, layer.v_proj, layer.out_proj),
+                                 (W_Q, W_K, W_V, W_O)):
+                linear.weight.copy_(torch.from_numpy(W.T))  # nn.Linear computes x @ weight.T
+            expected = layer(torch.from_numpy(x)).numpy()
+        inputs = dict(zip(("x", "W_Q", "W_K", "W_V", "W_O"),
+                          (a.astype(dtype) for a in (x, W_Q, W_K, W_V, W_O))))
+        return {**inputs, "num_heads": heads}, expected.astype(dtype)
+    return build
+
+
+_CH3 = 'chapter 3, "One matrix, many heads"'
+EXERCISES["3.3"] = Exercise("multi-head self-attention in NumPy", (
+    Case("one position, one head", _ch3_heads_case(1, 1, 4, 1),
+         "one position reads only itself: its output is x W_V W_O"),
+    Case("five positions, one head of 16", _ch3_heads_case(1, 5, 16, 1),
+         "the scores are divided by sqrt(d_head) before the softmax, over the keys (last axis): "
+         + _CH3),
+    Case("six positions, four heads of 4", _ch3_heads_case(1, 6, 16, 4),
+         "head h is columns h * d_head to (h + 1) * d_head of each projection, divided by "
+         "sqrt(d_head), not sqrt(d_model): reshape to (B, L, H, d_head), then move H before L; "
+         + _CH3),
+    Case("a batch of 3, 37 positions, 8 heads", _ch3_heads_case(3, 37, 32, 8),
+         "a batch in front: split and join the heads of every sequence the same way"),
+    Case("float32", _ch3_heads_case(2, 9, 16, 4, np.float32),
+         "float32 input: compute in float32 or wider, never in float16"),
+))
+
+
+# chapters/a7-exercise-cases.md, "Chapter 4"
+def _ch4_grouped_case(batch, heads, kv_heads, length, d, dtype=torch.float64):
+    def build(rng):
+        from attnbook.layers import attend, causal_mask
+
+        q = rng.standard_normal((batch, heads, length, d))
+        k, v = rng.standard_normal((2, batch, kv_heads, length, d))
+        q, k, v = (torch.from_numpy(a) for a in (q, k, v))
+        expected = attend(q, k, v, causal_mask(length))[0].to(dtype)
+        return {"q": q.to(dtype), "k": k.to(dtype), "v": v.to(dtype)}, expected
+    return build
+
+
+_CH4 = 'chapter 4, "Sharing keys and values"'
+EXERCISES["4.2"] = Exercise("causal grouped-query attention", (
+    Case("one position", _ch4_grouped_case(1, 2, 1, 1, 4),
+         "one position reads only itself: each query head's output is its group's v_0"),
+    Case("four positions, one head", _ch4_grouped_case(1, 1, 1, 4, 8),
+         "position i reads keys 0..i, itself included, and the scores are divided by sqrt(d): "
+         'chapter 3, "The attention core"'),
+    Case("8 query heads sharing 2 key/value heads", _ch4_grouped_case(1, 8, 2, 5, 4),
+         "a group is consecutive heads: query heads 0..3 read key/value head 0, heads 4..7 head "
+         "1 (q.view(B, H_kv, G, L, d); repeat_interleave, not repeat, if you copy): " + _CH4),
+    Case("a batch of 2, 12 heads, 3 key/value heads, 37 positions",
+         _ch4_grouped_case(2, 12, 3, 37, 8),
+         "a batch in front: group the heads of every sequence the same way"),
+    Case("float32", _ch4_grouped_case(2, 6, 2, 9, 8, torch.float32),
+         "float32 input: compute in float32 or wider, never in float16"),
+))
+
+
+# chapters/a7-exercise-cases.md, "Chapter 7"
+def _ch7_rms_case(shape, dtype=torch.float64, offset=0.0, scale=1.0):
+    def build(rng):
+        from attnbook.layers import RMSNorm
+
+        x = torch.from_numpy(rng.standard_normal(shape) * scale + offset).to(dtype)
+        weight = torch.from_numpy(rng.standard_normal(shape[-1])).to(dtype)
+        norm = RMSNorm(shape[-1]).to(dtype)
+        with torch.no_grad():
+            norm.weight.copy_(weight)
+            return {"x": x, "weight": weight}, norm(x)
+    return build
+
+
+_CH7 = 'chapter 7, "Normalisation"'
+EXERCISES["7.1"] = Exercise("RMSNorm as a function", (
+    Case("one position, one feature", _ch7_rms_case((1, 1)),
+         "with one feature x / sqrt(x^2 + eps) is nearly the sign of x, times weight (eps inside the "
+         "root; subtracting the mean, as LayerNorm does, would give 0): " + _CH7),
+    Case("positions with a mean far from 0", _ch7_rms_case((3, 8), offset=5.0),
+         "RMSNorm does not subtract the mean (that is LayerNorm): it divides x by "
+         "sqrt(mean(x^2) + eps): " + _CH7),
+    Case("a batch of 2, 5 positions, 16 features", _ch7_rms_case((2, 5, 16)),
+         "each position is normalised on its own: the mean of x^2 is over the last axis only "
+         "(keepdim=True): " + _CH7),
+    Case("small numbers, where eps counts", _ch7_rms_case((4, 8), scale=1e-3),
+         "eps is added inside the square root, to mean(x^2), with its default 1e-6: " + _CH7),
+    Case("float16 numbers in the hundreds", _ch7_rms_case((3, 16), torch.float16, scale=300.0),
+         "float16 input: square and average in float32 (300^2 = 90000 is past float16's largest "
+         "number, 65504), and return float16"),
+))
+
+
+# chapters/a7-exercise-cases.md, "Chapter 8"
+def _ch8_embedding_case(batch, length, vocab=20, d=8, dtype=torch.float64):
+    def build(rng):
+        from attnbook.bert import BERTConfig, BERTEmbeddings
+
+        ids = torch.from_numpy(rng.integers(0, vocab, (batch, length)))
+        segments = torch.from_numpy(rng.integers(0, 2, (batch, length)))
+        config = BERTConfig(vocab_size=vocab, d_model=d, num_layers=1, num_heads=1, d_ff=d,
+                            context_length=64, dropout=0.0)
+        layer = BERTEmbeddings(config).double().eval()
+        tables = {name: torch.from_numpy(rng.standard_normal(shape)) for name, shape in
+                  (("word", (vocab, d)), ("position", (64, d)), ("token_type", (2, d)),
+                   ("gamma", (d,)), ("beta", (d,)))}
+        with torch.no_grad():
+            for name in ("word", "position", "token_type"):
+                getattr(layer, name).weight.copy_(tables[name])
+            layer.norm.weight.copy_(tables["gamma"])
+            layer.norm.bias.copy_(tables["beta"])
+            expected = layer(ids, segments).to(dtype)
+        tables = {name: t.to(dtype) for name, t in tables.items()}
+        return {"ids": ids, "segments": segments, **tables}, expected
+    return build
+
+
+_CH8 = 'chapter 8, "Inputs: tokens, positions and segments"'
+EXERCISES["8.2"] = Exercise("BERT's input layer", (
+    Case("one token", _ch8_embedding_case(1, 1),
+         "the vector is LayerNorm(word[id] + position[0] + token_type[segment]), with gamma, beta "
+         "and eps = 1e-12: " + _CH8),
+    Case("seven tokens", _ch8_embedding_case(1, 7),
+         "the position table is indexed by the positions 0..L-1, not by the ids: " + _CH8),
+    Case("a batch of 3 sequences of 37 tokens", _ch8_embedding_case(3, 37),
+         "every sequence uses positions 0..L-1, and the LayerNorm is over the last axis only"),
+    Case("float32 tables", _ch8_embedding_case(2, 9, dtype=torch.float32),
+         "float32 tables: compute in float32 or wider, never in float16"),
+))
+
+
+# chapters/a7-exercise-cases.md, "Chapter 11"
+def _ch11_cross_case(lengths, lt, heads=2, d=4, dtype=torch.float64):
+    def build(rng):
+        from attnbook.layers import attend
+
+        batch, ls = len(lengths), max(lengths)
+        q = torch.from_numpy(rng.standard_normal((batch, heads, lt, d))).to(dtype)
+        k, v = torch.from_numpy(rng.standard_normal((2, batch, heads, ls, d))).to(dtype)
+        src_keep = torch.arange(ls)[None, :] < torch.tensor(lengths)[:, None]  # (B, Ls)
+        expected = attend(q.double(), k.double(), v.double(), src_keep[:, None, None, :])[0]
+        return {"q": q, "k": k, "v": v, "src_keep": src_keep}, expected.to(dtype)
+    return build
+
+
+_CH11 = 'chapter 11, "The model"'
+EXERCISES["11.1"] = Exercise("cross-attention over a padded source", (
+    Case("one source token, one target token", _ch11_cross_case([1], 1),
+         "with one source token every target position reads its value: the output is v_0"),
+    Case("six source tokens, four target tokens", _ch11_cross_case([6], 4),
+         "cross-attention has no causal mask: every target position reads the whole source, "
+         "the scores divided by sqrt(d): " + _CH11),
+    Case("sources of 3, 7 and 5 tokens, padded to 7", _ch11_cross_case([3, 7, 5], 6),
+         "src_keep is True at real source tokens: hide the keys where it is False, along the "
+         "keys' axis (src_keep[:, None, None, :]), never the queries: " + _CH11),
+    Case("float32", _ch11_cross_case([9, 4], 5, dtype=torch.float32),
+         "float32 input: compute in float32 or wider, never in float16"),
+))
