@@ -272,6 +272,12 @@ WRONG = [
 @pytest.mark.parametrize("exercise, candidate, case, words", WRONG,
                          ids=[f"{e}-{c.__name__}" for e, c, _, _ in WRONG])
 def test_a_wrong_answer_fails_with_the_hint_for_its_mistake(exercise, candidate, case, words):
+    assert_fails_with_hint(exercise, candidate, case, words)
+
+
+def assert_fails_with_hint(exercise, candidate, case, words):
+    """`candidate` fails exercise `exercise` first at `case`, whose hint holds `words` (appendix G's
+    tests use it too)."""
     result = check(exercise, candidate, show=False)
     assert not result.passed and result.case == case, result
     assert words in result.hint

@@ -2,10 +2,14 @@
 exercise passes a right answer written independently of the package, and fails the wrong answers
 readers write at the case whose hint names their mistake."""
 
+import re
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from test_exercises import assert_fails_with_hint
 
 from attnbook.exercises import EXERCISES, check
 
@@ -191,16 +195,10 @@ WRONG = [
 @pytest.mark.parametrize("exercise, candidate, case, words", WRONG,
                          ids=[f"{e}-{c.__name__}" for e, c, _, _ in WRONG])
 def test_a_wrong_answer_fails_with_the_hint_for_its_mistake(exercise, candidate, case, words):
-    result = check(exercise, candidate, show=False)
-    assert not result.passed and result.case == case, result
-    assert words in result.hint
-    assert EXERCISES[exercise].cases[result.cases_passed].name == case
+    assert_fails_with_hint(exercise, candidate, case, words)
 
 
 def test_every_hint_that_names_a_section_names_one_of_its_chapter():
-    import re
-    from pathlib import Path
-
     chapters = Path(__file__).resolve().parents[1] / "chapters"
     for exercise_id in ("2.3", "3.3", "4.2", "7.1", "8.2", "11.1"):
         for case in EXERCISES[exercise_id].cases:
