@@ -665,3 +665,134 @@ EXERCISES["11.1"] = Exercise("cross-attention over a padded source", (
     Case("float32", _ch11_cross_case([9, 4], 5, dtype=torch.float32),
          "float32 input: compute in float32 or wider, never in float16"),
 ))
+
+
+# chapters/a7-exercise-cases.md, "Chapter 12"
+def _ch12_keys_case(q_len, k_len):
+    def build(rng):
+        from attnbook.layers import causal_mask
+        return {"q_len": q_len, "k_len": k_len}, causal_mask(q_len, k_len).sum(-1)  # (Lq,) int64
+    return build
+
+
+_CH12 = 'chapter 12, "Counting the work"'
+EXERCISES["12.3"] = Exercise("the keys each query sees under a causal mask", (
+    Case("one query, one key", _ch12_keys_case(1, 1),
+         "a query sees its own position: the count is [1], not [0]: " + _CH12),
+    Case("4 queries, 4 keys", _ch12_keys_case(4, 4),
+         "query i of a square mask sees keys 0..i, i + 1 of them: " + _CH12),
+    Case("one new query, 2049 cached keys", _ch12_keys_case(1, 2049),
+         "the mask is bottom-right: the queries are the last q_len positions, so one new query "
+         "sees every cached key, not only the first: " + _CH12),
+    Case("3 queries, 8 keys", _ch12_keys_case(3, 8),
+         "query i stands at position i + k_len - q_len and sees i + k_len - q_len + 1 keys"),
+    Case("6 queries, 3 keys", _ch12_keys_case(6, 3),
+         "the first q_len - k_len queries stand before every key and see none: a count is never "
+         "below 0 (clamp it): " + _CH12),
+    Case("1000 queries, 4096 keys", _ch12_keys_case(1000, 4096),
+         "a longer mask: check the counts' bounds, row by row"),
+))
+
+
+# chapters/a7-exercise-cases.md, "Chapter 14"
+def _ch14_roofline_case(intensity, gpu, ridge=False):
+    def build(rng):
+        from attnbook.tiling import GPUS, roofline_seconds
+        spec = GPUS[gpu]
+        values = np.asarray(intensity, dtype=np.float64)
+        if ridge:
+            values = np.append(values, spec.peak_flops(2) / spec.bandwidth)
+        moved = 1e9  # bytes; the FLOPs are intensity x bytes
+        expected = np.array([i * moved / roofline_seconds(i * moved, moved, gpu)
+                             for i in values.ravel()]).reshape(values.shape)
+        return {"intensity": values, "gpu": gpu}, expected
+    return build
+
+
+_CH14 = 'chapter 14, "The roofline: which side binds"'
+EXERCISES["14.2"] = Exercise("the roofline: attainable FLOP/s against arithmetic intensity", (
+    Case("intensity 1 on the H100", _ch14_roofline_case([1.0], "H100"),
+         "at 1 FLOP per byte the memory binds: the kernel reaches intensity x bandwidth, the "
+         "longer of the two times, not their sum: " + _CH14),
+    Case("intensity 1000 on the H100", _ch14_roofline_case([1000.0], "H100"),
+         "above the ridge point the arithmetic binds: the roof is the float16 peak, "
+         "gpu.peak_flops(2), never more: " + _CH14),
+    Case("a grid of intensities on the T4", _ch14_roofline_case(
+        np.geomspace(0.1, 1e4, 15).reshape(3, 5), "T4"),
+         "an array of any shape: take the lower roof element by element (np.minimum), not with "
+         "Python's min"),
+    Case("no arithmetic at all, and the A100's ridge point",
+         _ch14_roofline_case([0.0, 2e3], "A100", ridge=True),
+         "at intensity 0 a kernel does no arithmetic: 0 FLOP/s; at the ridge both roofs meet"),
+))
+
+
+# chapters/a7-exercise-cases.md, "Chapter 16"
+def _ch16_backward_case(shape, lq, lk, causal=False, dtype=np.float64):
+    """(B, H) batch and heads, lq queries and lk keys of width d = shape[-1]."""
+    def build(rng):
+        from attnbook.layers import attend, causal_mask
+        *lead, d = shape
+        q, k, v, dout = (torch.from_numpy(rng.standard_normal((*lead, n, d)).astype(dtype))
+                         for n in (lq, lk, lk, lq))
+        wide = [x.double().requires_grad_() for x in (q, k, v)]
+        mask = causal_mask(lq, lk) if causal else None
+        out = attend(*wide, mask=mask)[0]
+        grads = torch.autograd.grad(out, wide, dout.double())
+        return ({"q": q, "k": k, "v": v, "dout": dout, "causal": causal},
+                tuple(g.to(q.dtype) for g in grads))
+    return build
+
+
+_CH16 = 'chapter 16, "The backward pass"'
+EXERCISES["16.1"] = Exercise("the backward pass of attention", (
+    Case("one query, one key", _ch16_backward_case((1, 1, 4), 1, 1),
+         "with one key the weight is 1 whatever the score, so dq and dk are 0 and dv is dout: "
+         "the softmax's Jacobian subtracts each row's delta = dout . out: " + _CH16),
+    Case("5 queries, 7 keys, d = 1", _ch16_backward_case((1, 1, 1), 5, 7),
+         "delta_i = sum_j P_ij dP_ij runs along query i's row (the keys, dim=-1); dv = P^T dout "
+         "and dk = scale dS^T q sum over the queries: check each axis: " + _CH16),
+    Case("6 queries and keys, d = 16", _ch16_backward_case((1, 1, 16), 6, 6),
+         "the scores are scale q k^T with scale = 1/sqrt(d): the same scale multiplies dq and "
+         "dk: " + _CH16),
+    Case("causal, 7 queries and keys", _ch16_backward_case((1, 1, 8), 7, 7, causal=True),
+         "masked weights are 0 in P, and so in dS: compute P with the mask, then the formulas "
+         "as they are"),
+    Case("causal, 3 queries, 10 keys", _ch16_backward_case((1, 1, 8), 3, 10, causal=True),
+         "the causal mask is bottom-right: query i sees keys j <= i + Lk - Lq"),
+    Case("causal, 6 queries, 3 keys", _ch16_backward_case((1, 1, 8), 6, 3, causal=True),
+         "a query that sees no key has P = 0 in its row, so zero gradients, not NaN: "
+         + _CH16),
+    Case("a batch of 2, 3 heads, 70 positions", _ch16_backward_case((2, 3, 16), 70, 70, True),
+         "a batch and heads in front: transpose the last two axes only (k.transpose(-2, -1))"),
+    Case("float32", _ch16_backward_case((1, 2, 16), 33, 40, True, np.float32),
+         "float32 input: compute in float32 or wider, and return float32 gradients"),
+))
+
+
+# chapters/a7-exercise-cases.md, "Chapter 18"
+def _ch18_patches_case(batch, channels, size, p, dtype=np.float64):
+    def build(rng):
+        from attnbook.vit import patchify
+        images = torch.from_numpy(rng.standard_normal((batch, channels, size, size)).astype(dtype))
+        return {"patches": patchify(images, p), "image_size": size, "channels": channels}, images
+    return build
+
+
+_CH18 = 'chapter 18, "An image as a sequence of patches"'
+EXERCISES["18.1"] = Exercise("unpatchify, the inverse of patchify", (
+    Case("one 2 x 2 image, patches of one pixel", _ch18_patches_case(1, 1, 2, 1),
+         "with p = 1 each patch is one pixel, in row-major order: left to right, then down"),
+    Case("4 x 4, patches of 2 x 2", _ch18_patches_case(1, 1, 4, 2),
+         "patches come row by row of patches, and each is flattened row by row: put the patch "
+         "row before the offset within it on each axis: " + _CH18),
+    Case("6 x 6, three channels, patches of 3 x 3", _ch18_patches_case(1, 3, 6, 3),
+         "each patch is flattened channel first, (C, p, p), not with the channel last: "
+         + _CH18),
+    Case("one patch covering an 8 x 8 image", _ch18_patches_case(2, 2, 8, 8),
+         "a single patch is the whole image, flattened as (C, H, W)"),
+    Case("a batch of 5, 12 x 12, two channels, patches of 4 x 4", _ch18_patches_case(5, 2, 12, 4),
+         "a batch in front: keep each image's patches apart"),
+    Case("float16", _ch18_patches_case(3, 1, 8, 2, np.float16),
+         "rearranging moves numbers without changing them: keep the patches' dtype"),
+))
