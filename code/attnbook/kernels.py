@@ -200,7 +200,7 @@ def _scores(q, k, rows, cols, Lq, Lk, qk_scale, CAUSAL: tl.constexpr):
     return s, ok
 
 
-# chapters/15-flash-attention-triton.md, "The forward kernel"
+# chapters/15-flash-attention-triton.md, "What a GPU does with one program"
 # Rows per tile (BLOCK_M = BLOCK_N) by kernel, element size and head dimension: see above.
 TILE_ROWS = {
     ("forward", 2): {16: 64, 32: 64, 64: 64, 128: 64},
@@ -214,10 +214,10 @@ NUM_WARPS, NUM_STAGES = 4, 2  # threads per program / 32, and tiles loaded ahead
 _LOG2E = 1.4426950408889634  # exp(x) == exp2(x * log2(e))
 
 
-# chapters/15-flash-attention-triton.md, "The forward kernel"
+# chapters/15-flash-attention-triton.md, "What a GPU does with one program"
 # 2-byte dtypes on a GPU: candidates (BLOCK_M, BLOCK_N, num_warps, num_stages) by compute
 # capability and kernel, for head dims up to 64 and for 128; the first is the default. Each is
-# clean in compile_check's report (chapter 15, "Launch settings for each GPU").
+# clean in compile_check's report (appendix D, "Chapter 15's launch tables").
 LAUNCH = {
     (75, "forward"): {64: [(32, 32, 4, 2)], 128: [(32, 32, 8, 2)]},
     (75, "dkdv"): {64: [(32, 32, 8, 2)], 128: [(32, 32, 8, 2)]},
@@ -257,7 +257,7 @@ def _launch_settings(kernel: str, element_size: int, head_dim: int,
     return [(block, block, NUM_WARPS, NUM_STAGES)]
 
 
-# chapters/15-flash-attention-triton.md, "The forward kernel"
+# chapters/15-flash-attention-triton.md, "Launching the kernels"
 def _forward(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     # O (B, H, Lq, D) and the base-2 logsumexp of each row's scores (B, H, Lq), float32.
     q, k, v = _unit_stride_d(q, k, v)
@@ -562,8 +562,8 @@ class _FlashAttention(torch.autograd.Function):
 
 
 def _check_backward_lengths(q, k) -> None:
-    # A ValueError naming q and Lq or k and Lk if a backward launch would need more tiles than
-    # a grid axis takes: raised before the forward runs, not in loss.backward() after it.
+    # A ValueError naming q and Lq or k and Lk, and B * H, if a backward launch fits neither
+    # grid order: raised before the forward runs, not in loss.backward() after it.
     _check_tiles("delta", "q", q.shape[2], 32, q.shape[0] * q.shape[1])
     for name in ("dkdv", "dq"):
         _fitting(name, q, k)
