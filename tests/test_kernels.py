@@ -198,6 +198,7 @@ class Launches:
         from attnbook import kernels
 
         self.records, self.current = [], None
+        self.constants = []  # each launch's keyword arguments (TILES_FIRST, BLOCK_M, ...)
         for name in ("_forward_kernel", "_dkdv_kernel", "_dq_kernel", "_delta_kernel"):
             monkeypatch.setattr(kernels, name, self._stand_in(name, getattr(kernels, name), run))
 
@@ -218,6 +219,7 @@ class Launches:
                     shape = tuple(grid(kwargs) if callable(grid) else grid)
                     tensors = [a for a in args if isinstance(a, torch.Tensor)]
                     launches.records.append((name, shape, tensors, launches.current))
+                    launches.constants.append(kwargs)
                     if run:
                         kernel[grid](*args, **kwargs)
                 return launch
@@ -241,12 +243,50 @@ def test_every_launch_stays_within_cudas_grid_limits(monkeypatch):
         assert math.prod(grid) >= 70_000, (name, grid)  # every (batch, head) has its programs
 
 
-def test_a_length_with_more_tiles_than_a_grid_axis_allows_is_refused_by_name():
+def test_the_grid_puts_the_tile_count_first_only_when_it_must():
+    # Before, a length of more than 65,535 tiles was refused whatever B * H was, though the old
+    # (tiles, B * H) grid had launched it.
     from attnbook.kernels import _grid
 
-    assert _grid(65_535 * 16, 16, 70_000) == (70_000, 65_535)
-    with pytest.raises(ValueError, match="length of 1048577 rows needs 65537 tiles"):
-        _grid(65_536 * 16 + 1, 16, 1)
+    assert _grid(100, 16, 70_000) == ((70_000, 7), False)  # (B * H, tiles), as before
+    assert _grid(65_535 * 16, 16, 70_000) == ((70_000, 65_535), False)
+    assert _grid(65_535 * 16 + 1, 16, 3) == ((65_536, 3), True)  # too many tiles for axis 1
+    assert _grid(65_535 * 16 + 1, 16, 65_535) == ((65_536, 65_535), True)
+    with pytest.raises(ValueError, match="length of 1048561 rows needs 65536 tiles of 16 rows "
+                                         "and B \\* H = 65536"):
+        _grid(65_535 * 16 + 1, 16, 65_536)  # neither order fits
+
+
+def test_a_length_past_65535_tiles_launches_with_its_tiles_on_the_first_axis(monkeypatch):
+    # float16, D = 16: the forward's tiles of 64 rows number 32,768 (the (B * H, tiles) grid),
+    # the delta kernel's of 32 rows 65,536 (the (tiles, B * H) grid). Refused before. Recorded,
+    # not run: the inputs are expanded views that hold no memory.
+    launches = Launches(monkeypatch, run=False)
+    n = 65_535 * 32 + 1
+    q = torch.zeros(1, 1, 1, 16, device=DEVICE, dtype=torch.float16).expand(1, 3, n, 16)
+    q.requires_grad_()
+    out = flash_attention(q, q, q, causal=True)
+    out.backward(torch.zeros_like(out))
+    grids = {name: (grid, kwargs["TILES_FIRST"])
+             for (name, grid, *_), kwargs in zip(launches.records, launches.constants)}
+    assert grids["_forward_kernel"] == ((3, 32_768), False)
+    assert grids["_delta_kernel"] == ((65_536, 3), True)
+    for name, (grid, _) in grids.items():
+        assert all(1 <= s <= limit for s, limit in zip(grid, Launches.CUDA_GRID_LIMITS)), name
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_the_tiles_first_grid_computes_the_same_attention(monkeypatch, causal):
+    # The (tiles, B * H) order forced on a small problem (a private threshold of 1 tile): every
+    # kernel must read its tile and its (batch, head) from the swapped axes.
+    from attnbook import kernels
+
+    monkeypatch.setattr(kernels, "_TILES_FIRST_FROM", 1)
+    launches = Launches(monkeypatch)
+    check_against_torch(100, 70, 32, causal, torch.float32, seed=8)
+    assert len(launches.records) == 4  # the forward, delta, dK and dV, dQ
+    for (name, grid, *_), kwargs in zip(launches.records, launches.constants):
+        assert kwargs["TILES_FIRST"] and grid[1] == 2, (name, grid)  # B * H = 2 on axis 1
 
 
 def test_every_launch_runs_under_the_guard_of_the_inputs_device(monkeypatch):
@@ -726,7 +766,8 @@ def test_autotuning_skips_candidates_that_do_not_fit_or_run_out_of_resources(mon
     monkeypatch.setattr(kernels, "AUTOTUNE_FROM", 1)
     monkeypatch.setattr(kernels, "_FASTEST", {}, raising=False)
     monkeypatch.setattr(kernels, "_seconds", lambda run: (run(), 1.0 / run.args[0][0])[1])
-    q = torch.zeros(1, 1, 1, 16, device=DEVICE).expand(1, 1, 65_535 * 16 + 1, 16)  # no memory
+    # no memory; B * H = 70,000 leaves the tiles only grid axis 1, which takes 65,535
+    q = torch.zeros(1, 1, 1, 16, device=DEVICE).expand(70_000, 1, 65_535 * 16 + 1, 16)
     for flag in ("1", "0"):
         monkeypatch.setenv("ATTNBOOK_AUTOTUNE", flag)
         kernels._FASTEST.clear()
@@ -737,7 +778,7 @@ def test_autotuning_skips_candidates_that_do_not_fit_or_run_out_of_resources(mon
     kernels._FASTEST.clear()
     with pytest.raises(ValueError, match=r"no launch setting of the forward kernel fits"):
         kernels._launch(_Recorded(fail=(32, 64)), "forward", q, q, False)
-    long = torch.zeros(1, 1, 1, 16, device=DEVICE).expand(1, 1, 65_535 * 64 + 1, 16)
+    long = torch.zeros(1, 1, 1, 16, device=DEVICE).expand(70_000, 1, 65_535 * 64 + 1, 16)
     with pytest.raises(ValueError, match=r"q has Lq = 4194241 rows, too many for the forward"):
         kernels._launch(_Recorded(), "forward", long, long, False)
 
@@ -773,16 +814,16 @@ def test_an_unknown_autotune_setting_is_refused_by_name(monkeypatch, value):
 def test_a_length_the_backward_cannot_launch_is_refused_before_the_forward(monkeypatch, long):
     # The forward took it, and loss.backward() failed after the forward's work, with a message
     # naming neither argument nor kernel (F2, F6). Kernels recorded, not run: no memory, no time.
+    # float32, D = 16: the backward's tiles of 32 rows number 65,536, and B * H = 70,000, so
+    # neither grid order fits (the forward's 64-row tiles would, as (B * H, tiles)).
     launches = Launches(monkeypatch, run=False)
-    n = 65_535 * 32 + 1  # float32, D = 16: the forward's tiles of 64 rows fit, the backward's 32 not
-    short = torch.zeros(1, 1, 4, 16, device=DEVICE)
-    big = torch.zeros(1, 1, 1, 16, device=DEVICE).expand(1, 1, n, 16)
+    n, pairs = 65_535 * 32 + 1, 70_000
+    short = torch.zeros(pairs, 1, 4, 16, device=DEVICE, requires_grad=True)
+    big = torch.zeros(1, 1, 1, 16, device=DEVICE).expand(pairs, 1, n, 16)  # holds no memory
     q, k = (big, short) if long == "q" else (short, big)
-    flash_attention(q, k, k)  # no gradient asked for: the forward alone runs
-    assert [name for name, *_ in launches.records] == ["_forward_kernel"]
-    short.requires_grad_()  # a gradient for the short one only: the long one stays unallocated
     kernel = "delta" if long == "q" else "dK, dV"
     with pytest.raises(ValueError, match=rf"{long} has L{long} = {n} rows, too many for the "
-                                         rf"backward's {kernel} kernel.*L{long} <= 2097120"):
+                                         rf"backward's {kernel} kernel at B \* H = 70000.*"
+                                         rf"L{long} <= 2097120, or B \* H <= 65,535"):
         flash_attention(q, k, k)
-    assert len(launches.records) == 1  # refused before the forward launched
+    assert not launches.records  # refused before the forward launched

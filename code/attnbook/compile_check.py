@@ -136,8 +136,10 @@ def _compile_here(kernel: str, gpu: str, dtype: str, head_dim: int, causal: bool
     block, block_n, warps, stages = (given or d for given, d in
                                      zip((block, block_n, warps, stages), default))
     signature, constants, attrs = _signature(kernel, dtype)
+    # WIDE False: 32-bit rows, every tensor under 2**31 elements; TILES_FIRST False: the
+    # (B * H, tiles) grid that every length under 65,536 tiles launches on
     constants.update(CAUSAL=causal, BLOCK_M=block, BLOCK_N=block_n, HEAD_DIM=head_dim,
-                     WIDE=wide)  # False: 32-bit rows, every tensor under 2**31 elements
+                     WIDE=wide, TILES_FIRST=False)
     log = io.StringIO()
     with contextlib.redirect_stdout(log):
         compiled = triton.compile(

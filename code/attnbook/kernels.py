@@ -64,9 +64,10 @@ _MIXED = INTERPRETED and type(tl.standard.sum).__name__ != "InterpretedFunction"
 @triton.jit
 def _delta_kernel(O, DO, DELTA, stride_ob, stride_oh, stride_om, stride_od,
                   stride_dob, stride_doh, stride_dom, stride_dod, H, L,
-                  BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, WIDE: tl.constexpr):
+                  BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, WIDE: tl.constexpr,
+                  TILES_FIRST: tl.constexpr):
     # Program (bh, i): delta = rowsum(O * dO) for rows i*BLOCK_M ... of (batch, head) bh.
-    bh, b, h, start_m = _program(H, BLOCK_M, WIDE)
+    bh, b, h, start_m = _program(H, BLOCK_M, WIDE, TILES_FIRST)
     rows = start_m + tl.arange(0, BLOCK_M)
     o = _load_rows(O + b * stride_ob + h * stride_oh, rows, L, stride_om, stride_od, HEAD_DIM)
     do = _load_rows(DO + b * stride_dob + h * stride_doh, rows, L, stride_dom, stride_dod, HEAD_DIM)
@@ -75,24 +76,36 @@ def _delta_kernel(O, DO, DELTA, stride_ob, stride_oh, stride_om, stride_od,
 
 
 @triton.jit
-def _program(H, BLOCK: tl.constexpr, WIDE: tl.constexpr):
+def _program(H, BLOCK: tl.constexpr, WIDE: tl.constexpr, TILES_FIRST: tl.constexpr):
     # Program (bh, i) of _grid: its (batch, head) pair bh, batch b and head h (int64), and its
-    # first row i * BLOCK, int64 when WIDE so that the rows built from it are too.
-    bh = tl.program_id(0)
-    start = tl.program_id(1) * BLOCK
+    # first row i * BLOCK, int64 when WIDE so that the rows built from it are too. The grid is
+    # (tiles, B * H) when TILES_FIRST, else (B * H, tiles).
+    bh = tl.program_id(1 if TILES_FIRST else 0)
+    start = tl.program_id(0 if TILES_FIRST else 1) * BLOCK
     if WIDE:  # some tensor spans 2**31 elements or more: rows * stride may not fit 32 bits
         start = start.to(tl.int64)
     return bh.to(tl.int64), (bh // H).to(tl.int64), (bh % H).to(tl.int64), start
 
 
-def _grid(length: int, block: int, pairs: int) -> tuple[int, int]:
-    # (B * H pairs, tiles of `block` rows of `length`): CUDA allows 2**31 - 1 programs on the
-    # first axis, 65,535 on the second.
+def _grid(length: int, block: int, pairs: int) -> tuple[tuple[int, int], bool]:
+    # The grid of tiles of `block` rows of `length` for B * H pairs, and TILES_FIRST: CUDA
+    # allows 2**31 - 1 programs on the first axis and 65,535 on the second, so (B * H, tiles)
+    # unless the tiles need the first axis and B * H fits the second.
     tiles = triton.cdiv(length, block)
-    if tiles > 65_535:
-        raise ValueError(f"a length of {length} rows needs {tiles} tiles of {block} rows; a "
-                         "launch takes at most 65,535")
-    return pairs, tiles
+    if tiles >= _TILES_FIRST_FROM and pairs <= 65_535:
+        return (tiles, pairs), True
+    if not _fits(tiles, pairs):
+        raise ValueError(f"a length of {length} rows needs {tiles} tiles of {block} rows and "
+                         f"B * H = {pairs}: a grid takes 65,535 programs on its second axis")
+    return (pairs, tiles), False
+
+
+_TILES_FIRST_FROM = 65_536  # tiles from which they take the first axis (the tests lower it)
+
+
+def _fits(tiles: int, pairs: int) -> bool:
+    # Whether one of the two orders fits CUDA's limits: one count on the second axis.
+    return min(tiles, pairs) <= 65_535 and max(tiles, pairs) <= 2**31 - 1
 
 
 def _wide(*tensors: torch.Tensor) -> bool:
@@ -107,9 +120,9 @@ def _forward_kernel(Q, K, V, O, LSE, stride_qb, stride_qh, stride_qm, stride_qd,
                     stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn,
                     stride_vd, stride_ob, stride_oh, stride_om, stride_od, H, Lq, Lk, qk_scale,
                     CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    HEAD_DIM: tl.constexpr, WIDE: tl.constexpr):
+                    HEAD_DIM: tl.constexpr, WIDE: tl.constexpr, TILES_FIRST: tl.constexpr):
     # Program (bh, i): output rows i*BLOCK_M ... of (batch, head) bh, and their logsumexp.
-    bh, b, h, start_m = _program(H, BLOCK_M, WIDE)
+    bh, b, h, start_m = _program(H, BLOCK_M, WIDE, TILES_FIRST)
     rows = start_m + tl.arange(0, BLOCK_M)
     q = _load_rows(Q + b * stride_qb + h * stride_qh, rows, Lq, stride_qm, stride_qd, HEAD_DIM)
     K += b * stride_kb + h * stride_kh
@@ -187,7 +200,7 @@ def _scores(q, k, rows, cols, Lq, Lk, qk_scale, CAUSAL: tl.constexpr):
     return s, ok
 
 
-# chapters/15-flash-attention-triton.md, "The forward kernel"
+# chapters/15-flash-attention-triton.md, "What a GPU does with one program"
 # Rows per tile (BLOCK_M = BLOCK_N) by kernel, element size and head dimension: see above.
 TILE_ROWS = {
     ("forward", 2): {16: 64, 32: 64, 64: 64, 128: 64},
@@ -201,10 +214,10 @@ NUM_WARPS, NUM_STAGES = 4, 2  # threads per program / 32, and tiles loaded ahead
 _LOG2E = 1.4426950408889634  # exp(x) == exp2(x * log2(e))
 
 
-# chapters/15-flash-attention-triton.md, "The forward kernel"
+# chapters/15-flash-attention-triton.md, "What a GPU does with one program"
 # 2-byte dtypes on a GPU: candidates (BLOCK_M, BLOCK_N, num_warps, num_stages) by compute
 # capability and kernel, for head dims up to 64 and for 128; the first is the default. Each is
-# clean in compile_check's report (chapter 15, "Launch settings for each GPU").
+# clean in compile_check's report (appendix D, "Chapter 15's launch tables").
 LAUNCH = {
     (75, "forward"): {64: [(32, 32, 4, 2)], 128: [(32, 32, 8, 2)]},
     (75, "dkdv"): {64: [(32, 32, 8, 2)], 128: [(32, 32, 8, 2)]},
@@ -244,7 +257,7 @@ def _launch_settings(kernel: str, element_size: int, head_dim: int,
     return [(block, block, NUM_WARPS, NUM_STAGES)]
 
 
-# chapters/15-flash-attention-triton.md, "The forward kernel"
+# chapters/15-flash-attention-triton.md, "Launching the kernels"
 def _forward(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     # O (B, H, Lq, D) and the base-2 logsumexp of each row's scores (B, H, Lq), float32.
     q, k, v = _unit_stride_d(q, k, v)
@@ -269,20 +282,21 @@ def _device_guard(device: torch.device):
 
 def _launch(kernel, name: str, q, k, causal: bool, *args) -> None:
     # One program per tile of rows (of keys for dK, dV, else of queries), for every (batch,
-    # head), on _grid's (B * H, tiles), with a setting of launch_settings that fits the grid: the
+    # head), on _grid's grid, with a setting of launch_settings that fits the grid: the
     # first, or on a GPU and a large problem the fastest that compiles for its length bucket,
     # unless ATTNBOOK_AUTOTUNE is off.
     capability = None if INTERPRETED else _capability(q.device)
     settings = _fitting(name, q, k)
     length = k.shape[2] if name == "dkdv" else q.shape[2]
-
+    pairs = q.shape[0] * q.shape[1]
     wide = _wide(*(a for a in args if isinstance(a, torch.Tensor)))
 
     def run(setting):
         block_m, block_n, warps, stages = setting
-        grid = _grid(length, block_n if name == "dkdv" else block_m, q.shape[0] * q.shape[1])
+        grid, tiles_first = _grid(length, block_n if name == "dkdv" else block_m, pairs)
         kernel[grid](*args, CAUSAL=causal, BLOCK_M=block_m, BLOCK_N=block_n,
-                     HEAD_DIM=q.shape[-1], WIDE=wide, num_warps=warps, num_stages=stages)
+                     HEAD_DIM=q.shape[-1], WIDE=wide, TILES_FIRST=tiles_first,
+                     num_warps=warps, num_stages=stages)
 
     setting = settings[0]
     if len(settings) > 1 and q.shape[2] * k.shape[2] >= AUTOTUNE_FROM and _autotuning():
@@ -295,28 +309,31 @@ def _launch(kernel, name: str, q, k, causal: bool, *args) -> None:
 
 
 def _fitting(name: str, q, k) -> list[tuple[int, int, int, int]]:
-    # launch_settings' candidates for `name` whose tiles fit on _grid's second axis, the default
-    # first; a ValueError naming the tensor and its length if none does.
+    # launch_settings' candidates for `name` whose tiles and B * H fit one of _grid's orders,
+    # the default first; a ValueError naming the tensor, its length and B * H if none does.
     capability = None if INTERPRETED else _capability(q.device)
     settings = _launch_settings(name, q.element_size(), q.shape[-1], capability)
     arg, length = ("k", k.shape[2]) if name == "dkdv" else ("q", q.shape[2])
+    pairs = q.shape[0] * q.shape[1]
     rows = [s[1] if name == "dkdv" else s[0] for s in settings]  # rows of a tile
-    _check_tiles(name, arg, length, max(rows))
-    return [s for s, r in zip(settings, rows) if triton.cdiv(length, r) <= 65_535]
+    _check_tiles(name, arg, length, max(rows), pairs)
+    return [s for s, r in zip(settings, rows) if _fits(triton.cdiv(length, r), pairs)]
 
 
 _KERNEL_NAMES = {"forward": "forward", "delta": "backward's delta", "dkdv": "backward's dK, dV",
                  "dq": "backward's dQ"}
 
 
-def _check_tiles(kernel: str, arg: str, length: int, rows: int) -> None:
-    # Refuse a length of `arg` whose tiles of `rows` rows pass the 65,535 programs of a grid
-    # axis (_grid's second), naming the argument, its length and the kernel.
-    if triton.cdiv(length, rows) > 65_535:
+def _check_tiles(kernel: str, arg: str, length: int, rows: int, pairs: int) -> None:
+    # Refuse a length of `arg` whose tiles of `rows` rows fit neither of _grid's orders with
+    # B * H pairs, naming the argument, its length, B * H and the kernel.
+    tiles = triton.cdiv(length, rows)
+    if not _fits(tiles, pairs):
         raise ValueError(f"{arg} has L{arg} = {length} rows, too many for the "
-                         f"{_KERNEL_NAMES[kernel]} kernel: its tiles of {rows} rows would need "
-                         f"{triton.cdiv(length, rows)} programs on a grid axis that takes 65,535 "
-                         f"(L{arg} <= {65_535 * rows})")
+                         f"{_KERNEL_NAMES[kernel]} kernel at B * H = {pairs}: its tiles of "
+                         f"{rows} rows would need {tiles} programs on one grid axis and B * H "
+                         f"on the other, which takes 65,535 (L{arg} <= {65_535 * rows}, or "
+                         "B * H <= 65,535)")
 
 
 def _fastest(name: str, settings, run) -> tuple[int, int, int, int]:
@@ -377,9 +394,9 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, stride_qb, stride_qh, stride_qm, strid
                  stride_vd, stride_dob, stride_doh, stride_dom, stride_dod, H, Lq, Lk, qk_scale,
                  scale, DK, DV, stride_dkb, stride_dkh, stride_dkn, stride_dkd,
                  CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 HEAD_DIM: tl.constexpr, WIDE: tl.constexpr):
+                 HEAD_DIM: tl.constexpr, WIDE: tl.constexpr, TILES_FIRST: tl.constexpr):
     # Program (bh, j): dK and dV (with dK's strides) of key rows j*BLOCK_N ... of (batch, head) bh.
-    bh, b, h, start_n = _program(H, BLOCK_N, WIDE)
+    bh, b, h, start_n = _program(H, BLOCK_N, WIDE, TILES_FIRST)
     cols = start_n + tl.arange(0, BLOCK_N)
     k = _load_rows(K + b * stride_kb + h * stride_kh, cols, Lk, stride_kn, stride_kd, HEAD_DIM)
     v = _load_rows(V + b * stride_vb + h * stride_vh, cols, Lk, stride_vn, stride_vd, HEAD_DIM)
@@ -444,9 +461,9 @@ def _dq_kernel(Q, K, V, DO, LSE, DELTA, stride_qb, stride_qh, stride_qm, stride_
                stride_vd, stride_dob, stride_doh, stride_dom, stride_dod, H, Lq, Lk, qk_scale,
                scale, DQ, stride_dqb, stride_dqh, stride_dqm, stride_dqd,
                CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               HEAD_DIM: tl.constexpr, WIDE: tl.constexpr):
+               HEAD_DIM: tl.constexpr, WIDE: tl.constexpr, TILES_FIRST: tl.constexpr):
     # Program (bh, i): dQ of query rows i*BLOCK_M ... of (batch, head) bh, a sum over key tiles.
-    bh, b, h, start_m = _program(H, BLOCK_M, WIDE)
+    bh, b, h, start_m = _program(H, BLOCK_M, WIDE, TILES_FIRST)
     rows = start_m + tl.arange(0, BLOCK_M)
     q = _load_rows(Q + b * stride_qb + h * stride_qh, rows, Lq, stride_qm, stride_qd, HEAD_DIM)
     do = _load_rows(DO + b * stride_dob + h * stride_doh, rows, Lq, stride_dom, stride_dod,
@@ -497,8 +514,9 @@ def _backward(q, k, v, o, lse, do, causal: bool, scale: float):
     inputs = (q, k, v, do, lse, delta, *_strides(q, k, v, do), H, Lq, k.shape[2],
               scale * _LOG2E, scale)
     with _device_guard(q.device):
-        _delta_kernel[_grid(Lq, 32, B * H)](o, do, delta, *_strides(o, do), H, Lq,
-                                            BLOCK_M=32, HEAD_DIM=D, WIDE=_wide(o, do, delta))
+        grid, tiles_first = _grid(Lq, 32, B * H)
+        _delta_kernel[grid](o, do, delta, *_strides(o, do), H, Lq, BLOCK_M=32, HEAD_DIM=D,
+                            WIDE=_wide(o, do, delta), TILES_FIRST=tiles_first)
         _launch(_dkdv_kernel, "dkdv", q, k, causal, *inputs, dk, dv, *dk.stride())
         _launch(_dq_kernel, "dq", q, k, causal, *inputs, dq, *dq.stride())
     return dq, dk, dv
@@ -544,9 +562,9 @@ class _FlashAttention(torch.autograd.Function):
 
 
 def _check_backward_lengths(q, k) -> None:
-    # A ValueError naming q and Lq or k and Lk if a backward launch would need more tiles than
-    # a grid axis takes: raised before the forward runs, not in loss.backward() after it.
-    _check_tiles("delta", "q", q.shape[2], 32)
+    # A ValueError naming q and Lq or k and Lk, and B * H, if a backward launch fits neither
+    # grid order: raised before the forward runs, not in loss.backward() after it.
+    _check_tiles("delta", "q", q.shape[2], 32, q.shape[0] * q.shape[1])
     for name in ("dkdv", "dq"):
         _fitting(name, q, k)
 
