@@ -889,3 +889,27 @@ def test_a_checkpoint_restores_the_random_state_dropout_draws_from(tmp_path, dev
     torch.manual_seed(2)  # the generators move on, as in another process
     assert train.load_checkpoint(path, model, optimizer) == 1
     torch.testing.assert_close(torch.rand(16, device=device), unbroken, rtol=0, atol=0)
+
+
+def test_a_step_of_the_command_reads_the_device_once(tmp_path, monkeypatch):
+    """The command's loop reads its step's loss and gradient norm in one transfer from the
+    device: one host read a step (the logged line), not one per number. Counted from outside,
+    as every read of a tensor's value into Python that the loop itself makes."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setattr(sys, "stderr", io.StringIO())
+    reads, steps = [], []
+    for name in ("item", "tolist", "__bool__", "__int__", "__float__", "__index__"):
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _original=original, **kwargs):
+            caller = sys._getframe(1).f_code.co_filename
+            if Path(caller).name == "train.py":  # the loop's own reads, not the model's checks
+                reads.append(len(steps))
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    train.train(train.parse_options(["gpt", *TINY, "--steps", "3", "--eval-every", "100",
+                                     "--out", str(tmp_path / "run")]),
+                on_step=lambda step: steps.append(step))
+    per_step = [reads.count(done) for done in range(2)]  # steps 1 and 2: no held-out loss
+    assert per_step == [1, 1]

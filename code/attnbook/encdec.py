@@ -133,6 +133,7 @@ class EncoderDecoder(nn.Module):
             x = block(x, mask=mask)  # (B, Ls, d_model)
         return self.encoder_norm(x)
 
+    # chapters/11-encoder-decoder.md, "The model"
     def _decode(self, tgt_in: torch.Tensor, memory: torch.Tensor,
                 src_padding: torch.Tensor | None, return_weights: bool = False):
         """Logits (B, Lt, tgt_vocab), and with `return_weights` the cross-attention weights."""
@@ -150,50 +151,7 @@ class EncoderDecoder(nn.Module):
         logits = self.lm_head(self.decoder_norm(x))
         return (logits, weights) if return_weights else logits
 
-    # The entry points: each checks its arguments once, then runs the cores above.
-    def forward(self, src: torch.Tensor, tgt_in: torch.Tensor, src_lengths=None) -> torch.Tensor:
-        src, src_padding = self._source(src, src_lengths)
-        tgt_in = _check_ids("tgt_in", tgt_in, self.config.tgt_vocab, self.config.context_length,
-                            batch=src.shape[0])
-        return self._decode(tgt_in, self._encode(src, src_padding), src_padding)
-
-    def encode(self, src: torch.Tensor, src_lengths=None) -> torch.Tensor:
-        """The encoder's output, the `memory` (B, Ls, d_model)."""
-        return self._encode(*self._source(src, src_lengths))
-
-    def decode(self, tgt_in: torch.Tensor, memory: torch.Tensor,
-               src_padding: torch.Tensor | None = None, return_weights: bool = False):
-        """Logits (B, Lt, tgt_vocab) for `tgt_in` given `memory` (B, Ls, d_model) and
-        `src_padding` (B, Ls), True at real source tokens (None: all); with `return_weights`, also
-        each decoder block's cross-attention weights (B, nh, Lt, Ls)."""
-        c = self.config
-        weight = self.lm_head.weight  # memory must have the model's dtype and device
-        memory = check_tensor("memory", memory, ndim=3, size=c.d_model, dtype=weight.dtype,
-                              device=weight.device)
-        shape = tuple(memory.shape[:2])  # (B, Ls): src_padding's
-        tgt_in = _check_ids("tgt_in", tgt_in, c.tgt_vocab, c.context_length, batch=shape[0])
-        return_weights = check_bool("return_weights", return_weights)
-        if src_padding is not None:
-            check_mask("src_padding", src_padding, shape)
-            if src_padding.shape != shape:  # a (1, Ls) mask would broadcast over the batch
-                raise ValueError(f"src_padding of shape {tuple(src_padding.shape)} is not {shape}")
-        return self._decode(tgt_in, memory, src_padding, return_weights)
-
-    def greedy_decode(self, src: torch.Tensor, max_new_tokens: int | None = None,
-                      src_lengths=None) -> torch.Tensor:
-        """Target ids (B, T <= max_new_tokens, default config.context_length): each row the
-        tokens after BOS up to EOS, then pad_id. Runs in eval mode without gradients, then
-        restores each module's mode."""
-        c = self.config
-        src, src_padding = self._source(src, src_lengths)
-        steps = c.context_length if max_new_tokens is None else check_int(
-            "max_new_tokens", max_new_tokens, 1, c.context_length)
-        return _greedy_decode(self, src, src_padding, steps)
-
-    def source_padding(self, src: torch.Tensor, src_lengths=None) -> torch.Tensor:
-        """(B, Ls) bool, True at real source tokens (chapter 6's padding mask)."""
-        return self._source(src, src_lengths)[1]
-
+    # chapters/11-encoder-decoder.md, "The model"
     def _source(self, src, src_lengths) -> tuple[torch.Tensor, torch.Tensor]:
         """`src` checked, as int64 ids (B, Ls), and its padding mask (B, Ls)."""
         src = _check_ids("src", src, self.config.src_vocab, self.config.context_length)
@@ -213,7 +171,53 @@ class EncoderDecoder(nn.Module):
         lengths = [check_int(f"src_lengths[{i}]", n, 1, ls) for i, n in enumerate(values)]
         return src, padding_mask(lengths, ls, device=src.device)
 
+    def source_padding(self, src: torch.Tensor, src_lengths=None) -> torch.Tensor:
+        """(B, Ls) bool, True at real source tokens (chapter 6's padding mask)."""
+        return self._source(src, src_lengths)[1]
 
+    # chapters/11-encoder-decoder.md, "The model"
+    def forward(self, src: torch.Tensor, tgt_in: torch.Tensor, src_lengths=None) -> torch.Tensor:
+        src, src_padding = self._source(src, src_lengths)
+        tgt_in = _check_ids("tgt_in", tgt_in, self.config.tgt_vocab, self.config.context_length,
+                            batch=src.shape[0])
+        return self._decode(tgt_in, self._encode(src, src_padding), src_padding)
+
+    def encode(self, src: torch.Tensor, src_lengths=None) -> torch.Tensor:
+        """The encoder's output, the `memory` (B, Ls, d_model)."""
+        return self._encode(*self._source(src, src_lengths))
+
+    def greedy_decode(self, src: torch.Tensor, max_new_tokens: int | None = None,
+                      src_lengths=None) -> torch.Tensor:
+        """Target ids (B, T <= max_new_tokens, default config.context_length): each row the
+    tokens after BOS up to EOS, then pad_id. Runs in eval mode without gradients, then
+    restores each module's mode."""
+        c = self.config
+        src, src_padding = self._source(src, src_lengths)
+        steps = c.context_length if max_new_tokens is None else check_int(
+            "max_new_tokens", max_new_tokens, 1, c.context_length)
+        return _greedy_decode(self, src, src_padding, steps)
+
+    # chapters/11-encoder-decoder.md, "The model"
+    def decode(self, tgt_in: torch.Tensor, memory: torch.Tensor,
+               src_padding: torch.Tensor | None = None, return_weights: bool = False):
+        """Logits (B, Lt, tgt_vocab) for `tgt_in` given `memory` (B, Ls, d_model) and
+    `src_padding` (B, Ls), True at real source tokens (None: all); with `return_weights`, also
+    each decoder block's cross-attention weights (B, nh, Lt, Ls)."""
+        c = self.config
+        weight = self.lm_head.weight  # memory must have the model's dtype and device
+        memory = check_tensor("memory", memory, ndim=3, size=c.d_model, dtype=weight.dtype,
+                              device=weight.device)
+        shape = tuple(memory.shape[:2])  # (B, Ls): src_padding's
+        tgt_in = _check_ids("tgt_in", tgt_in, c.tgt_vocab, c.context_length, batch=shape[0])
+        return_weights = check_bool("return_weights", return_weights)
+        if src_padding is not None:
+            check_mask("src_padding", src_padding, shape)
+            if src_padding.shape != shape:  # a (1, Ls) mask would broadcast over the batch
+                raise ValueError(f"src_padding of shape {tuple(src_padding.shape)} is not {shape}")
+        return self._decode(tgt_in, memory, src_padding, return_weights)
+
+
+# chapters/11-encoder-decoder.md, "The model"
 def _traced_padding(lengths: torch.Tensor, wanted: str, ls: int, device) -> torch.Tensor:
     """The padding mask (B, ls) of a (B,) tensor of lengths, under torch.compile: the values are
     checked inside the graph (a RuntimeError when it runs), not read into Python (appendix A)."""

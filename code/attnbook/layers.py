@@ -432,20 +432,18 @@ class LayerCache:
             raise ValueError("keys and values are the same memory: give each its own storage")
         self.length = 0
 
-    @classmethod
-    def _over(cls, keys: torch.Tensor, values: torch.Tensor) -> "LayerCache":
-        """A LayerCache over storage its caller made itself (chapter 10's KVCache): unchecked."""
-        cache = cls.__new__(cls)
-        cache.keys, cache.values, cache.length = keys, values, 0
-        return cache
-
     @property
     def capacity(self) -> int:
         return self.keys.shape[2]
 
+    def reset(self) -> None:
+        """Forget every position; the storage is kept, to be written over."""
+        self.length = 0
+
+    # chapters/04-heads-at-work.md, "Keeping keys and values for generation"
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write k and v (B, num_kv_heads, n, head_dim) after the positions so far; return all
-        the keys and values so far, (B, num_kv_heads, length, head_dim)."""
+    the keys and values so far, (B, num_kv_heads, length, head_dim)."""
         k = check_tensor("k", k, 4, dtype=self.keys.dtype, device=self.keys.device,
                          shape=(*self.keys.shape[:2], None, self.keys.shape[3]))
         v = check_tensor("v", v, 4, dtype=self.values.dtype, device=self.values.device,
@@ -460,10 +458,7 @@ class LayerCache:
         self.length += n
         return self.keys[:, :, :self.length], self.values[:, :, :self.length]
 
-    def reset(self) -> None:
-        """Forget every position; the storage is kept, to be written over."""
-        self.length = 0
-
+    # chapters/04-heads-at-work.md, "Keeping keys and values for generation"
     def _check_call(self, layer: Attention, x: torch.Tensor) -> None:
         """Refuse, as append would, a call of `layer` on x (B, n, d_model) that would not fit."""
         b, hkv, hs, w = x.shape[0], layer.num_kv_heads, layer.head_dim, layer.k_proj.weight
@@ -475,8 +470,15 @@ class LayerCache:
                              f"{_projected_dtype(w)}: allocate the cache in the layer's dtype")  # noqa: F821
         _check_fits(self, x.shape[1], x.requires_grad or w.requires_grad)
 
+    @classmethod
+    def _over(cls, keys: torch.Tensor, values: torch.Tensor) -> "LayerCache":
+        """A LayerCache over storage its caller made itself (chapter 10's KVCache): unchecked."""
+        cache = cls.__new__(cls)
+        cache.keys, cache.values, cache.length = keys, values, 0
+        return cache
 
-def _check_fits(cache: LayerCache, n: int, requires_grad: bool) -> None:
+
+def _check_fits(cache: "LayerCache", n: int, requires_grad: bool) -> None:
     if cache.length + n > cache.capacity:
         raise ValueError(f"k of {n} positions does not fit: the cache holds {cache.length} "
                          f"positions of its capacity {cache.capacity}")

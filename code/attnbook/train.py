@@ -55,6 +55,7 @@ from torch.distributed.checkpoint import state_dict as dcp_state
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from attnbook.checks import check_instance, check_int, check_real
@@ -180,7 +181,7 @@ def _train(options, on_step, rank: int, processes: int, device: torch.device) ->
             lr = learning_rate(recipe, step, options.steps)
             # DDP all-reduces, FSDP reduce-scatters the gradients in the step's backward
             loss, norm = train_step(model, optimizer, x, y, lr, recipe.clip)
-            loss, norm = _mean_over_processes(loss), norm.item()  # the norm: every process's
+            loss, norm = _read_step(loss, norm)  # the step's one read of the device
             seconds = time.perf_counter() - began
             line = {"step": step, "loss": loss, "grad_norm": norm, "lr": lr,
                     "tokens_per_second": options.global_batch * options.context / seconds}
@@ -282,11 +283,16 @@ def _leave_processes(orderly: bool) -> None:
         dist.destroy_process_group()
 
 
-def _mean_over_processes(value: torch.Tensor) -> float:
+def _read_step(loss: torch.Tensor, norm: torch.Tensor) -> tuple[float, float]:
+    """A step's loss, the mean over the processes, and its gradient norm (every process's), read
+    from the device in one transfer: the one time a step waits for the GPU."""
     if dist.is_initialized():
-        dist.all_reduce(value)
-        value = value / dist.get_world_size()
-    return value.item()
+        dist.all_reduce(loss)  # queued on the device, like the step's own work
+        loss = loss / dist.get_world_size()
+    if isinstance(norm, DTensor):  # FSDP's norm: the same value, as a plain tensor
+        norm = norm.full_tensor()
+    loss, norm = torch.stack([loss.double(), norm.double()]).tolist()  # exact for every dtype
+    return loss, norm
 
 
 def _random_states(model: nn.Module) -> dict[str, torch.Tensor]:
