@@ -1,8 +1,8 @@
-# Do not edit: tools/tangle.py generates this file from chapters/10-gpt.md.
+# Do not edit: tools/tangle.py generates this file from chapters/10-gpt.md and chapters/19-gpt-variants.md.
 """A decoder-only model, GPT: generation with a KV cache, GPT-2's weights, and a character
 tokenizer.
 
-Built and explained in the book's chapter chapters/10-gpt.md.
+Built and explained in the book's chapters chapters/10-gpt.md and chapters/19-gpt-variants.md.
 """
 
 __all__ = [
@@ -22,6 +22,7 @@ from torch import nn
 
 from attnbook.checks import (
     check_bool,
+    check_choice,
     check_device,
     check_float_dtype,
     check_instance,
@@ -32,7 +33,7 @@ from attnbook.checks import (
     check_tensor,
     check_token_ids,
 )
-from attnbook.layers import Block, BlockConfig, LayerCache
+from attnbook.layers import Block, BlockConfig, LayerCache, RMSNorm
 
 
 @dataclass(frozen=True)
@@ -48,41 +49,65 @@ class GPTConfig:
     eps: float = 1e-5
     bias: bool = True
     backend: str = "sdpa"
+    positions: str = "learned"  # or, inside attention, "rope" or "alibi" (chapter 5); "none"
+    norm: str = "layernorm"  # or "rmsnorm" (chapter 7)
+    ffn: str = "gelu"  # GELU's tanh form, or "swiglu" (chapter 7)
+    num_kv_heads: int | None = None  # fewer key/value heads than heads (chapter 4)
+    tied: bool = True  # the output layer is the token embedding
+    ff_width: int | None = None  # None: 4 * d_model
+    rope_base: float = 10000.0
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "context_length", "d_model", "num_layers", "num_heads"):
             object.__setattr__(self, name, check_int(name, getattr(self, name), 1))
         object.__setattr__(self, "dropout", check_probability("dropout", self.dropout))
         object.__setattr__(self, "eps", check_positive("eps", self.eps))
-        self.block  # noqa: B018 (BlockConfig checks the rest: the heads, bias and backend)
+        check_choice("positions", self.positions, ("learned", "rope", "alibi", "none"))
+        check_choice("ffn", self.ffn, ("gelu", "swiglu"))
+        object.__setattr__(self, "tied", check_bool("tied", self.tied))
+        self.block  # noqa: B018 (BlockConfig checks the rest: heads, widths, norm, bias, backend)
 
     @property
     def d_ff(self) -> int:
-        return 4 * self.d_model
+        return 4 * self.d_model if self.ff_width is None else self.ff_width
 
     @property
     def head_dim(self) -> int:
         return self.d_model // self.num_heads
 
     @property
+    def kv_heads(self) -> int:
+        return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
+
+    @property
     def block(self) -> BlockConfig:
         return BlockConfig(self.d_model, self.num_heads, self.d_ff, self.dropout, norm_first=True,
-                           activation="gelu_tanh", eps=self.eps, bias=self.bias, ff_dropout=0.0,
-                           backend=self.backend)  # no dropout inside the FFN, as in GPT-2
+                           activation={"gelu": "gelu_tanh"}.get(self.ffn, self.ffn), norm=self.norm,
+                           eps=self.eps, num_kv_heads=self.num_kv_heads, bias=self.bias,
+                           ff_dropout=0.0, backend=self.backend, rope_base=self.rope_base,
+                           positions={"learned": "none"}.get(self.positions, self.positions))
+
+    @classmethod
+    def llama(cls, **fields) -> "GPTConfig":
+        """Llama's choices, then `fields`: RoPE, RMSNorm, SwiGLU, no biases, untied, no dropout."""
+        return cls(**{**dict(positions="rope", norm="rmsnorm", ffn="swiglu", bias=False,
+                             tied=False, dropout=0.0, eps=1e-6), **fields})
 
 
 # chapters/10-gpt.md, "The model"
 class GPT(nn.Module):
-    """A decoder-only Transformer language model with GPT-2's design (chapter 10, "The model")."""
+    """A decoder-only Transformer language model: GPT-2, or a variant (chapter 10, "The model")."""
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.config = c = check_instance("config", config, GPTConfig)
         self.tok_emb = nn.Embedding(c.vocab_size, c.d_model)
-        self.pos_emb = nn.Embedding(c.context_length, c.d_model)
+        self.pos_emb = nn.Embedding(c.context_length, c.d_model) if c.positions == "learned" else None
         self.drop = nn.Dropout(c.dropout)
         self.blocks = nn.ModuleList(Block(c.block) for _ in range(c.num_layers))
-        self.norm_f = nn.LayerNorm(c.d_model, eps=c.eps, bias=c.bias)
+        self.norm_f = nn.LayerNorm(c.d_model, eps=c.eps, bias=c.bias) if c.norm == "layernorm" \
+            else RMSNorm(c.d_model, c.eps)
+        self.lm_head = None if c.tied else nn.Linear(c.d_model, c.vocab_size, bias=False)
         for module in self.modules():  # GPT-2's initialisation
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, mean=0.0, std=0.02)
@@ -105,17 +130,18 @@ class GPT(nn.Module):
         start, caches = (0, [None] * len(self.blocks)) if kv_cache is None else \
             (kv_cache.length, kv_cache.layers)
         positions = torch.arange(start, start + idx.shape[1], device=idx.device)  # (T,)
-        x = self.drop(self.tok_emb(idx) + self.pos_emb(positions))  # (B, T, d_model)
+        x = self.drop(self.tok_emb(idx) + (0 if self.pos_emb is None else self.pos_emb(positions)))
         for block, cache in zip(self.blocks, caches):
             x = block(x, is_causal=True, cache=cache)  # (B, T, d_model)
-        return F.linear(self.norm_f(x), self.tok_emb.weight)  # (B, T, vocab_size)
+        head = self.tok_emb.weight if self.lm_head is None else self.lm_head.weight  # tied?
+        return F.linear(self.norm_f(x), head)  # (B, T, vocab_size)
 
     def make_kv_cache(self, batch_size: int, capacity: int | None = None) -> "KVCache":
         """An empty KVCache in the model's dtype and device, of `capacity` <= context_length."""
         c, weight = self.config, self.tok_emb.weight
         capacity = check_int("capacity", c.context_length if capacity is None else capacity,
                              maximum=c.context_length)  # KVCache checks that it is at least 1
-        return KVCache(c.num_layers, batch_size, c.num_heads, capacity, c.head_dim,
+        return KVCache(c.num_layers, batch_size, c.kv_heads, capacity, c.head_dim,
                        weight.dtype, weight.device)
 
     @torch.no_grad()
@@ -189,6 +215,45 @@ class GPT(nn.Module):
                 block.ff_norm.load_state_dict(theirs.ln_2.state_dict())
         return ours.train(model.training)
 
+    # chapters/19-gpt-variants.md, "Llama's weights"
+    @classmethod
+    def from_hf_llama(cls, model: nn.Module) -> "GPT":
+        """A GPT with the weights, device, dtype and mode of a transformers LlamaForCausalLM
+    (chapter 19, "Llama's weights"): RoPE, RMSNorm, SwiGLU and shared key/value heads."""
+        hf, body = getattr(model, "config", None), getattr(model, "model", None)
+        if getattr(hf, "model_type", None) != "llama" or not hasattr(model, "lm_head"):
+            raise TypeError(f"model must be a LlamaForCausalLM, got {type(model).__name__}")
+        rope = getattr(hf, "rope_parameters", None) or {"rope_theta": hf.rope_theta,
+                                                        **(getattr(hf, "rope_scaling", None) or {})}
+        d, heads = hf.hidden_size, hf.num_attention_heads
+        found = {"hidden_act": hf.hidden_act, "rope_type": rope.get("rope_type", "default"),
+                 "head_dim": getattr(hf, "head_dim", d // heads), "mlp_bias": hf.mlp_bias,
+                 "attention_dropout": hf.attention_dropout, "pretraining_tp": hf.pretraining_tp}
+        for name, wanted in {"hidden_act": "silu", "rope_type": "default", "head_dim": d // heads,
+                             "mlp_bias": hf.attention_bias, "attention_dropout": 0.0,
+                             "pretraining_tp": 1}.items():
+            if (value := found[name]) != wanted:
+                raise ValueError(f"model.config.{name}={value!r} is not supported, only {wanted!r}")
+        config = GPTConfig.llama(
+            vocab_size=hf.vocab_size, context_length=hf.max_position_embeddings, d_model=d,
+            num_layers=len(body.layers), num_heads=heads, num_kv_heads=hf.num_key_value_heads,
+            ff_width=hf.intermediate_size, eps=hf.rms_norm_eps, rope_base=rope["rope_theta"],
+            bias=hf.attention_bias, tied=hf.tie_word_embeddings)
+        weight = body.embed_tokens.weight
+        ours = cls(config).to(device=weight.device, dtype=weight.dtype)
+        pairs = [(ours.tok_emb, body.embed_tokens), (ours.norm_f, body.norm)]
+        pairs += [] if config.tied else [(ours.lm_head, model.lm_head)]
+        for block, layer in zip(ours.blocks, body.layers, strict=True):
+            attn, mlp = layer.self_attn, layer.mlp
+            pairs += [(block.attn_norm, layer.input_layernorm), (block.self_attn.q_proj, attn.q_proj),
+                      (block.self_attn.k_proj, attn.k_proj), (block.self_attn.v_proj, attn.v_proj),
+                      (block.self_attn.out_proj, attn.o_proj), (block.ff_norm,
+                      layer.post_attention_layernorm), (block.ff.gate, mlp.gate_proj),
+                      (block.ff.fc1, mlp.up_proj), (block.ff.fc2, mlp.down_proj)]
+        for mine, theirs in pairs:
+            mine.load_state_dict(theirs.state_dict())
+        return ours.train(model.training)
+
 
 def _check_idx(model: GPT, idx, longest: float = math.inf) -> torch.Tensor:
     """idx (B, T) as int64 ids of the vocabulary on the model's device, T at most `longest`."""
@@ -212,7 +277,7 @@ def _check_kv_cache(model: GPT, kv_cache, idx: torch.Tensor) -> torch.Tensor:
                          f"has batch size {b} and the model {c.num_layers} layers")
     weight = model.tok_emb.weight  # the layers' keys and values come out in its dtype and device
     check_tensor("kv_cache.keys", cache.keys, dtype=weight.dtype, device=weight.device,
-                 shape=(None, None, c.num_heads, None, c.head_dim))
+                 shape=(None, None, c.kv_heads, None, c.head_dim))
     if cache.length + n > cache.capacity:
         raise ValueError(f"idx of length {n} does not fit: kv_cache holds {cache.length} "
                          f"positions of its capacity {cache.capacity}")

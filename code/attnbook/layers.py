@@ -18,6 +18,7 @@ __all__ = [
     "head_gate_grad",
     "mask_heads",
     "FeedForward",
+    "SwiGLU",
     "RMSNorm",
     "BlockConfig",
     "Block",
@@ -48,6 +49,7 @@ from attnbook.checks import (
     check_writable,  # noqa: F401 (chapter 4's LayerCache)
     type_error,
 )
+from attnbook.positions import ALiBi, Rotary  # noqa: F401 (chapter 7's variants)
 
 
 def _causal_mask(q_len: int, k_len: int, device: torch.device | None) -> torch.Tensor:
@@ -232,9 +234,13 @@ class Attention(nn.Module):
     """Multi-head attention built from an AttentionConfig; its calls are not checked (see
     MultiHeadAttention). Each projection's weight starts Xavier-uniform, its bias at zero."""
 
-    def __init__(self, config: AttentionConfig) -> None:
+    def __init__(self, config: AttentionConfig, rotary: nn.Module | None = None,
+                 fast: nn.Module | None = None) -> None:
         super().__init__()
         config = check_instance("config", config, AttentionConfig)
+        # chapter 7's variants: RoPE turns q and k (rotary); ALiBi attends with a bias (fast)
+        self.rotary = _unturned if rotary is None else rotary
+        self.fast = fast  # None: the backend's function
         self.config, width, kv_width = config, config.d_model, config.kv_heads * config.head_dim
         self.d_model, self.num_heads = config.d_model, config.num_heads  # sizes the checks and
         self.num_kv_heads, self.head_dim = config.kv_heads, config.head_dim  # chapter 4 read
@@ -264,6 +270,7 @@ class Attention(nn.Module):
         q = _split_heads(self.q_proj(x), self.num_heads)  # (B, nh, Lq, hs)
         source = x if context is None else context
         k, v = (_split_heads(p(source), self.num_kv_heads) for p in (self.k_proj, self.v_proj))
+        q, k = self.rotary(q, k, 0 if cache is None else cache.length)  # x's first position
         if cache is not None:
             k, v = cache._append(k, v)  # this chunk's and every earlier position: (B, nkv, Lk, hs)
         dropout_p = self.config.dropout if self.training else 0.0
@@ -271,10 +278,15 @@ class Attention(nn.Module):
             mask = _with_causal(mask, is_causal, q, k)
             out, weights = _attend(q, k, v, mask, dropout_p, self.head_dim ** -0.5)
         else:
-            out, weights = _BACKENDS[self.config.backend](q, k, v, mask, is_causal, dropout_p), None
+            fast = _BACKENDS[self.config.backend] if self.fast is None else self.fast
+            out, weights = fast(q, k, v, mask, is_causal, dropout_p), None
         if context is not None:  # a query the keys do not share: a bad one must still show
             out = _nan_where_not_finite(out, q)
         return self.out_proj(out.transpose(1, 2).flatten(2)), weights  # (B, Lq, d_model), ...
+
+
+def _unturned(q: torch.Tensor, k: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return q, k  # no positions inside attention: GPT-2's and BERT's are added to the inputs
 
 
 def _split_heads(t: torch.Tensor, heads: int) -> torch.Tensor:
@@ -538,6 +550,24 @@ class FeedForward(nn.Module):
         return self.fc2(self.dropout(self.act(self.fc1(x))))  # (..., d_model), (..., d_ff) inside
 
 
+# chapters/07-blocks.md, "The feed-forward network"
+class SwiGLU(nn.Module):
+    """fc2(dropout(silu(gate(x)) * fc1(x))), the gated feed-forward network of Llama; d_ff
+    defaults to 4 * d_model. Its settings are checked; x is left to PyTorch, as in FeedForward."""
+
+    def __init__(self, d_model: int, d_ff: int | None = None, dropout: float = 0.0,
+                 bias: bool = True) -> None:
+        super().__init__()
+        d_model, bias = check_int("d_model", d_model, 1), check_bool("bias", bias)
+        d_ff = 4 * d_model if d_ff is None else check_int("d_ff", d_ff, 1)
+        self.gate, self.fc1 = (nn.Linear(d_model, d_ff, bias=bias) for _ in range(2))
+        self.fc2 = nn.Linear(d_ff, d_model, bias=bias)
+        self.dropout = nn.Dropout(check_probability("dropout", dropout))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.dropout(F.silu(self.gate(x)) * self.fc1(x)))  # (..., d_model)
+
+
 # chapters/07-blocks.md, "Normalisation"
 class RMSNorm(nn.Module):
     """x / sqrt(mean(x**2) + eps) * weight over the last axis, in float32 for float16/bfloat16.
@@ -577,6 +607,8 @@ class BlockConfig:
     attn_dropout: float | None = None
     ff_dropout: float | None = None
     backend: str = "sdpa"
+    positions: str = "none"  # inside the self-attention: "rope" or "alibi" (chapter 5)
+    rope_base: float = 10000.0
 
     def __post_init__(self) -> None:
         def keep(name: str, check, *args) -> None:  # the checked value, as a plain Python one
@@ -589,10 +621,16 @@ class BlockConfig:
         for name in ("d_model", "num_heads", "num_kv_heads", "bias"):
             object.__setattr__(self, name, getattr(attention, name))
         keep("norm_first", check_bool), keep("cross_attention", check_bool)
-        keep("activation", check_choice, _ACTIVATIONS)
+        keep("activation", check_choice, (*_ACTIVATIONS, "swiglu"))
         keep("norm", check_choice, ("layernorm", "rmsnorm")), keep("eps", check_positive)
         if self.d_ff is not None:
             keep("d_ff", check_int, 1)
+        keep("positions", check_choice, ("none", "rope", "alibi")), keep("rope_base", check_positive)
+        if self.positions == "rope":  # RoPE turns pairs of a head's coordinates
+            check_divisible("head_dim", attention.head_dim, "2", 2)
+        if self.positions == "alibi" and self.backend != "sdpa":
+            raise ValueError(f"positions='alibi' attends by SDPA with a bias: backend must be "
+                             f"'sdpa', got backend={self.backend!r}")
 
     @property
     def attention(self) -> AttentionConfig:
@@ -609,11 +647,13 @@ class Block(nn.Module):
     def __init__(self, config: BlockConfig) -> None:
         super().__init__()
         c = self.config = check_instance("config", config, BlockConfig)
-        self.self_attn, self.attn_norm = Attention(c.attention), _make_norm(c)
+        self.self_attn = Attention(c.attention, *_inside_attention(c))
+        self.attn_norm = _make_norm(c)
         self.cross_attn = Attention(c.attention) if c.cross_attention else None
         self.cross_norm = _make_norm(c) if c.cross_attention else None
         ff_dropout = c.dropout if c.ff_dropout is None else c.ff_dropout
-        self.ff = FeedForward(c.d_model, c.d_ff, c.activation, ff_dropout, c.bias)
+        self.ff = SwiGLU(c.d_model, c.d_ff, ff_dropout, c.bias) if c.activation == "swiglu" \
+            else FeedForward(c.d_model, c.d_ff, c.activation, ff_dropout, c.bias)
         self.ff_norm, self.dropout = _make_norm(c), nn.Dropout(c.dropout)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None,
@@ -643,6 +683,30 @@ class Block(nn.Module):
             x = self.cross_norm(x + self.dropout(h))
         x = self.ff_norm(x + self.dropout(self.ff(x)))
         return (x, self_w, cross_w) if return_weights else x
+
+
+def _inside_attention(c: BlockConfig) -> tuple[nn.Module | None, nn.Module | None]:
+    """The self-attention's `rotary` and `fast` (chapter 3) for c.positions: RoPE turns q and
+    k, ALiBi attends with a bias; None keeps the attention's own."""
+    rotary = Rotary(c.attention.head_dim, c.rope_base) if c.positions == "rope" else None
+    return rotary, (_ALiBiAttention(c.num_heads) if c.positions == "alibi" else None)
+
+
+class _ALiBiAttention(nn.Module):
+    """The fast path of an ALiBi layer: SDPA with chapter 5's bias added to the scores, and -inf
+    where `mask` (with is_causal, the causal mask too) forbids a key."""
+
+    def __init__(self, num_heads: int) -> None:
+        super().__init__()
+        self.alibi = ALiBi(num_heads)
+
+    def forward(self, q, k, v, mask, is_causal, dropout_p):
+        bias = self.alibi(q.shape[2], k.shape[2]).to(q.dtype)  # (nh, Lq, Lk)
+        allowed = _with_causal(mask, is_causal, q, k)
+        if allowed is not None:
+            bias = bias.masked_fill(~allowed, float("-inf"))
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p,
+                                              enable_gqa=q.shape[1] != k.shape[1])
 
 
 def _make_norm(c: BlockConfig) -> nn.Module:

@@ -9,6 +9,8 @@ __all__ = [
     "apply_rope",
     "alibi_slopes",
     "alibi_bias",
+    "Rotary",
+    "ALiBi",
 ]
 
 # chapters/05-positions.md, "Sinusoidal encodings"
@@ -16,11 +18,13 @@ import math
 
 import numpy as np
 import torch
+from torch import nn
 
 from attnbook.attention import compute_dtype
 from attnbook.checks import (
     check_array,
     check_device,
+    check_divisible,
     check_float_dtype,
     check_int,
     check_positive,
@@ -52,14 +56,21 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor | None = None,
     if x.dim() < 2 or d < 2 or d % 2:
         raise ValueError(f"x must have shape (..., L, d) with an even d >= 2, got shape "
                          f"{tuple(x.shape)} (d = {d})")
-    work = compute_dtype(x.dtype)
-    wide = torch.float32 if x.device.type == "mps" else torch.float64  # MPS has no float64
-    positions = _as_positions(positions, x.shape[-2], x.device, wide)  # (L,)
+    return _rope(x, _as_positions(positions, x.shape[-2], x.device, _wide(x.device)), base)
+
+
+def _rope(x: torch.Tensor, positions: torch.Tensor, base: float) -> torch.Tensor:
+    """apply_rope's computation, on checked arguments: positions (L,) in _wide's dtype."""
+    work, d, wide = compute_dtype(x.dtype), x.shape[-1], positions.dtype
     frequencies = base ** (-torch.arange(0, d, 2, device=x.device, dtype=wide) / d)  # (d/2,)
     angles = positions[:, None] * frequencies  # (L, d/2)
     cos, sin = angles.cos().to(work), angles.sin().to(work)
     x1, x2 = x.to(work).chunk(2, dim=-1)  # (..., L, d/2) each: pair i is (x1[i], x2[i])
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(x.dtype)
+
+
+def _wide(device: torch.device) -> torch.dtype:
+    return torch.float32 if device.type == "mps" else torch.float64  # MPS has no float64
 
 
 def _as_positions(positions, length: int, device: torch.device, dtype: torch.dtype):
@@ -104,8 +115,40 @@ def alibi_bias(num_heads: int, q_len: int, k_len: int | None = None, *,
     k_len = q_len if k_len is None else check_int("k_len", k_len, minimum=1)
     if check_float_dtype("dtype", dtype).itemsize == 1:  # float8: no arithmetic in PyTorch
         raise TypeError(f"dtype must be float16 or wider, got {dtype}")
-    work = compute_dtype(dtype)
-    slopes = alibi_slopes(num_heads, dtype=work, device=device)  # (nh,)
+    slopes = alibi_slopes(num_heads, dtype=compute_dtype(dtype), device=device)  # (nh,)
+    return _alibi_bias(slopes, q_len, k_len).to(dtype)
+
+
+def _alibi_bias(slopes: torch.Tensor, q_len: int, k_len: int) -> torch.Tensor:
+    """alibi_bias's computation, in the dtype of `slopes` (nh,), for checked sizes."""
     query_at = torch.arange(q_len, device=slopes.device) + (k_len - q_len)
     distance = (query_at[:, None] - torch.arange(k_len, device=slopes.device)).abs()  # (Lq, Lk)
-    return (0.0 - slopes[:, None, None] * distance.to(work)).to(dtype)  # 0.0 - : no -0.0
+    return 0.0 - slopes[:, None, None] * distance.to(slopes.dtype)  # 0.0 - : no -0.0
+
+
+# chapters/05-positions.md, "Inside a model's attention"
+class Rotary(nn.Module):
+    """RoPE inside attention: q and k (B, H, L, head_dim) at positions start..start+L-1, turned
+    as apply_rope turns them. Settings checked when made; calls not checked (chapter 7)."""
+
+    def __init__(self, head_dim: int, base: float = 10000.0) -> None:
+        super().__init__()
+        self.head_dim = check_divisible("head_dim", check_int("head_dim", head_dim, 2), "2", 2)
+        self.base = check_positive("base", base)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, start: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        positions = torch.arange(start, start + q.shape[2], device=q.device, dtype=_wide(q.device))
+        return _rope(q, positions, self.base), _rope(k, positions, self.base)
+
+
+class ALiBi(nn.Module):
+    """ALiBi inside attention: the bias (num_heads, q_len, k_len) of alibi_bias, in float32,
+    from slopes computed once (a buffer, so it follows the model's device)."""
+
+    def __init__(self, num_heads: int) -> None:
+        super().__init__()
+        self.register_buffer("slopes", alibi_slopes(num_heads), persistent=False)  # (nh,)
+
+    def forward(self, q_len: int, k_len: int) -> torch.Tensor:
+        return _alibi_bias(self.slopes.float(), q_len, k_len)  # (nh, Lq, Lk)

@@ -1,0 +1,286 @@
+"""GPT's variants (issue 44): positions learned, RoPE, ALiBi or none; LayerNorm or RMSNorm; a GELU
+or SwiGLU feed-forward network; grouped-query and multi-query heads; biases; a tied or untied
+output layer. Each is built from the chapters' own parts, keeps its KV cache exact, generates the
+same tokens with and without it, compiles whole, checks its input once, and refuses bad settings
+by name. The parts inside attention are compared with chapter 5's functions and with attention
+written out with the scores."""
+
+import dataclasses
+
+import pytest
+import torch
+import torch._dynamo as dynamo
+import torch.nn.functional as F
+from test_backends import check_calls  # calls of attnbook.checks' functions
+
+from attnbook.gpt import GPT, GPTConfig
+from attnbook.layers import SwiGLU
+from attnbook.positions import ALiBi, Rotary, alibi_bias, apply_rope
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+SIZES = dict(vocab_size=40, context_length=24, d_model=32, num_layers=2, num_heads=4,
+             dropout=0.0)
+VARIANTS = {
+    "gpt2": {},
+    "rope": dict(positions="rope"),
+    "alibi": dict(positions="alibi"),
+    "no-positions": dict(positions="none"),
+    "rmsnorm-swiglu": dict(norm="rmsnorm", ffn="swiglu", ff_width=40),
+    "grouped-query": dict(positions="rope", num_kv_heads=2),
+    "multi-query-alibi": dict(positions="alibi", num_kv_heads=1),
+    "untied-no-bias": dict(tied=False, bias=False),
+    "llama": None,  # GPTConfig.llama
+}
+
+
+def config(name: str, **more) -> GPTConfig:
+    fields = VARIANTS[name]
+    sizes = {**SIZES, **more}
+    return GPTConfig.llama(**sizes) if fields is None else GPTConfig(**sizes, **fields)
+
+
+def model(name: str, **more) -> GPT:
+    torch.manual_seed(3)
+    gpt = GPT(config(name, **more)).eval()
+    with torch.no_grad():  # wider weights than the initialisation's: differences show
+        for p in gpt.parameters():
+            p.mul_(3.0)
+    return gpt
+
+
+def ids(batch=3, length=18, seed=0):
+    return torch.randint(40, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def test_the_defaults_are_gpt2s_and_keep_its_parameters():
+    c = GPTConfig()
+    assert (c.positions, c.norm, c.ffn, c.num_kv_heads, c.tied, c.bias) == \
+        ("learned", "layernorm", "gelu", None, True, True)
+    names = set(GPT(GPTConfig(**SIZES)).state_dict())
+    assert "pos_emb.weight" in names and not any(n.startswith("lm_head") for n in names)
+    assert all(".ff.gate." not in n for n in names)
+
+
+def test_the_llama_preset_and_its_parts():
+    c = GPTConfig.llama(**SIZES)
+    assert (c.positions, c.norm, c.ffn, c.bias, c.tied, c.eps) == \
+        ("rope", "rmsnorm", "swiglu", False, False, 1e-6)
+    assert GPTConfig.llama(**SIZES, positions="alibi").positions == "alibi"  # fields win
+    gpt = GPT(c)
+    assert gpt.pos_emb is None and gpt.lm_head is not None
+    block = gpt.blocks[0]
+    assert isinstance(block.ff, SwiGLU) and isinstance(block.self_attn.rotary, Rotary)
+    assert type(gpt.norm_f).__name__ == "RMSNorm" and block.self_attn.q_proj.bias is None
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_the_kv_cache_gives_the_logits_of_one_pass(name):
+    gpt, idx = model(name), ids()
+    with torch.no_grad():
+        full = gpt(idx)
+        cache = gpt.make_kv_cache(batch_size=3)
+        steps = [gpt(idx[:, :5], kv_cache=cache)]
+        steps += [gpt(idx[:, t:t + 1], kv_cache=cache) for t in range(5, 18)]
+    assert full.std() > 0.5  # the logits differ from token to token: a real comparison
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_greedy_generation_is_the_same_with_and_without_the_cache(name):
+    gpt, prompt = model(name), ids(length=4, seed=1)
+    out = {use: gpt.generate(prompt, 30, temperature=0, use_cache=use) for use in (True, False)}
+    assert out[True].shape == (3, 34)  # past the context of 24: the window moves
+    torch.testing.assert_close(out[True], out[False], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_the_positions_matter_where_the_variant_has_them(name):
+    """Swapping two earlier tokens changes a one-layer model's last logits unless it has no
+    positions: without any, attending to the same set of tokens gives the same last output."""
+    gpt, idx = model(name, num_layers=1), ids(batch=1)
+    swapped = idx.clone()
+    swapped[:, [2, 6]] = idx[:, [6, 2]]
+    with torch.no_grad():
+        moved = (gpt(idx)[:, -1] - gpt(swapped)[:, -1]).abs().max().item()
+    if name == "no-positions":
+        assert moved < 1e-4
+    else:
+        assert moved > 1e-3
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_each_variant_compiles_whole(name):
+    gpt, idx = model(name), ids()
+    dynamo.reset()
+    explained = dynamo.explain(gpt)(idx)
+    assert explained.graph_break_count == 0 and explained.graph_count == 1, \
+        explained.break_reasons
+    gpt.train()
+    targets = ids(seed=5)
+
+    def step(x):
+        logits = gpt(x)
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+    dynamo.reset()
+    loss = torch.compile(step, fullgraph=True, backend="aot_eager")(idx)
+    loss.backward()
+    grads = [p.grad.clone() for p in gpt.parameters()]
+    gpt.zero_grad()
+    step(idx).backward()
+    torch.testing.assert_close(loss, step(idx), rtol=1e-4, atol=1e-5)
+    for got, wanted in zip(grads, [p.grad for p in gpt.parameters()], strict=True):
+        torch.testing.assert_close(got, wanted, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_a_variant_checks_its_input_once(name):
+    idx, counts = ids(batch=2, length=8), {}
+    for layers in (2, 4):
+        gpt = model(name, num_layers=layers)
+        counts[layers] = (check_calls(lambda g=gpt: g(idx)),
+                          check_calls(lambda g=gpt: g.generate(idx[:, :3], 6, temperature=0)))
+    assert counts[2] == counts[4] and counts[2][0] <= 10, counts
+
+
+# The parts inside attention, against chapter 5's functions and attention written out --------
+
+
+def reference_attention(gpt: GPT, x: torch.Tensor) -> torch.Tensor:
+    """Layer 0's self-attention of x (B, T, d) written out: scores, chapter 5's RoPE on q and k
+    or ALiBi's bias, the causal mask, softmax, with key/value heads repeated for their groups."""
+    attn, c = gpt.blocks[0].self_attn, gpt.config
+    b, t, _ = x.shape
+    q = attn.q_proj(x).view(b, t, c.num_heads, c.head_dim).transpose(1, 2)
+    k, v = (p(x).view(b, t, c.kv_heads, c.head_dim).transpose(1, 2)
+            for p in (attn.k_proj, attn.v_proj))
+    if c.positions == "rope":
+        q, k = apply_rope(q), apply_rope(k)
+    k, v = (z.repeat_interleave(c.num_heads // c.kv_heads, dim=1) for z in (k, v))
+    scores = q @ k.transpose(-2, -1) / c.head_dim ** 0.5
+    if c.positions == "alibi":
+        scores = scores + alibi_bias(c.num_heads, t)
+    scores = scores.masked_fill(~torch.ones(t, t, dtype=torch.bool).tril(), float("-inf"))
+    out = (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, t, -1)
+    return attn.out_proj(out)
+
+
+@pytest.mark.parametrize("name", ["rope", "alibi", "grouped-query", "multi-query-alibi", "llama"])
+def test_attention_inside_a_variant_is_attention_written_out(name):
+    gpt, x = model(name), torch.randn(2, 9, 32)
+    with torch.no_grad():
+        ours, _ = gpt.blocks[0].self_attn(x, is_causal=True)
+        torch.testing.assert_close(ours, reference_attention(gpt, x), atol=1e-4, rtol=1e-4)
+
+
+def test_rotary_and_alibi_continue_the_positions():
+    q, k = torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8)
+    turned_q, turned_k = Rotary(8)(q, k, start=10)
+    at = torch.arange(10, 13)
+    torch.testing.assert_close(turned_q, apply_rope(q, at), rtol=0, atol=0)
+    torch.testing.assert_close(turned_k, apply_rope(k, at), rtol=0, atol=0)
+    torch.testing.assert_close(ALiBi(4)(3, 13), alibi_bias(4, 3, 13), rtol=0, atol=0)
+
+
+def test_swiglu_is_the_gated_formula():
+    layer, x = SwiGLU(6, 10), torch.randn(4, 6)
+    gate, up = layer.gate(x), layer.fc1(x)
+    torch.testing.assert_close(layer(x), layer.fc2(gate / (1 + torch.exp(-gate)) * up))
+
+
+# Bad settings, refused by name -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("field, value, error, match", [
+    ("positions", "sinusoidal", ValueError, "positions must be one of"),
+    ("norm", "batchnorm", ValueError, "norm must be one of"),
+    ("ffn", "relu", ValueError, "ffn must be one of"),
+    ("num_kv_heads", 3, ValueError, "num_kv_heads=3"),
+    ("num_kv_heads", 0, ValueError, "num_kv_heads"),
+    ("tied", "yes", TypeError, "tied"),
+    ("bias", 1.0, TypeError, "bias"),
+    ("ff_width", 0, ValueError, "d_ff"),
+    ("rope_base", 0.0, ValueError, "rope_base"),
+])
+def test_bad_settings_are_refused_by_name(field, value, error, match):
+    with pytest.raises(error, match=match):
+        GPTConfig(**SIZES, **{field: value})
+
+
+def test_settings_that_do_not_go_together_are_refused_by_name():
+    with pytest.raises(ValueError, match="head_dim=3 is not divisible"):  # RoPE turns pairs
+        GPTConfig(**{**SIZES, "d_model": 12}, positions="rope")
+    with pytest.raises(ValueError, match="backend must be 'sdpa'"):
+        GPTConfig(**SIZES, positions="alibi", backend="explicit")
+    fine = GPTConfig(**SIZES, positions="alibi")
+    with pytest.raises(ValueError, match="backend must be 'sdpa'"):
+        dataclasses.replace(fine, backend="triton")
+
+
+# Llama's weights (chapter 19) ---------------------------------------------------------------
+
+
+def hf_llama(**overrides):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(4)
+    fields = dict(vocab_size=60, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                  bos_token_id=None, eos_token_id=None)
+    model = LlamaForCausalLM(LlamaConfig(**{**fields, **overrides})).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(1.0 if "norm" in name else 0.0, 0.2)
+    return model
+
+
+@pytest.mark.parametrize("overrides", [{}, dict(num_key_value_heads=1),
+                                       dict(tie_word_embeddings=True),
+                                       dict(attention_bias=True, mlp_bias=True),
+                                       dict(rope_theta=500.0, rms_norm_eps=1e-5)])
+def test_from_hf_llama_computes_llamas_logits_and_tokens(overrides):
+    theirs = hf_llama(**overrides)
+    if "rope_theta" in overrides:  # transformers 5 keeps it in rope_parameters
+        assert (getattr(theirs.config, "rope_parameters", None)
+                or {"rope_theta": theirs.config.rope_theta})["rope_theta"] == 500.0
+    ours, idx = GPT.from_hf_llama(theirs), ids(batch=2, length=20)
+    assert not ours.training and ours.config.positions == "rope"
+    with torch.no_grad():
+        wanted = theirs(idx).logits
+        torch.testing.assert_close(ours(idx), wanted, atol=1e-4, rtol=1e-4)
+    assert wanted.std() > 1
+    prompt = idx[:, :5]
+    with torch.no_grad():
+        generated = theirs.generate(prompt, max_new_tokens=20, do_sample=False, pad_token_id=0,
+                                    attention_mask=torch.ones_like(prompt))
+    for use_cache in (True, False):
+        torch.testing.assert_close(ours.generate(prompt, 20, temperature=0, use_cache=use_cache),
+                                   generated, rtol=0, atol=0)
+
+
+def test_from_hf_llama_keeps_the_dtype_and_mode():
+    theirs = hf_llama().double().train()
+    ours = GPT.from_hf_llama(theirs)
+    assert ours.training and ours.tok_emb.weight.dtype == torch.float64
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (dict(hidden_act="gelu"), "hidden_act='gelu'"),
+    (dict(head_dim=16), "head_dim=16"),
+    (dict(attention_bias=True, mlp_bias=False), "mlp_bias=False"),
+    (dict(attention_dropout=0.1), "attention_dropout=0.1"),
+    (dict(rope_scaling={"rope_type": "linear", "factor": 2.0}), "rope_type='linear'"),
+])
+def test_from_hf_llama_refuses_what_it_does_not_compute(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        GPT.from_hf_llama(hf_llama(**overrides))
+
+
+def test_from_hf_llama_refuses_other_models():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    with pytest.raises(TypeError, match="model must be a LlamaForCausalLM, got GPT2LMHeadModel"):
+        GPT.from_hf_llama(GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=8)))
+    with pytest.raises(TypeError, match="got Linear"):
+        GPT.from_hf_llama(torch.nn.Linear(2, 2))
