@@ -120,7 +120,7 @@ def test_batch_is_windows_at_seeded_places_with_targets_one_token_on():
     ids = torch.arange(1000) * 7
     x, y = batch(ids, step=4, size=5, context=9, seed=2)
     assert x.shape == y.shape == (5, 9) and x.dtype == torch.int64
-    starts = torch.randint(1000 - 9, (5,), generator=torch.Generator().manual_seed(2 * 1_000_003 + 4))
+    starts = torch.randint(1000 - 9, (5,), generator=torch.Generator().manual_seed(2 * 2**32 + 4))
     for row, start in zip(x, starts.tolist()):
         assert torch.equal(row, ids[start:start + 9])
     assert torch.equal(x[:, 1:], y[:, :-1])
@@ -195,6 +195,33 @@ def test_held_out_loss_restores_the_mode_when_the_model_raises():
     with pytest.raises(ValueError):
         held_out_loss(model, too_long, too_long)
     assert model.training
+
+
+def test_no_two_runs_share_a_batch_stream_at_any_step():
+    # batch seeded seed * 1_000_003 + step: (seed 0, step 1_000_003) drew (seed 1, step 0)'s batch
+    ids = torch.arange(100_000)
+    for (seed, step), (other_seed, other_step) in [((0, 1_000_003), (1, 0)),
+                                                   ((1, 1_000_005), (2, 2)),
+                                                   ((0, 2**32 - 1), (1, 0))]:
+        assert not torch.equal(batch(ids, step, 8, 16, seed)[0],
+                               batch(ids, other_step, 8, 16, other_seed)[0])
+
+
+def test_seed_zero_draws_the_batches_it_always_drew():
+    # the book's runs (seed 0): each step's generator is seeded with the step, as before the fix
+    ids = torch.arange(5_000)
+    for step in (0, 1, 799, 1_000_003):
+        starts = torch.randint(5_000 - 12, (4,), generator=torch.Generator().manual_seed(step))
+        assert torch.equal(batch(ids, step, 4, 12)[0][:, 0], starts)
+
+
+@pytest.mark.parametrize("args, name", [((2**32, 0), "step"), ((0, 2**32), "seed")])
+def test_batch_refuses_a_step_or_seed_of_2_to_the_32_or_more_by_name(args, name):
+    # so that seed * 2**32 + step, the generator's seed, is one number per (seed, step) and fits
+    # the range torch.Generator.manual_seed takes (up to 2**64 - 1)
+    with pytest.raises(ValueError, match=f"^{name} must be at most {2**32 - 1}, got {name}="):
+        batch(torch.arange(100), args[0], 2, 3, args[1])
+    assert batch(torch.arange(100), 2**32 - 1, 2, 3, 2**32 - 1)[0].shape == (2, 3)
 
 
 @pytest.mark.parametrize("args, error, name", [
