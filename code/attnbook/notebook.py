@@ -22,7 +22,7 @@ __all__ = [
 # chapters/a1-conventions.md, "Numbers in the prose come from the code"
 import importlib.util
 import math
-import os
+import os  # noqa: F811 (notebook)
 import socket
 import statistics
 import sys
