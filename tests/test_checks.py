@@ -349,3 +349,87 @@ def test_check_divisible_refuses_a_value_that_is_not_an_int_by_name(value):
         c.check_divisible("d_model", value, "num_heads", 2 if value is not True else 1)
     out = c.check_divisible("d_model", np.int64(8), "num_heads", 2)
     assert out == 8 and type(out) is int
+
+
+def _generator_saying(device: str) -> torch.Generator:
+    """A CPU generator that reports another device: cuda:0 on a machine without a GPU, or meta,
+    where PyTorch 2.13 cannot make one (torch.Generator(device="meta") raises)."""
+
+    class Saying(torch.Generator):
+        @property
+        def device(self):
+            return torch.device(device)
+
+    return Saying()
+
+
+def test_check_generator_takes_a_generator_on_the_tensors_device_or_none():
+    cpu = torch.Generator()
+    assert c.check_generator("generator", cpu, torch.device("cpu")) is cpu
+    assert c.check_generator("generator", cpu, "cpu:0") is cpu  # PyTorch has one CPU device
+    assert c.check_generator("generator", None, "cpu") is None  # PyTorch's default generator
+    gpu = _generator_saying("cuda:0")
+    with pytest.raises(ValueError, match=r"^generator must be on cpu, the device of the tensors "
+                                         r"it draws, got generator on cuda:0$"):
+        c.check_generator("generator", gpu, torch.device("cpu"))
+    with pytest.raises(ValueError, match="^generator must be on cuda:0, .* got generator on cpu$"):
+        c.check_generator("generator", cpu, "cuda:0")  # compared without asking for a GPU
+
+
+def test_check_generator_refuses_a_meta_generator_and_what_is_not_one_by_name():
+    with pytest.raises(ValueError, match="^g must draw random numbers, got g on the meta device"):
+        c.check_generator("g", _generator_saying("meta"), "meta")  # even for meta tensors
+    for value in (3, "seed", torch.zeros(1)):
+        with pytest.raises(TypeError, match="^g must be an instance of Generator or NoneType, got g="):
+            c.check_generator("g", value, "cpu")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_check_generator_matches_cuda_generators_to_cuda_tensors_of_the_same_gpu():
+    gpu = torch.Generator(device="cuda")
+    assert c.check_generator("g", gpu, torch.device("cuda")) is gpu
+    assert c.check_generator("g", gpu, torch.device("cuda", torch.cuda.current_device())) is gpu
+    with pytest.raises(ValueError, match="^g must be on cpu"):
+        c.check_generator("g", gpu, "cpu")
+    with pytest.raises(ValueError, match="^g must be on cuda"):
+        c.check_generator("g", torch.Generator(), "cuda")
+
+
+def test_check_text_takes_any_string_utf_8_can_hold():
+    assert c.check_text("title", "héllo, 世界 🙂") == "héllo, 世界 🙂"
+    assert c.check_text("title", "") == ""
+    with pytest.raises(ValueError, match=r"^title must be encodable as UTF-8, got title='a\\ud800'"):
+        c.check_text("title", "a\ud800")  # a lone surrogate: no file or page can hold it
+    with pytest.raises(TypeError, match="^title must be an instance of str, got title=b'x'"):
+        c.check_text("title", b"x")
+
+
+@pytest.mark.parametrize("value, expected", [
+    ("1", True), ("true", True), ("TRUE", True), (" On ", True), ("yes\n", True), ("Yes", True),
+    ("0", False), ("false", False), ("Off", False), (" NO ", False), ("no", False)])
+def test_env_flag_reads_the_true_and_false_words_in_any_case(monkeypatch, value, expected):
+    monkeypatch.setenv("ATTNBOOK_TEST_FLAG", value)
+    assert c.env_flag("ATTNBOOK_TEST_FLAG", not expected) is expected
+
+
+@pytest.mark.parametrize("default", [True, False])
+def test_env_flag_unset_or_empty_is_the_default(monkeypatch, default):
+    monkeypatch.delenv("ATTNBOOK_TEST_FLAG", raising=False)
+    assert c.env_flag("ATTNBOOK_TEST_FLAG", default) is default
+    for empty in ("", "  "):
+        monkeypatch.setenv("ATTNBOOK_TEST_FLAG", empty)
+        assert c.env_flag("ATTNBOOK_TEST_FLAG", default) is default
+
+
+@pytest.mark.parametrize("value", ["2", "y", "n", "ture", "enabled", "1.0", "-1"])
+def test_env_flag_refuses_any_other_value_naming_the_variable_and_its_value(monkeypatch, value):
+    monkeypatch.setenv("ATTNBOOK_TEST_FLAG", value)
+    with pytest.raises(ValueError, match="^ATTNBOOK_TEST_FLAG must be 1, true, on, yes or 0, false, "
+                                         "off, no .*, got ATTNBOOK_TEST_FLAG=" + re.escape(repr(value))):
+        c.env_flag("ATTNBOOK_TEST_FLAG", False)
+
+
+def test_env_flag_default_is_a_bool(monkeypatch):
+    monkeypatch.delenv("ATTNBOOK_TEST_FLAG", raising=False)
+    with pytest.raises(TypeError, match="^default must be True or False"):
+        c.env_flag("ATTNBOOK_TEST_FLAG", "yes")

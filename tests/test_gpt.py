@@ -560,8 +560,48 @@ def test_generate_refuses_a_generator_that_is_not_one_before_generating(temperat
         return original(idx, cache)
 
     model._logits = counted
-    with pytest.raises(TypeError, match="^generator must be an instance of Generator, got "
-                                        "generator="):
+    with pytest.raises(TypeError, match="^generator must be an instance of Generator or "
+                                        "NoneType, got generator="):
         model.generate(torch.zeros(1, 2, dtype=torch.long), 3, temperature=temperature,
                        generator=generator)
     assert calls[0] == 0  # refused before the model ran
+
+
+class _GeneratorSaying(torch.Generator):
+    """A CPU generator that reports the device `said`: a GPU on a machine without one, or meta,
+    where PyTorch 2.13 cannot make one."""
+
+    said = "cuda:0"
+
+    @property
+    def device(self):
+        return torch.device(self.said)
+
+
+class _GeneratorOnMeta(_GeneratorSaying):
+    said = "meta"
+
+
+@pytest.mark.parametrize("temperature", [0, 0.8])
+@pytest.mark.parametrize("generator, message", [
+    (_GeneratorSaying(), "^generator must be on cpu, the device of the tensors it draws, got "
+                         "generator on cuda:0$"),
+    (_GeneratorOnMeta(), "^generator must draw random numbers, got generator on the meta device")])
+def test_generate_refuses_a_generator_that_cannot_draw_on_the_models_device(temperature, generator,
+                                                                            message):
+    # only its type was checked: a GPU generator for a CPU model went on to torch.multinomial
+    # (this stand-in, a CPU generator, even sampled), and with temperature 0 it was never looked at
+    model = tiny_gpt()
+    with pytest.raises(ValueError, match=message):
+        model.generate(torch.zeros(1, 2, dtype=torch.long), 3, temperature=temperature,
+                       generator=generator)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_generate_on_a_gpu_takes_a_cuda_generator_and_refuses_a_cpu_one():
+    model, prompt = tiny_gpt().cuda(), torch.zeros(1, 2, dtype=torch.long, device="cuda")
+    with pytest.raises(ValueError, match="^generator must be on cuda"):
+        model.generate(prompt, 3, generator=torch.Generator())
+    drawn = [model.generate(prompt, 5, generator=torch.Generator("cuda").manual_seed(1))
+             for _ in range(2)]
+    assert torch.equal(*drawn) and drawn[0].shape == (1, 7)

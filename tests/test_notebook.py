@@ -1,7 +1,6 @@
 """attnbook.notebook (appendix A): glue for the prose, at the precision a cell asserts."""
 
 import math
-import os
 import re
 import sys
 import time
@@ -268,8 +267,11 @@ def test_runtime_checks_its_fields_also_after_replace(fields, name):
         Runtime(**{"device": "cpu", "profile": "cpu", **fields})
 
 
-@pytest.mark.parametrize("setting", ["off", "n", "False ", "", " 1", "2"])
-def test_online_reads_hf_hub_offline_as_huggingface_hub_does(monkeypatch, setting):
+@pytest.mark.parametrize("setting, offline", [("off", False), ("False ", False), ("", False),
+                                              ("0", False), (" 1", True), ("YES", True),
+                                              ("true", True), ("On", True)])
+def test_online_reads_hf_hub_offline_with_env_flag(monkeypatch, setting, offline):
+    # every value huggingface_hub reads as true is true here too (its words, any case)
     from huggingface_hub.constants import _is_true
 
     class Connection:
@@ -278,21 +280,31 @@ def test_online_reads_hf_hub_offline_as_huggingface_hub_does(monkeypatch, settin
 
     monkeypatch.setattr(notebook.socket, "create_connection", lambda address, timeout: Connection())
     monkeypatch.setenv("HF_HUB_OFFLINE", setting)
-    assert notebook.online("example.org") is not _is_true(setting)
-    monkeypatch.setenv("HF_HUB_OFFLINE", setting.upper() if setting.strip() else "yes")
-    assert notebook.online("example.org") is not _is_true(os.environ["HF_HUB_OFFLINE"])
+    assert notebook.online("example.org") is not offline
+    assert offline or not _is_true(setting)
 
 
-@pytest.mark.parametrize("value", ["off", "n", "False ", "", "ON", "yes", "True", "1"])
-def test_attnbook_no_minilm_reads_like_hf_hub_offline(monkeypatch, value):
-    from huggingface_hub.constants import _is_true
+@pytest.mark.parametrize("name, call", [("HF_HUB_OFFLINE", lambda: notebook.online("example.org")),
+                                        ("ATTNBOOK_NO_MINILM", notebook.minilm_path)])
+@pytest.mark.parametrize("value", ["n", "2", "ture", "y"])
+def test_a_flag_neither_true_nor_false_is_refused_by_name(monkeypatch, name, call, value):
+    # huggingface_hub reads "n", "2" or "ture" as false without a word; so did the book
+    monkeypatch.setattr(notebook.socket, "create_connection", lambda address, timeout: None)
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=f"^{name} must be 1, true, on, yes or 0, false, off, no "
+                                         f".*, got {name}={value!r}"):
+        call()
 
+
+@pytest.mark.parametrize("value", ["off", "False ", "", "ON", "yes", "True", "1", " no"])
+def test_attnbook_no_minilm_is_read_by_env_flag(monkeypatch, value):
     monkeypatch.delenv("ATTNBOOK_NO_MINILM", raising=False)
     found = notebook.minilm_path()
     if found is None:
         pytest.skip("the MiniLM package is not installed")
     monkeypatch.setenv("ATTNBOOK_NO_MINILM", value)
-    assert notebook.minilm_path() == (None if _is_true(value) else found)
+    assert notebook.minilm_path() == (None if value.strip().upper() in ("ON", "YES", "TRUE", "1")
+                                      else found)
 
 
 @pytest.mark.parametrize("kwargs, error, name", [

@@ -120,7 +120,7 @@ def test_batch_is_windows_at_seeded_places_with_targets_one_token_on():
     ids = torch.arange(1000) * 7
     x, y = batch(ids, step=4, size=5, context=9, seed=2)
     assert x.shape == y.shape == (5, 9) and x.dtype == torch.int64
-    starts = torch.randint(1000 - 9, (5,), generator=torch.Generator().manual_seed(2 * 1_000_003 + 4))
+    starts = torch.randint(1000 - 9, (5,), generator=torch.Generator().manual_seed(2 * 2**20 + 4))
     for row, start in zip(x, starts.tolist()):
         assert torch.equal(row, ids[start:start + 9])
     assert torch.equal(x[:, 1:], y[:, :-1])
@@ -195,6 +195,42 @@ def test_held_out_loss_restores_the_mode_when_the_model_raises():
     with pytest.raises(ValueError):
         held_out_loss(model, too_long, too_long)
     assert model.training
+
+
+def test_no_two_runs_share_a_batch_stream_at_any_step():
+    # batch seeded seed * 1_000_003 + step: (seed 0, step 1_000_003) drew (seed 1, step 0)'s batch;
+    # seeded seed * 2**32 + step, every seed drew seed 0's batches (a CPU generator keeps 32 bits)
+    ids = torch.arange(100_000)
+    for (seed, step), (other_seed, other_step) in [((0, 1_000_003), (1, 0)), ((1, 1_000_005), (2, 2)),
+                                                   ((0, 7), (1, 7)), ((0, 7), (4095, 7)),
+                                                   ((0, 2**20 - 1), (1, 0))]:
+        assert not torch.equal(batch(ids, step, 8, 16, seed)[0],
+                               batch(ids, other_step, 8, 16, other_seed)[0])
+
+
+def test_seed_zero_draws_the_batches_it_always_drew():
+    # the book's runs (seed 0): each step's generator is seeded with the step, as before the fix
+    ids = torch.arange(5_000)
+    for step in (0, 1, 799, 1_000_003):
+        starts = torch.randint(5_000 - 12, (4,), generator=torch.Generator().manual_seed(step))
+        assert torch.equal(batch(ids, step, 4, 12)[0][:, 0], starts)
+
+
+@pytest.mark.parametrize("args, name, most", [((2**20, 0), "step", 2**20 - 1),
+                                              ((0, 2**12), "seed", 2**12 - 1)])
+def test_batch_refuses_a_step_or_seed_past_its_bits_by_name(args, name, most):
+    # torch.Generator().manual_seed keeps the low 32 bits of a seed (manual_seed(2**32 + 7) draws
+    # as manual_seed(7)): 12 bits for the seed and 20 for the step make one seed per (seed, step)
+    with pytest.raises(ValueError, match=f"^{name} must be at most {most}, got {name}="):
+        batch(torch.arange(100), args[0], 2, 3, args[1])
+    assert batch(torch.arange(100), 2**20 - 1, 2, 3, 2**12 - 1)[0].shape == (2, 3)
+
+
+def test_a_cpu_generator_keeps_32_bits_of_its_seed():
+    # the fact batch's seeding rests on, on the PyTorch this runs
+    draw = [torch.randint(1000, (4,), generator=torch.Generator().manual_seed(s))
+            for s in (7, 2**32 + 7)]
+    assert torch.equal(*draw)
 
 
 @pytest.mark.parametrize("args, error, name", [

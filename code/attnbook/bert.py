@@ -281,16 +281,15 @@ def mask_tokens(input_ids: torch.Tensor, mask_id: int, vocab_size: int, *,
     """BERT's 80/10/10 corruption: each token where `can_mask` (default: all) is chosen with
     probability `p` becomes `mask_id`, a random id or stays. Returns int64 (corrupted ids,
     labels): the original ids where chosen, else -100. `generator` is on input_ids' device."""
+    from attnbook.checks import check_generator  # until chapter 8's import cell names it
+
     vocab_size = check_int("vocab_size", vocab_size, minimum=1)
     input_ids, p = check_token_ids("input_ids", input_ids, vocab_size), check_probability("p", p)
     mask_id = check_int("mask_id", mask_id, 0, vocab_size - 1)
     shape, device = tuple(input_ids.shape), input_ids.device
     can_mask = (torch.ones(shape, dtype=torch.bool, device=device) if can_mask is None
                 else _token_mask("can_mask", can_mask, shape, device))  # chapter 8's check
-    check_instance("generator", generator, (torch.Generator, type(None)))
-    if generator is not None and generator.device != device:
-        raise ValueError(f"generator must be on input_ids' device {device}, "
-                         f"got generator on {generator.device}")
+    generator = check_generator("generator", generator, device)
     draw = dict(generator=generator, device=device)
     chosen = (torch.rand(input_ids.shape, **draw) < p) & can_mask
     kind = torch.rand(input_ids.shape, **draw)  # < 0.8: [MASK], < 0.9: a random id, else kept

@@ -16,9 +16,12 @@ __all__ = [
     "check_choice",
     "check_divisible",
     "check_instance",
+    "check_text",
+    "env_flag",
     "check_callable",
     "check_array",
     "check_device",
+    "check_generator",
     "check_float_dtype",
     "check_token_ids",
     "check_tensor",
@@ -30,6 +33,7 @@ __all__ = [
 import math
 import numbers
 import operator
+import os
 from collections.abc import Collection
 from typing import TYPE_CHECKING
 
@@ -122,6 +126,30 @@ def check_instance(name: str, value, kind: type):
     return value
 
 
+def check_text(name: str, value) -> str:
+    """`value`, a string that a file or a page can hold: one with a lone surrogate, such as
+    "\\ud800", has no UTF-8 encoding, so no file or display could take it."""
+    try:
+        check_instance(name, value, str).encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"{name} must be encodable as UTF-8, got {name}={value!r}") from None
+    return value
+
+
+def env_flag(name: str, default: bool) -> bool:
+    """The environment variable `name` read as a switch: 1, true, on or yes is True, 0, false, off
+    or no is False (any case, spaces around ignored), unset or empty is `default`."""
+    default, value = check_bool("default", default), os.environ.get(name, "").strip().upper()
+    if value in ("1", "TRUE", "ON", "YES"):
+        return True
+    if value in ("0", "FALSE", "OFF", "NO"):
+        return False
+    if not value:
+        return default
+    raise ValueError(f"{name} must be 1, true, on, yes or 0, false, off, no (in any case), "
+                     f"got {name}={os.environ[name]!r}")
+
+
 def check_callable(name: str, value):
     """`value`, something that can be called: a function, a lambda, a module."""
     if not callable(value):
@@ -185,6 +213,21 @@ def _same_device(actual: "torch.device", wanted) -> bool:
         actual, wanted = (torch.device("cuda", current if d.index is None else d.index)
                           for d in (actual, wanted))
     return actual.index is None or wanted.index is None or actual.index == wanted.index
+
+
+def check_generator(name: str, generator, device) -> "torch.Generator | None":
+    """`generator`, a torch.Generator that can draw tensors on `device`: a CPU one for CPU tensors,
+    a CUDA one of the same GPU for CUDA tensors. None is PyTorch's default generator."""
+    import torch
+
+    if check_instance(name, generator, (torch.Generator, type(None))) is None:
+        return None
+    if generator.device.type == "meta":  # it has no state, so it draws nothing
+        raise ValueError(f"{name} must draw random numbers, got {name} on the meta device")
+    if not _same_device(generator.device, device):
+        raise ValueError(f"{name} must be on {device}, the device of the tensors it draws, "
+                         f"got {name} on {generator.device}")
+    return generator
 
 
 def check_float_dtype(name: str, dtype) -> "torch.dtype":

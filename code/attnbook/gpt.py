@@ -25,6 +25,7 @@ from attnbook.checks import (
     check_choice,
     check_device,
     check_float_dtype,
+    check_generator,
     check_instance,
     check_int,
     check_positive,
@@ -154,8 +155,7 @@ class GPT(nn.Module):
         max_new_tokens = check_int("max_new_tokens", max_new_tokens, 0)
         temperature = check_real("temperature", temperature, 0.0)
         top_k = None if top_k is None else check_int("top_k", top_k, 1)
-        if generator is not None:  # else refused by torch.multinomial only when first sampling
-            check_instance("generator", generator, torch.Generator)
+        generator = check_generator("generator", generator, seq.device)  # before any sampling
         cache = self.make_kv_cache(len(seq)) if check_bool("use_cache", use_cache) else None
         finite = torch.ones((), dtype=torch.bool, device=seq.device)  # stays on the device
         was_training = self.training

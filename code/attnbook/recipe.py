@@ -99,8 +99,9 @@ def batch(ids: torch.Tensor, step: int, size: int, context: int,
     context) each, the targets one token on; the same on every machine."""
     ids = _check_ids(ids)
     context = check_int("context", context, minimum=1, maximum=len(ids) - 1)
-    size, step = check_int("size", size, minimum=1), check_int("step", step, minimum=0)
-    generator = torch.Generator().manual_seed(check_int("seed", seed, 0) * 1_000_003 + step)
+    size, step = check_int("size", size, minimum=1), check_int("step", step, 0, 2**20 - 1)
+    seed = check_int("seed", seed, 0, 2**12 - 1)  # a CPU generator keeps 32 bits of its seed:
+    generator = torch.Generator().manual_seed(seed * 2**20 + step)  # 12 for seed, 20 for step
     starts = torch.randint(len(ids) - context, (size,), generator=generator)  # (size,)
     windows = torch.stack([ids[s:s + context + 1] for s in starts.tolist()])  # (size, context + 1)
     return windows[:, :-1], windows[:, 1:]

@@ -22,7 +22,7 @@ import re
 import numpy as np
 import torch
 
-from attnbook.checks import check_array, check_instance, check_int, check_real
+from attnbook.checks import check_array, check_instance, check_int, check_real, check_text
 
 
 def explorer_weights(tokens, weights, atol: float | None = None) -> np.ndarray:
@@ -31,7 +31,7 @@ def explorer_weights(tokens, weights, atol: float | None = None) -> np.ndarray:
     non-negative, every row summing to 1 within `atol` or all zero (no allowed key). `atol`
     defaults to what the weights' dtype allows: 4 of its epsilons, and 1e-3 at least."""
     for i, token in enumerate(check_instance("tokens", tokens, (list, tuple))):
-        _page_text(f"tokens[{i}]", token)
+        check_text(f"tokens[{i}]", token)
     T = check_int("len(tokens)", len(tokens), minimum=1)
     atol = _rounding_atol(weights) if atol is None else check_real("atol", atol, 0, 0.5)
     if isinstance(weights, torch.Tensor):
@@ -50,16 +50,6 @@ def explorer_weights(tokens, weights, atol: float | None = None) -> np.ndarray:
                          f" all zero), got weights[{', '.join(map(str, where))}, :] summing to "
                          f"{float(sums[where]):.4g}, its smallest weight {float(w[where].min()):.4g}")
     return w.reshape((1,) * (4 - w.ndim) + w.shape)
-
-
-def _page_text(name: str, value) -> str:
-    """`value`, a string that a page can hold: one with a lone surrogate such as U+D800 has
-    no UTF-8, so no file or display could take the page. Tokens and the title are such text."""
-    try:
-        check_instance(name, value, str).encode("utf-8")
-    except UnicodeEncodeError:
-        raise ValueError(f"{name} must be encodable as UTF-8, got {name}={value!r}") from None
-    return value
 
 
 def _rounding_atol(weights) -> float:
@@ -151,7 +141,7 @@ def explorer_html(tokens, weights: np.ndarray, uid: str, title: str = "", digits
     if not isinstance(uid, str) or not re.fullmatch(r"[A-Za-z][A-Za-z0-9_-]*", uid):
         raise ValueError(f"uid must be a letter followed by letters, digits, '-' or '_' (it goes "
                          f"into HTML attributes and the script), got uid={uid!r}")
-    title = _page_text("title", title)
+    title = check_text("title", title)
     digits = check_int("digits", digits, minimum=1, maximum=6)
     L, H, T, _ = weights.shape
     spans = "".join(
@@ -182,7 +172,7 @@ class AttentionExplorer:
     def __init__(self, tokens, weights, title: str = "", digits: int = 3):
         self.weights = explorer_weights(tokens, weights)  # (L, H, T, T)
         self.tokens = list(tokens)
-        self.title = _page_text("title", title)
+        self.title = check_text("title", title)
         self.digits = check_int("digits", digits, minimum=1, maximum=6)
 
     def __repr__(self) -> str:
