@@ -95,8 +95,8 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tens
 
 def batch(ids: torch.Tensor, step: int, size: int, context: int,
           seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Batch `step` of a run seeded `seed`: `size` windows of `ids`, inputs and targets (size,
-    context) each, the targets one token on; the same on every machine."""
+    """Batch `step` (below 2**20) of a run seeded `seed` (below 4096): `size` windows of `ids`,
+    inputs and targets (size, context) each, the targets one token on; the same on every machine."""
     ids = _check_ids(ids)
     context = check_int("context", context, minimum=1, maximum=len(ids) - 1)
     size, step = check_int("size", size, minimum=1), check_int("step", step, 0, 2**20 - 1)
