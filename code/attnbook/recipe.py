@@ -97,11 +97,10 @@ def batch(ids: torch.Tensor, step: int, size: int, context: int,
           seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Batch `step` (below 2**20) of a run seeded `seed` (below 4096): `size` windows of `ids`,
     inputs and targets (size, context) each, the targets one token on; the same on every machine."""
-    ids = _check_ids(ids)
+    ids, seed = _check_ids(ids), check_int("seed", seed, 0, 2**12 - 1)
     context = check_int("context", context, minimum=1, maximum=len(ids) - 1)
     size, step = check_int("size", size, minimum=1), check_int("step", step, 0, 2**20 - 1)
-    seed = check_int("seed", seed, 0, 2**12 - 1)  # a CPU generator keeps 32 bits of its seed:
-    generator = torch.Generator().manual_seed(seed * 2**20 + step)  # 12 for seed, 20 for step
+    generator = torch.Generator().manual_seed(seed * 2**20 + step)  # 32 bits kept: 12 + 20
     starts = torch.randint(len(ids) - context, (size,), generator=generator)  # (size,)
     windows = torch.stack([ids[s:s + context + 1] for s in starts.tolist()])  # (size, context + 1)
     return windows[:, :-1], windows[:, 1:]
