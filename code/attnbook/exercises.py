@@ -83,7 +83,7 @@ def _difference(got, expected, tolerance, name="output",
         return (f"{name} has dtype {got.dtype}, expected {expected.dtype}: return the inputs' "
                 f"dtype (compute wider if you like, then .to({expected.dtype}))", None, None)
     if isinstance(got, torch.Tensor) and (got.is_meta or got.layout != torch.strided):
-        what = "on the meta device, with no numbers" if got.is_meta else f"{got.layout}"
+        what = "on the meta device, with no numbers" if got.is_meta else f"of layout {got.layout}"
         return f"{name} is a tensor {what}, expected a dense tensor of numbers", None, None
     try:
         g = _numbers(got)
