@@ -17,9 +17,11 @@ from attnbook.exercises import EXERCISES, check
 
 
 def softmax_backward(scores, grad):
-    """2.3: J^T g = p * (g - p . g), the softmax written out."""
-    shifted = scores - scores.max(axis=-1, keepdims=True)
-    p = np.exp(shifted) / np.exp(shifted).sum(axis=-1, keepdims=True)
+    """2.3: J^T g = p * (g - p . g), the softmax written out (a row with no key: p = 0)."""
+    top = scores.max(axis=-1, keepdims=True)
+    e = np.exp(scores - np.where(np.isneginf(top), 0.0, top))
+    total = e.sum(axis=-1, keepdims=True)
+    p = e / np.where(total == 0, 1.0, total)
     return p * (grad - (p * grad).sum(axis=-1, keepdims=True))
 
 

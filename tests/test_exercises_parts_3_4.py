@@ -43,7 +43,7 @@ def attention_backward(q, k, v, dout, causal, delta=True, scale=None, top_left=F
     if causal:
         allowed = torch.ones(lq, lk, dtype=torch.bool).tril(0 if top_left else lk - lq)
         s = s.masked_fill(~allowed, -math.inf)
-    p = torch.nan_to_num(torch.softmax(s, dim=-1))  # a row with no key: zeros
+    p = torch.softmax(s, dim=-1).masked_fill(s.isneginf().all(-1, keepdim=True), 0.0)  # no key: 0
     dp = dout @ v.transpose(-2, -1)
     d_row = (p * dp).sum(delta_dim, keepdim=True) if delta else 0.0
     ds = p * (dp - d_row)
@@ -171,7 +171,7 @@ WRONG = [
     ("12.3", keys_seen_top_left, "one new query, 2049 cached keys", "bottom-right"),
     ("12.3", keys_seen_unclamped, "6 queries, 3 keys", "never below 0"),
     ("14.2", roofline_sum_of_times, "intensity 1 on the H100", "not their sum"),
-    ("14.2", roofline_without_peak, "intensity 1000 on the H100", "gpu.peak_flops(2)"),
+    ("14.2", roofline_without_peak, "intensity 1000 on the H100", "GPUS[gpu].peak_flops(2)"),
     ("14.2", roofline_float32_peak, "intensity 1000 on the H100", "float16 peak"),
     ("16.1", backward_without_delta, "one query, one key", "delta = dout . out"),
     ("16.1", backward_delta_along_queries, "5 queries, 7 keys, d = 1", "the keys, dim=-1"),

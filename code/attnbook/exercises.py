@@ -7,6 +7,7 @@ Built and explained in the book's chapters chapters/a6-checking-exercises.md and
 
 __all__ = [
     "TOLERANCES",
+    "NARROWER",
     "Case",
     "Exercise",
     "CheckResult",
@@ -31,10 +32,16 @@ from attnbook.checks import check_bool, check_callable, check_choice, check_real
 from attnbook.efficient import linear_attention, sliding_window_mask
 from attnbook.positions import apply_rope
 
-TOLERANCES = {  # (absolute, relative), as the package's tests compare with a float64 reference
-    "float16": (1e-2, 1e-2),
+TOLERANCES = {  # (absolute, relative): a few roundings of the dtype, whose unit is 2^-11,
+    "float16": (1e-3, 2e-3),  # 2^-24 and 2^-53; float16 answers are rounded to float16 once
     "float32": (2e-5, 2e-5),
     "float64": (1e-10, 1e-9),
+}
+NARROWER = {  # an input dtype: (the rounding of a narrower dtype, relative differences that fit)
+    "float64": (("float32 rounding size (or of a small constant such as eps)", 1e-9, 1e-5),
+                ("float16 or bfloat16 rounding size (or of a constant such as eps)", 1e-5, 5e-2)),
+    "float32": (("float16 or bfloat16 rounding size", 1e-5, 5e-2),),
+    "float16": (("bfloat16 rounding size", 2e-3, 5e-2),),
 }
 
 
@@ -57,13 +64,15 @@ def _numbers(x) -> np.ndarray:
 
 
 # chapters/a6-checking-exercises.md, "Comparing an answer"
-def _difference(got, expected, tolerance, name="output") -> tuple[str, float, tuple] | None:
-    """(problem, largest difference, its index) where `got` is not `expected`, else None."""
+def _difference(got, expected, tolerance, name="output",
+                narrowest="float64") -> tuple[str, float, tuple] | None:
+    """(problem, largest difference, its index) where `got` is not `expected`, else None;
+    `narrowest` is the least precise input's dtype, for the note on rounding."""
     if isinstance(expected, tuple):  # several outputs: compare them one by one
         if not isinstance(got, (tuple, list)) or len(got) != len(expected):
             return f"{name} is {_kind(got)}, expected a tuple of {len(expected)}", None, None
         for i, (g, e) in enumerate(zip(got, expected)):
-            if found := _difference(g, e, tolerance, f"{name}[{i}]"):
+            if found := _difference(g, e, tolerance, f"{name}[{i}]", narrowest):
                 return found
         return None
     if not isinstance(got, torch.Tensor if isinstance(expected, torch.Tensor) else np.ndarray):
@@ -71,7 +80,11 @@ def _difference(got, expected, tolerance, name="output") -> tuple[str, float, tu
     if tuple(got.shape) != tuple(expected.shape):
         return f"{name} has shape {tuple(got.shape)}, expected {tuple(expected.shape)}", None, None
     if isinstance(got, torch.Tensor) and got.dtype != expected.dtype:  # NumPy answers may widen
-        return f"{name} has dtype {got.dtype}, expected {expected.dtype}", None, None
+        return (f"{name} has dtype {got.dtype}, expected {expected.dtype}: return the inputs' "
+                f"dtype (compute wider if you like, then .to({expected.dtype}))", None, None)
+    if isinstance(got, torch.Tensor) and (got.is_meta or got.layout != torch.strided):
+        what = "on the meta device, with no numbers" if got.is_meta else f"of layout {got.layout}"
+        return f"{name} is a tensor {what}, expected a dense tensor of numbers", None, None
     try:
         g = _numbers(got)
     except (TypeError, ValueError, RuntimeError):  # complex, strings, objects
@@ -89,11 +102,18 @@ def _difference(got, expected, tolerance, name="output") -> tuple[str, float, tu
         return (f"{wrong} of {e.size} entries differ, first at {at}: yours {bool(g[where])}, "
                 f"expected {bool(e[where])}", float(diff[where]), where)
     digits = next((n for n in range(6, 18) if f"{g[where]:.{n}g}" != f"{e[where]:.{n}g}"), 17)
-    small = (": a difference of rounding size: check the dtype you compute in"
-             if diff[where] < 1e-4 * max(1.0, abs(float(e[where]))) else "")
     return (f"largest difference {diff[where]:.3g} at {at}: yours {g[where]:.{digits}g}, expected "
-            f"{e[where]:.{digits}g} (allowed: {atol:g} + {rtol:g} |expected|){small}",
+            f"{e[where]:.{digits}g} (allowed: {atol:g} + {rtol:g} |expected|)"
+            + _rounding_note(diff[where] / max(1.0, abs(float(e[where]))), narrowest),
             float(diff[where]), where)
+
+
+def _rounding_note(relative: float, narrowest: str) -> str:
+    """A note when a relative difference is the size of a dtype narrower than the inputs'."""
+    for rounding, low, high in NARROWER.get(narrowest, ()):
+        if low <= relative < high:
+            return f": a difference of {rounding}: compute in {narrowest} or wider"
+    return ""
 
 
 # chapters/a6-checking-exercises.md, "Running a candidate"
@@ -135,14 +155,20 @@ def _restore(state: tuple) -> None:
     np.random.set_state(numpy_rng)
 
 
-def _unchanged(before, after) -> bool:
-    """Whether `after` holds what `before` held (NaN equals NaN), through tuples."""
+def _change(before, after) -> str | None:
+    """How `after` differs from what `before` held (NaN equals NaN), through tuples, or None."""
     if isinstance(before, (tuple, list)):
-        return len(before) == len(after) and all(map(_unchanged, before, after))
+        if len(before) != len(after):
+            return "in place"
+        return next(filter(None, map(_change, before, after)), None)
+    if isinstance(before, torch.Tensor) and (
+            (before.requires_grad, before.grad is None) != (after.requires_grad, after.grad is None)):
+        return "'s requires_grad or .grad: differentiate a detached copy (x.detach())"
     if isinstance(before, (np.ndarray, torch.Tensor)):
-        return (tuple(before.shape) == tuple(after.shape) and before.dtype == after.dtype
+        same = (tuple(before.shape) == tuple(after.shape) and before.dtype == after.dtype
                 and np.array_equal(_numbers(before), _numbers(after), equal_nan=True))
-    return before == after
+        return None if same else "in place"
+    return None if before == after else "in place"
 
 
 # chapters/a6-checking-exercises.md, "The exercises"
@@ -158,8 +184,12 @@ class Case:
 
 @dataclass(frozen=True)
 class Exercise:
+    """A title and its cases; `tolerance` (absolute, relative) replaces the dtype's when the
+    answer only moves numbers: (0, 0), exact."""
+
     title: str
     cases: tuple[Case, ...]
+    tolerance: tuple[float, float] | None = None
 
 
 @dataclass(frozen=True)
@@ -433,7 +463,7 @@ def _run_cases(exercise_id: str, exercise: Exercise, candidate, timeout: float) 
         inputs, expected = case.build(np.random.default_rng([sum(map(ord, exercise_id)), number]))
         kept = copy.deepcopy(inputs)
         done = _call(candidate, tuple(inputs.values()), timeout)
-        if found := _judge(done, inputs, kept, expected, timeout):
+        if found := _judge(done, inputs, kept, expected, timeout, exercise.tolerance):
             # the case's hint names a mistake in the numbers: shown only when the numbers differ
             hint = case.hint if found[1] is not None else None
             return CheckResult(exercise_id, False, number, count, case.name, _describe(kept),
@@ -441,7 +471,7 @@ def _run_cases(exercise_id: str, exercise: Exercise, candidate, timeout: float) 
     return CheckResult(exercise_id, True, count, count, title=exercise.title)
 
 
-def _judge(done: dict, inputs: dict, kept: dict, expected, timeout: float):
+def _judge(done: dict, inputs: dict, kept: dict, expected, timeout: float, tolerance=None):
     """(problem, largest difference, its index) for one call, or None when it is right."""
     if not done:
         return f"no answer after {timeout:g} s (it goes on in the background until it returns)", None, None
@@ -450,29 +480,34 @@ def _judge(done: dict, inputs: dict, kept: dict, expected, timeout: float):
     if done["seconds"] > timeout:  # one long call that holds the GIL cannot be interrupted
         return (f"took {done['seconds']:.3g} s, more than the {timeout:g} s allowed", None, None)
     for name in inputs:
-        if not _unchanged(kept[name], inputs[name]):
-            return f"changed its input {name} in place: work on a copy", None, None
-    return _difference(done["value"], expected, _tolerance(kept))
+        if how := _change(kept[name], inputs[name]):
+            where = name + how if how.startswith("'") else f"{name} {how}: work on a copy"
+            return f"changed its input {where}", None, None
+    narrowest = _narrowest(kept)
+    return _difference(done["value"], expected, tolerance or TOLERANCES[narrowest],
+                       narrowest=narrowest)
 
 
-def _tolerance(inputs: dict) -> tuple[float, float]:
-    """The (absolute, relative) tolerance of the least precise floating input."""
+def _narrowest(inputs: dict) -> str:
+    """The least precise floating dtype among the inputs ('float64' when none is floating)."""
     def dtypes(x):
         if isinstance(x, (tuple, list)):
             return [d for item in x for d in dtypes(item)]
         return [str(x.dtype).removeprefix("torch.")] if hasattr(x, "dtype") else []
     found = [d for x in inputs.values() for d in dtypes(x) if d in TOLERANCES]
-    return max((TOLERANCES[d] for d in found), default=TOLERANCES["float64"])
+    return max(found, key=lambda d: TOLERANCES[d], default="float64")
 
 
 # chapters/a7-exercise-cases.md, "Chapter 2"
-def _ch2_backward_case(shape, dtype=np.float64, spread=1.0, masked=None):
+def _ch2_backward_case(shape, dtype=np.float64, spread=1.0, masked=None, nan_row=None):
     def build(rng):
         from attnbook.scaling import softmax_jacobian
 
         scores, grad = rng.standard_normal(shape) * spread, rng.standard_normal(shape)
-        if masked is not None:
+        if masked is not None:  # a key index, or slice(None) for a row with every key masked
             scores[..., masked] = -np.inf
+        if nan_row is not None:
+            scores[nan_row, 0] = np.nan
         scores, grad = scores.astype(dtype), grad.astype(dtype)
         jacobian = softmax_jacobian(scores.astype(np.float64))  # (..., n, n), symmetric
         expected = (jacobian @ grad.astype(np.float64)[..., None])[..., 0]
@@ -494,17 +529,25 @@ EXERCISES["2.3"] = Exercise("the gradient through the softmax", (
          "exponentiating"),
     Case("a masked key", _ch2_backward_case((3, 6), masked=2),
          "a masked key (score -inf) has p = 0 and gets no gradient: " + _CH2),
+    Case("a row with every key masked", _ch2_backward_case((1, 2), masked=slice(None)),
+         "a row with no allowed key has p = 0 (the package's rule), so its gradient is 0, not "
+         "NaN: a stable softmax subtracts a maximum of -inf; subtract 0 there: " + _CH2),
     Case("float32", _ch2_backward_case((5, 9), np.float32),
          "float32 input: compute in float32 or wider, never in float16"),
+    Case("a NaN score in row 1", _ch2_backward_case((3, 5), nan_row=1),
+         "a NaN score makes its row's weights, and so its row's gradient, NaN; the other rows "
+         "stay as they are: never replace a NaN (np.nan_to_num)"),
 ))
 
 
 # chapters/a7-exercise-cases.md, "Chapter 3"
-def _ch3_heads_case(batch, length, d_model, heads, dtype=np.float64):
+def _ch3_heads_case(batch, length, d_model, heads, dtype=np.float64, nan_at=None):
     def build(rng):
         from attnbook.layers import MultiHeadAttention
 
         x = rng.standard_normal((batch, length, d_model))
+        if nan_at is not None:  # (sequence, position)
+            x[nan_at + (0,)] = np.nan
         W_Q, W_K, W_V, W_O = rng.standard_normal((4, d_model, d_model)) / np.sqrt(d_model)
         layer = MultiHeadAttention(d_model, heads, bias=False).double()
         with torch.no_grad():
@@ -533,6 +576,9 @@ EXERCISES["3.3"] = Exercise("multi-head self-attention in NumPy", (
          "a batch in front: split and join the heads of every sequence the same way"),
     Case("float32", _ch3_heads_case(2, 9, 16, 4, np.float32),
          "float32 input: compute in float32 or wider, never in float16"),
+    Case("a NaN in sequence 0, position 2", _ch3_heads_case(2, 5, 8, 2, nan_at=(0, 2)),
+         "every position reads position 2's key and value, so sequence 0's outputs are all NaN "
+         "and sequence 1's are not: never replace a NaN (np.nan_to_num)"),
 ))
 
 
@@ -568,11 +614,13 @@ EXERCISES["4.2"] = Exercise("causal grouped-query attention", (
 
 
 # chapters/a7-exercise-cases.md, "Chapter 7"
-def _ch7_rms_case(shape, dtype=torch.float64, offset=0.0, scale=1.0):
+def _ch7_rms_case(shape, dtype=torch.float64, offset=0.0, scale=1.0, nan_at=None):
     def build(rng):
         from attnbook.layers import RMSNorm
 
         x = torch.from_numpy(rng.standard_normal(shape) * scale + offset).to(dtype)
+        if nan_at is not None:  # a position
+            x[nan_at, 0] = float("nan")
         weight = torch.from_numpy(rng.standard_normal(shape[-1])).to(dtype)
         norm = RMSNorm(shape[-1]).to(dtype)
         with torch.no_grad():
@@ -586,6 +634,9 @@ EXERCISES["7.1"] = Exercise("RMSNorm as a function", (
     Case("one position, one feature", _ch7_rms_case((1, 1)),
          "with one feature x / sqrt(x^2 + eps) is nearly the sign of x, times weight (eps inside the "
          "root; subtracting the mean, as LayerNorm does, would give 0): " + _CH7),
+    Case("float64: three positions of 8 features", _ch7_rms_case((3, 8)),
+         "x / sqrt(mean(x^2) + eps) times weight, computed in x's dtype when it is float32 or "
+         "wider: x.float() narrows float64 to float32; widen float16 only: " + _CH7),
     Case("positions with a mean far from 0", _ch7_rms_case((3, 8), offset=5.0),
          "RMSNorm does not subtract the mean (that is LayerNorm): it divides x by "
          "sqrt(mean(x^2) + eps): " + _CH7),
@@ -597,11 +648,14 @@ EXERCISES["7.1"] = Exercise("RMSNorm as a function", (
     Case("float16 numbers in the hundreds", _ch7_rms_case((3, 16), torch.float16, scale=300.0),
          "float16 input: square and average in float32 (300^2 = 90000 is past float16's largest "
          "number, 65504), and return float16"),
+    Case("a NaN at position 1", _ch7_rms_case((3, 8), nan_at=1),
+         "a NaN makes its position's mean(x^2), and so that whole position, NaN; the other "
+         "positions stay as they are: never replace a NaN"),
 ))
 
 
 # chapters/a7-exercise-cases.md, "Chapter 8"
-def _ch8_embedding_case(batch, length, vocab=20, d=8, dtype=torch.float64):
+def _ch8_embedding_case(batch, length, vocab=20, d=8, dtype=torch.float64, nan_word=False):
     def build(rng):
         from attnbook.bert import BERTConfig, BERTEmbeddings
 
@@ -613,6 +667,8 @@ def _ch8_embedding_case(batch, length, vocab=20, d=8, dtype=torch.float64):
         tables = {name: torch.from_numpy(rng.standard_normal(shape)) for name, shape in
                   (("word", (vocab, d)), ("position", (64, d)), ("token_type", (2, d)),
                    ("gamma", (d,)), ("beta", (d,)))}
+        if nan_word:  # a NaN in the vector of the first token's id
+            tables["word"][ids[0, 0], 0] = float("nan")
         with torch.no_grad():
             for name in ("word", "position", "token_type"):
                 getattr(layer, name).weight.copy_(tables[name])
@@ -635,17 +691,22 @@ EXERCISES["8.2"] = Exercise("BERT's input layer", (
          "every sequence uses positions 0..L-1, and the LayerNorm is over the last axis only"),
     Case("float32 tables", _ch8_embedding_case(2, 9, dtype=torch.float32),
          "float32 tables: compute in float32 or wider, never in float16"),
+    Case("a NaN in one word's vector", _ch8_embedding_case(2, 6, nan_word=True),
+         "a NaN in a word's row of the table makes every token with that id NaN after the "
+         "LayerNorm, and no other token: never replace a NaN"),
 ))
 
 
 # chapters/a7-exercise-cases.md, "Chapter 11"
-def _ch11_cross_case(lengths, lt, heads=2, d=4, dtype=torch.float64):
+def _ch11_cross_case(lengths, lt, heads=2, d=4, dtype=torch.float64, nan_key=False):
     def build(rng):
         from attnbook.layers import attend
 
         batch, ls = len(lengths), max(lengths)
         q = torch.from_numpy(rng.standard_normal((batch, heads, lt, d))).to(dtype)
         k, v = torch.from_numpy(rng.standard_normal((2, batch, heads, ls, d))).to(dtype)
+        if nan_key:  # a NaN in sequence 0's first key of head 0, a real source token
+            k[0, 0, 0, 0] = float("nan")
         src_keep = torch.arange(ls)[None, :] < torch.tensor(lengths)[:, None]  # (B, Ls)
         expected = attend(q.double(), k.double(), v.double(), src_keep[:, None, None, :])[0]
         return {"q": q, "k": k, "v": v, "src_keep": src_keep}, expected.to(dtype)
@@ -662,8 +723,14 @@ EXERCISES["11.1"] = Exercise("cross-attention over a padded source", (
     Case("sources of 3, 7 and 5 tokens, padded to 7", _ch11_cross_case([3, 7, 5], 6),
          "src_keep is True at real source tokens: hide the keys where it is False, along the "
          "keys' axis (src_keep[:, None, None, :]), never the queries: " + _CH11),
+    Case("a source that is all padding", _ch11_cross_case([0, 3], 2),
+         "a target position with no source token to read gets zeros (the package's rule), not "
+         "NaN from masking with -inf nor the mean of v from masking with -1e9: " + _CH11),
     Case("float32", _ch11_cross_case([9, 4], 5, dtype=torch.float32),
-         "float32 input: compute in float32 or wider, never in float16"),
+         "float32 input: compute in float32 or wider, never in float16, and return float32"),
+    Case("a NaN in a source key", _ch11_cross_case([4, 3], 3, nan_key=True),
+         "a NaN in a real source token's key makes that head's scores, and so its outputs for "
+         "that sequence, NaN: never replace a NaN (torch.nan_to_num)"),
 ))
 
 
@@ -690,7 +757,8 @@ EXERCISES["12.3"] = Exercise("the keys each query sees under a causal mask", (
          "the first q_len - k_len queries stand before every key and see none: a count is never "
          "below 0 (clamp it): " + _CH12),
     Case("1000 queries, 4096 keys", _ch12_keys_case(1000, 4096),
-         "a longer mask: check the counts' bounds, row by row"),
+         "a longer mask, with more keys than queries: a count is at most k_len, and query i's "
+         "is i + k_len - q_len + 1; an off-by-one in the offset shows here: " + _CH12),
 ))
 
 
@@ -716,7 +784,7 @@ EXERCISES["14.2"] = Exercise("the roofline: attainable FLOP/s against arithmetic
          "longer of the two times, not their sum: " + _CH14),
     Case("intensity 1000 on the H100", _ch14_roofline_case([1000.0], "H100"),
          "above the ridge point the arithmetic binds: the roof is the float16 peak, "
-         "gpu.peak_flops(2), never more: " + _CH14),
+         "GPUS[gpu].peak_flops(2), never more: " + _CH14),
     Case("a grid of intensities on the T4", _ch14_roofline_case(
         np.geomspace(0.1, 1e4, 15).reshape(3, 5), "T4"),
          "an array of any shape: take the lower roof element by element (np.minimum), not with "
@@ -728,13 +796,15 @@ EXERCISES["14.2"] = Exercise("the roofline: attainable FLOP/s against arithmetic
 
 
 # chapters/a7-exercise-cases.md, "Chapter 16"
-def _ch16_backward_case(shape, lq, lk, causal=False, dtype=np.float64):
+def _ch16_backward_case(shape, lq, lk, causal=False, dtype=np.float64, nan_query=None):
     """(B, H) batch and heads, lq queries and lk keys of width d = shape[-1]."""
     def build(rng):
         from attnbook.layers import attend, causal_mask
         *lead, d = shape
         q, k, v, dout = (torch.from_numpy(rng.standard_normal((*lead, n, d)).astype(dtype))
                          for n in (lq, lk, lk, lq))
+        if nan_query is not None:
+            q[..., nan_query, 0] = float("nan")
         wide = [x.double().requires_grad_() for x in (q, k, v)]
         mask = causal_mask(lq, lk) if causal else None
         out = attend(*wide, mask=mask)[0]
@@ -767,6 +837,9 @@ EXERCISES["16.1"] = Exercise("the backward pass of attention", (
          "a batch and heads in front: transpose the last two axes only (k.transpose(-2, -1))"),
     Case("float32", _ch16_backward_case((1, 2, 16), 33, 40, True, np.float32),
          "float32 input: compute in float32 or wider, and return float32 gradients"),
+    Case("a NaN in query 2", _ch16_backward_case((1, 1, 4), 4, 5, nan_query=2),
+         "a NaN in query 2 makes its row of P NaN: dq's row 2 and every dk and dv are NaN, the "
+         "other rows of dq are not: never replace a NaN (torch.nan_to_num)"),
 ))
 
 
@@ -817,10 +890,12 @@ EXERCISES["15.3"] = Exercise("the logsumexp of each query row, in Triton", (
 
 
 # chapters/a7-exercise-cases.md, "Chapter 18"
-def _ch18_patches_case(batch, channels, size, p, dtype=np.float64):
+def _ch18_patches_case(batch, channels, size, p, dtype=np.float64, nan_pixel=False):
     def build(rng):
         from attnbook.vit import patchify
         images = torch.from_numpy(rng.standard_normal((batch, channels, size, size)).astype(dtype))
+        if nan_pixel:  # one pixel of the last image
+            images[-1, 0, 1, 2] = float("nan")
         return {"patches": patchify(images, p), "image_size": size, "channels": channels}, images
     return build
 
@@ -840,5 +915,9 @@ EXERCISES["18.1"] = Exercise("unpatchify, the inverse of patchify", (
     Case("a batch of 5, 12 x 12, two channels, patches of 4 x 4", _ch18_patches_case(5, 2, 12, 4),
          "a batch in front: keep each image's patches apart"),
     Case("float16", _ch18_patches_case(3, 1, 8, 2, np.float16),
-         "rearranging moves numbers without changing them: keep the patches' dtype"),
-))
+         "rearranging moves numbers without changing them: keep the patches' dtype, and "
+         "never round through another one"),
+    Case("a NaN pixel", _ch18_patches_case(2, 2, 4, 2, nan_pixel=True),
+         "a NaN pixel is moved like any number: it lands at its own place in its own image, "
+         "and nowhere else"),
+), tolerance=(0.0, 0.0))
