@@ -384,6 +384,13 @@ def test_check_generator_refuses_a_meta_generator_and_what_is_not_one_by_name():
             c.check_generator("g", value, "cpu")
 
 
+def test_check_generator_refuses_what_names_no_device_by_name_even_with_no_generator():
+    for device in (None, 1.5, "bogus", "cpu:x"):
+        for generator in (None, torch.Generator()):
+            with pytest.raises(ValueError, match=f"^device must name a device .*, got device={re.escape(repr(device))}$"):
+                c.check_generator("g", generator, device)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_check_generator_matches_cuda_generators_to_cuda_tensors_of_the_same_gpu():
     gpu = torch.Generator(device="cuda")
@@ -427,6 +434,21 @@ def test_env_flag_refuses_any_other_value_naming_the_variable_and_its_value(monk
     with pytest.raises(ValueError, match="^ATTNBOOK_TEST_FLAG must be 1, true, on, yes or 0, false, "
                                          "off, no .*, got ATTNBOOK_TEST_FLAG=" + re.escape(repr(value))):
         c.env_flag("ATTNBOOK_TEST_FLAG", False)
+
+
+@pytest.mark.parametrize("value", ["ye\u017f", "FAL\u017fE", "o\ufb00", "\u00a01\u3000", "\uff11"])
+def test_env_flag_reads_ascii_words_only(monkeypatch, value):
+    """str.upper maps the long s to S and the ligature ff to FF, and strip() drops Unicode spaces:
+    none of these is one of the words."""
+    monkeypatch.setenv("ATTNBOOK_TEST_FLAG", value)
+    with pytest.raises(ValueError, match="^ATTNBOOK_TEST_FLAG must be 1, true, on, yes or 0, "):
+        c.env_flag("ATTNBOOK_TEST_FLAG", False)
+
+
+@pytest.mark.parametrize("name", [None, 3, b"X"])
+def test_env_flag_name_is_a_string(name):
+    with pytest.raises(TypeError, match="^name must be an instance of str"):
+        c.env_flag(name, False)
 
 
 def test_env_flag_default_is_a_bool(monkeypatch):

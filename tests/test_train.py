@@ -577,7 +577,7 @@ def refusal(argv, monkeypatch, processes=1):
 
 
 @pytest.mark.parametrize("option, value, message", [
-    ("--steps", "0", "argument --steps: must be at least 1, got '0'"),
+    ("--steps", "0", f"argument --steps: must be in [1, {2**20}], got '0'"),
     ("--steps", "2.5", "argument --steps: must be an integer, got '2.5'"),
     ("--global-batch", "-1", "argument --global-batch: must be at least 1"),
     ("--dropout", "1.5", r"argument --dropout: must be in [0, 1], got '1.5'"),
@@ -596,6 +596,49 @@ def refusal(argv, monkeypatch, processes=1):
 ])
 def test_bad_options_are_refused_by_name(monkeypatch, option, value, message):
     assert message in refusal(["gpt", option, value, "--out", "x"], monkeypatch)
+
+
+def test_a_seed_or_steps_beyond_the_batch_streams_is_refused_before_torch_or_a_file(tmp_path):
+    """recipe.batch keeps 12 bits for the seed and 20 for the step (chapter 10): the parser
+    refuses what it would refuse, naming the option, before PyTorch loads or --out is touched
+    (a finished run in --out survives an --overwrite with a bad --seed)."""
+    (out := tmp_path / "run").mkdir()
+    (out / "model.pt").write_bytes(b"a finished run")
+    script = textwrap.dedent(f"""
+        import sys
+        from attnbook import train_command
+        for option, value in (("--seed", "4096"), ("--seed", "-1"), ("--steps", str(2**20 + 1))):
+            try:
+                train_command.main(["gpt", option, value, "--overwrite", "--out", {str(out)!r}])
+            except SystemExit as exit:
+                assert exit.code == 2, exit.code
+        print("torch loaded:", "torch" in sys.modules)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=ENV)
+    assert done.returncode == 0 and done.stdout.strip().endswith("torch loaded: False"), done
+    for said in ("argument --seed: must be in [0, 4095], got '4096'",
+                 "argument --seed: must be in [0, 4095], got '-1'",
+                 f"argument --steps: must be in [1, {2**20}], got '{2**20 + 1}'"):
+        assert said in done.stderr, done.stderr
+    assert [p.name for p in out.iterdir()] == ["model.pt"]
+
+
+def test_the_commands_seed_and_steps_bounds_are_recipe_batchs(monkeypatch):
+    from attnbook.recipe import batch
+    ids = torch.arange(10)
+    options = train.parse_options(["gpt", "--seed", "4095", "--steps", str(2**20), "--out", "x"])
+    batch(ids, options.steps - 1, 1, 2, options.seed)  # the last step's batch exists
+    with pytest.raises(ValueError, match="seed"):
+        batch(ids, 0, 1, 2, options.seed + 1)
+    with pytest.raises(ValueError, match="step"):
+        batch(ids, options.steps, 1, 2, 0)
+
+
+@pytest.mark.parametrize("name, value", [("seed", 4096), ("seed", -1), ("steps", 2**20 + 1)])
+def test_a_recorded_seed_or_steps_beyond_the_bounds_is_refused_at_resume(name, value):
+    recorded = {**train_command.DEFAULTS, "model": "gpt"}
+    assert train_command.check_run_options(recorded) == []
+    assert train_command.check_run_options({**recorded, name: value}) == [name]
 
 
 def test_bad_sample_options_are_refused_by_name(monkeypatch):

@@ -138,16 +138,13 @@ def check_text(name: str, value) -> str:
 
 def env_flag(name: str, default: bool) -> bool:
     """The environment variable `name` read as a switch: 1, true, on or yes is True, 0, false, off
-    or no is False (any case, spaces around ignored), unset or empty is `default`."""
-    default, value = check_bool("default", default), os.environ.get(name, "").strip().upper()
-    if value in ("1", "TRUE", "ON", "YES"):
-        return True
-    if value in ("0", "FALSE", "OFF", "NO"):
-        return False
-    if not value:
-        return default
+    or no is False (ASCII, any case, spaces around ignored), unset or empty is `default`."""
+    default, value = check_bool("default", default), os.environ.get(check_text("name", name), "")
+    word = value.strip().upper() if value.isascii() else value  # "ſ".upper() is "S"
+    if word in ("", "1", "TRUE", "ON", "YES", "0", "FALSE", "OFF", "NO"):
+        return word in ("1", "TRUE", "ON", "YES") if word else default
     raise ValueError(f"{name} must be 1, true, on, yes or 0, false, off, no (in any case), "
-                     f"got {name}={os.environ[name]!r}")
+                     f"got {name}={value!r}")
 
 
 def check_callable(name: str, value):
@@ -180,11 +177,7 @@ def check_device(name: str, device) -> "torch.device":
     """`device` (a string or torch.device) as a torch.device that this machine has."""
     import torch  # here, not at the top: the NumPy chapters import this module without torch
 
-    try:
-        found = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise ValueError(f"{name} must name a device such as 'cpu' or 'cuda', "
-                         f"got {name}={device!r}") from None
+    found = _device_named(name, device)
     if found.type in ("cpu", "meta"):  # always there; asking would also break torch.compile
         return found
     if found.type == "cuda" and not torch.cuda.is_available():
@@ -198,6 +191,17 @@ def check_device(name: str, device) -> "torch.device":
         raise ValueError(f"{name}={device!r}, but this machine has {count()} {found.type} "
                          f"device(s), numbered from 0")
     return found
+
+
+def _device_named(name: str, device) -> "torch.device":
+    """`device` read as a torch.device, without asking whether this machine has it."""
+    import torch
+
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"{name} must name a device such as 'cpu' or 'cuda', "
+                         f"got {name}={device!r}") from None
 
 
 def _same_device(actual: "torch.device", wanted) -> bool:
@@ -220,6 +224,7 @@ def check_generator(name: str, generator, device) -> "torch.Generator | None":
     a CUDA one of the same GPU for CUDA tensors. None is PyTorch's default generator."""
     import torch
 
+    device = _device_named("device", device)  # named, but not asked for: tensors are there
     if check_instance(name, generator, (torch.Generator, type(None))) is None:
         return None
     if generator.device.type == "meta":  # it has no state, so it draws nothing
@@ -341,8 +346,7 @@ def check_mask(name: str, mask, shape: tuple[int, ...], device: "torch.device | 
     if not fits:
         raise ValueError(f"{name} of shape {tuple(mask.shape)} does not broadcast to "
                          f"{tuple(shape)}")
-    if device is not None and mask.device != device and not _same_device(mask.device, device):
-        raise ValueError(f"{name} must be on device {device}, got {name} on {mask.device}")
+    _check_shape_and_device(name, mask, None, device)
     return mask
 
 

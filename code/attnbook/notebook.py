@@ -94,8 +94,7 @@ class _QuietFloat(float):
 
 
 class _QuietInt(int):
-    def _ipython_display_(self) -> None:
-        pass
+    _ipython_display_ = _QuietFloat._ipython_display_
 
 
 def _quiet(value):

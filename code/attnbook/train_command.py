@@ -66,9 +66,8 @@ def parse_options(argv: list[str] | None = None) -> argparse.Namespace:
             sample.error("argument --prompt: must not be empty")
         return options
     options.given = [name for name in DEFAULTS if getattr(options, name) is not None]
-    for name, default in DEFAULTS.items():
-        if getattr(options, name) is None:
-            setattr(options, name, default)
+    for name in set(DEFAULTS) - set(options.given):
+        setattr(options, name, DEFAULTS[name])
     processes = os.environ.get("WORLD_SIZE", "1")
     if not processes.isdigit() or int(processes) < 1:
         gpt.error(f"WORLD_SIZE={processes!r} (set by torchrun) must be a positive integer")
@@ -112,6 +111,7 @@ DEFAULTS = {"steps": 500, "global_batch": 32, "context": 64, "d_model": 128, "la
             "heads": 4, "dropout": 0.0, "lr": 6e-3, "warmup": 30, "min_lr_ratio": 0.1,
             "weight_decay": 0.1, "clip": 1.0, "seed": 0, "dtype": "float32", "strategy": "ddp",
             "checkpoint_every": 0, "keep_checkpoints": 3, "eval_every": 50}  # chapter 10's sizes
+MAX_SEED, MAX_STEPS = 2**12 - 1, 2**20  # recipe.batch's streams: 12 bits of seed, 20 of step
 
 
 def _training_options(add) -> None:
@@ -120,7 +120,7 @@ def _training_options(add) -> None:
         _RULES[name] = kwargs.get("choices") or kwargs["type"]  # also for check_run_options
         add(flag, default=None, help=f"{text} (default {DEFAULTS[name]})", **kwargs)
 
-    option("--steps", "optimizer steps in all", type=_number(int, 1))
+    option("--steps", "optimizer steps in all", type=_number(int, 1, MAX_STEPS))
     option("--global-batch", "sequences per step, over all processes", type=_number(int, 1))
     option("--context", "tokens per sequence", type=_number(int, 1))
     option("--d-model", "model width", type=_number(int, 1))
@@ -134,7 +134,7 @@ def _training_options(add) -> None:
     option("--weight-decay", "AdamW's weight decay, on weight matrices only",
            type=_number(float, 0))
     option("--clip", "the gradient's largest norm; 0: no clipping", type=_number(float, 0))
-    option("--seed", "weights and batch order", type=_number(int, 0))
+    option("--seed", "weights and batch order", type=_number(int, 0, MAX_SEED))
     option("--dtype", "parameter dtype", choices=["float32", "float64"])
     option("--strategy", "under torchrun: replicate (ddp) or shard (fsdp) the model",
            choices=["ddp", "fsdp"])
