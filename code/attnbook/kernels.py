@@ -81,9 +81,10 @@ def _program(H, BLOCK: tl.constexpr, WIDE: tl.constexpr, TILES_FIRST: tl.constex
     # first row i * BLOCK, int64 when WIDE so that the rows built from it are too. The grid is
     # (tiles, B * H) when TILES_FIRST, else (B * H, tiles).
     bh = tl.program_id(1 if TILES_FIRST else 0)
-    start = tl.program_id(0 if TILES_FIRST else 1) * BLOCK
-    if WIDE:  # some tensor spans 2**31 elements or more: rows * stride may not fit 32 bits
-        start = start.to(tl.int64)
+    tile = tl.program_id(0 if TILES_FIRST else 1)
+    if WIDE:  # some tensor spans 2**31 elements or more: widen before the multiply, which
+        tile = tile.to(tl.int64)  # passes 2**31 from tile 2**31 / BLOCK on (TILES_FIRST)
+    start = tile * BLOCK
     return bh.to(tl.int64), (bh // H).to(tl.int64), (bh % H).to(tl.int64), start
 
 
