@@ -812,6 +812,23 @@ def test_autotuning_skips_candidates_that_do_not_fit_or_run_out_of_resources(mon
         kernels._launch(_Recorded(), "forward", long, long, False)
 
 
+def test_a_refusal_names_the_grid_limit_actually_passed():
+    # Before, B * H = 2**31 with Lq = 1 blamed "Lq = 1 rows" and advised "B * H <= 65,535", and
+    # _grid returned a first axis of 2**31 programs, past CUDA's 2**31 - 1 (the outside K2).
+    from attnbook import kernels
+
+    q = torch.zeros(1, 1, 1, 16, device=DEVICE).expand(2**31, 1, 1, 16)  # holds no memory
+    with pytest.raises(ValueError, match=r"^q has B \* H = 2147483648 \(batch, head\) pairs, too "
+                                         r"many .*B \* H passes the 2\*\*31 - 1 programs"):
+        kernels._check_backward_lengths(q, q)
+    with pytest.raises(ValueError, match=r"needs 2147483648 tiles of 32 rows and B \* H = 1: "
+                                         r"the tile count passes the 2\*\*31 - 1 programs"):
+        kernels._grid(2**31 * 32, 32, 1)
+    with pytest.raises(ValueError, match=r"Lq = 68719476736 rows.*tile count passes the "
+                                         r"2\*\*31 - 1 programs.*\(Lq <= 68719476704\)$"):
+        kernels._check_tiles("forward", "q", 2**31 * 32, 32, 1)
+
+
 @pytest.mark.parametrize("value", ["0", " 0", "0 ", "false", "False", "OFF", "no", " No "])
 def test_autotuning_is_off_for_every_spelling_of_false(monkeypatch, value):
     from attnbook.kernels import _autotuning

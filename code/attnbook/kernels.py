@@ -93,11 +93,11 @@ def _grid(length: int, block: int, pairs: int) -> tuple[tuple[int, int], bool]:
     # allows 2**31 - 1 programs on the first axis and 65,535 on the second, so (B * H, tiles)
     # unless the tiles need the first axis and B * H fits the second.
     tiles = triton.cdiv(length, block)
-    if tiles >= _TILES_FIRST_FROM and pairs <= 65_535:
-        return (tiles, pairs), True
     if not _fits(tiles, pairs):
         raise ValueError(f"a length of {length} rows needs {tiles} tiles of {block} rows and "
-                         f"B * H = {pairs}: a grid takes 65,535 programs on its second axis")
+                         f"B * H = {pairs}: {_limit_passed(tiles, pairs)}")
+    if tiles >= _TILES_FIRST_FROM and pairs <= 65_535:
+        return (tiles, pairs), True
     return (pairs, tiles), False
 
 
@@ -107,6 +107,14 @@ _TILES_FIRST_FROM = 65_536  # tiles from which they take the first axis (the tes
 def _fits(tiles: int, pairs: int) -> bool:
     # Whether one of the two orders fits CUDA's limits: one count on the second axis.
     return min(tiles, pairs) <= 65_535 and max(tiles, pairs) <= 2**31 - 1
+
+
+def _limit_passed(tiles: int, pairs: int) -> str:
+    # Which of CUDA's grid limits a grid of `tiles` and B * H = `pairs` passes (_fits is False).
+    if max(tiles, pairs) > 2**31 - 1:
+        what = "the tile count" if tiles > pairs else "B * H"
+        return f"{what} passes the 2**31 - 1 programs of a grid's first axis"
+    return "both pass the 65,535 programs of a grid's second axis"
 
 
 def _wide(*tensors: torch.Tensor) -> bool:
@@ -329,12 +337,17 @@ def _check_tiles(kernel: str, arg: str, length: int, rows: int, pairs: int) -> N
     # Refuse a length of `arg` whose tiles of `rows` rows fit neither of _grid's orders with
     # B * H pairs, naming the argument, its length, B * H and the kernel.
     tiles = triton.cdiv(length, rows)
-    if not _fits(tiles, pairs):
-        raise ValueError(f"{arg} has L{arg} = {length} rows, too many for the "
-                         f"{_KERNEL_NAMES[kernel]} kernel at B * H = {pairs}: its tiles of "
-                         f"{rows} rows would need {tiles} programs on one grid axis and B * H "
-                         f"on the other, which takes 65,535 (L{arg} <= {65_535 * rows}, or "
-                         "B * H <= 65,535)")
+    if _fits(tiles, pairs):
+        return
+    if pairs > 2**31 - 1:  # B * H is to blame, not the length
+        raise ValueError(f"q has B * H = {pairs} (batch, head) pairs, too many for the "
+                         f"{_KERNEL_NAMES[kernel]} kernel with {tiles} tiles of {rows} rows: "
+                         f"{_limit_passed(tiles, pairs)}")
+    fix = (f"L{arg} <= {(2**31 - 1) * rows}" if tiles > 2**31 - 1
+           else f"L{arg} <= {65_535 * rows}, or B * H <= 65,535")
+    raise ValueError(f"{arg} has L{arg} = {length} rows, too many for the "
+                     f"{_KERNEL_NAMES[kernel]} kernel at B * H = {pairs}: its tiles of "
+                     f"{rows} rows number {tiles}; {_limit_passed(tiles, pairs)} ({fix})")
 
 
 def _fastest(name: str, settings, run) -> tuple[int, int, int, int]:
