@@ -783,7 +783,7 @@ def _ch15_rows(shape, lq, lk, causal, spread=1.0, strided=False):
                 for n in (lq, lk))
         q = q * spread
         if strided:  # the same numbers, stored with stride 1 along the rows, not along D
-            q = q.transpose(-1, -2).contiguous().transpose(-1, -2)
+            q, k = (x.transpose(-1, -2).contiguous().transpose(-1, -2) for x in (q, k))
         _, lse = kernels._forward(q, k, k, causal, scale)  # (B, H, lq), base 2
         return ({"q": q, "k": k, "causal": causal},
                 torch.where(lse.isinf(), float("-inf"), lse / kernels._LOG2E))
@@ -797,7 +797,7 @@ EXERCISES["15.3"] = Exercise("the logsumexp of each query row, in Triton", (
          "scores are scaled by log2(e)): divide m + log2(l) by log2(e) for natural logarithms"),
     Case("70 queries, 100 keys", _ch15_rows((1, 2, 32), 70, 100, False),
          "lengths that are not multiples of the tile: mask the loads, and give the keys past Lk a "
-         "score of -inf, not 0: " + _CH15.format("The Triton programming model")),
+         "score of -inf, not 0: " + _CH15.format("The forward kernel")),
     Case("causal, 40 queries, 100 keys", _ch15_rows((1, 2, 32), 40, 100, True),
          "the causal mask is aligned bottom-right: query i sees key j iff j <= i + Lk - Lq "
          "(_key_range, _scores): " + _CH15.format("The forward kernel")),
@@ -810,8 +810,8 @@ EXERCISES["15.3"] = Exercise("the logsumexp of each query row, in Triton", (
     Case("scores in the thousands", _ch15_rows((1, 2, 32), 50, 80, False, spread=300.0),
          "exponentiate scores minus the running maximum: exp2 of a score in the thousands "
          "overflows float32: " + _CH15.format("From tiles to programs")),
-    Case("q strided along D", _ch15_rows((1, 2, 32), 37, 45, False, strided=True),
-         "read q through its four strides: this q is not contiguous along D: "
+    Case("q and k strided along D", _ch15_rows((1, 2, 32), 37, 45, False, strided=True),
+         "read q and k through their own four strides each: neither is contiguous along D: "
          + _CH15.format("The Triton programming model")),
 ))
 
