@@ -60,6 +60,17 @@ def no_running_maximum(q, k, causal):
     return s.exp().sum(-1).log()
 
 
+def contiguous_strides(x):
+    """The strides x would have if it were contiguous, (H L D, L D, D, 1)."""
+    return torch.empty(x.shape).stride()
+
+
+def k_read_as_contiguous(q, k, causal):
+    """A kernel that passes k's strides as if k were contiguous: it reads the wrong numbers."""
+    wrong = torch.as_strided(k, k.shape, contiguous_strides(k), k.storage_offset())
+    return right(q, wrong, causal)
+
+
 def test_a_right_answer_passes_every_case(capsys):
     result = check("15.3", right)
     assert result.passed and result.cases == len(EXERCISES["15.3"].cases) == 7
@@ -72,6 +83,7 @@ def test_a_right_answer_passes_every_case(capsys):
     (top_left, "causal, 40 queries, 100 keys", "aligned bottom-right"),
     (nan_for_no_key, "causal, 100 queries, 40 keys", "-inf, not NaN"),
     (no_running_maximum, "scores in the thousands", "overflows float32"),
+    (k_read_as_contiguous, "q and k strided along D", "read q and k through their own"),
 ], ids=lambda x: getattr(x, "__name__", None))
 def test_a_wrong_answer_fails_at_the_case_that_names_its_mistake(candidate, case, words):
     result = check("15.3", candidate, show=False)

@@ -21,7 +21,10 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton", reason="Triton (the triton extra) has wheels for Linux only")
 
-from attnbook.kernels import INTERPRETED, flash_attention  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from attnbook.kernels import INTERPRETED, _program, flash_attention  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DEVICE = "cpu" if INTERPRETED else "cuda"
@@ -273,6 +276,32 @@ def test_a_length_past_65535_tiles_launches_with_its_tiles_on_the_first_axis(mon
     assert grids["_delta_kernel"] == ((65_536, 3), True)
     for name, (grid, _) in grids.items():
         assert all(1 <= s <= limit for s, limit in zip(grid, Launches.CUDA_GRID_LIMITS)), name
+
+
+@triton.jit
+def _first_row_probe(OUT, H, BLOCK: tl.constexpr, WIDE: tl.constexpr, TILES_FIRST: tl.constexpr):
+    # Stores the first row that _program gives the program that runs it.
+    bh, b, h, start = _program(H, BLOCK, WIDE, TILES_FIRST)
+    tl.store(OUT, start.to(tl.int64))
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="launches one program of a huge grid in the interpreter")
+def test_the_first_row_of_a_wide_launch_counts_past_2_to_the_31(monkeypatch):
+    # Program 2**25 of a (tiles, B * H) grid with tiles of 64 rows (a length of 2**31 + 64) starts
+    # at row 2**31. Before, program_id * BLOCK was multiplied in int32 and wrapped to -2**31.
+    from triton.runtime import interpreter
+
+    from attnbook import kernels
+
+    program = 2**31 // 64
+    assert kernels._grid(2**31 + 64, 64, 1) == ((program + 1, 1), True)
+    builder = interpreter.interpreter_builder  # run only program (2**25, 0) of the grid
+    set_dim, set_idx = builder.set_grid_dim, builder.set_grid_idx
+    monkeypatch.setattr(builder, "set_grid_dim", lambda x, y, z: set_dim(program + 1, y, z))
+    monkeypatch.setattr(builder, "set_grid_idx", lambda x, y, z: set_idx(x + program, y, z))
+    out = torch.zeros(1, dtype=torch.int64)
+    _first_row_probe[(1, 1)](out, 1, BLOCK=64, WIDE=True, TILES_FIRST=True)
+    assert out.item() == program * 64 == 2**31
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -781,6 +810,23 @@ def test_autotuning_skips_candidates_that_do_not_fit_or_run_out_of_resources(mon
     long = torch.zeros(1, 1, 1, 16, device=DEVICE).expand(70_000, 1, 65_535 * 64 + 1, 16)
     with pytest.raises(ValueError, match=r"q has Lq = 4194241 rows, too many for the forward"):
         kernels._launch(_Recorded(), "forward", long, long, False)
+
+
+def test_a_refusal_names_the_grid_limit_actually_passed():
+    # Before, B * H = 2**31 with Lq = 1 blamed "Lq = 1 rows" and advised "B * H <= 65,535", and
+    # _grid returned a first axis of 2**31 programs, past CUDA's 2**31 - 1 (the outside K2).
+    from attnbook import kernels
+
+    q = torch.zeros(1, 1, 1, 16, device=DEVICE).expand(2**31, 1, 1, 16)  # holds no memory
+    with pytest.raises(ValueError, match=r"^q has B \* H = 2147483648 \(batch, head\) pairs, too "
+                                         r"many .*B \* H passes the 2\*\*31 - 1 programs"):
+        kernels._check_backward_lengths(q, q)
+    with pytest.raises(ValueError, match=r"needs 2147483648 tiles of 32 rows and B \* H = 1: "
+                                         r"the tile count passes the 2\*\*31 - 1 programs"):
+        kernels._grid(2**31 * 32, 32, 1)
+    with pytest.raises(ValueError, match=r"Lq = 68719476736 rows.*tile count passes the "
+                                         r"2\*\*31 - 1 programs.*\(Lq <= 68719476704\)$"):
+        kernels._check_tiles("forward", "q", 2**31 * 32, 32, 1)
 
 
 @pytest.mark.parametrize("value", ["0", " 0", "0 ", "false", "False", "OFF", "no", " No "])

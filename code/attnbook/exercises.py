@@ -795,6 +795,52 @@ EXERCISES["14.2"] = Exercise("the roofline: attainable FLOP/s against arithmetic
 ))
 
 
+# chapters/a7-exercise-cases.md, "Chapter 15"
+def _ch15_rows(shape, lq, lk, causal, spread=1.0, strided=False):
+    """Chapter 15, exercise 3: q (B, H, lq, D) and k (B, H, lk, D) in float32, and the natural
+    logsumexp of each row of q k^T / sqrt(D) by the package's forward kernel (-inf: no key)."""
+    def build(rng):
+        from attnbook import kernels  # imports Triton: only once a case is built
+
+        device = "cpu" if kernels.INTERPRETED else "cuda"
+        (b, h, d), scale = shape, shape[-1] ** -0.5
+        q, k = (torch.from_numpy(rng.standard_normal((b, h, n, d))).float().to(device)
+                for n in (lq, lk))
+        q = q * spread
+        if strided:  # the same numbers, stored with stride 1 along the rows, not along D
+            q, k = (x.transpose(-1, -2).contiguous().transpose(-1, -2) for x in (q, k))
+        _, lse = kernels._forward(q, k, k, causal, scale)  # (B, H, lq), base 2
+        return ({"q": q, "k": k, "causal": causal},
+                torch.where(lse.isinf(), float("-inf"), lse / kernels._LOG2E))
+    return build
+
+
+_CH15 = 'chapter 15, "{}"'
+EXERCISES["15.3"] = Exercise("the logsumexp of each query row, in Triton", (
+    Case("one query, one key", _ch15_rows((1, 1, 16), 1, 1, False),
+         "one key: the logsumexp is its score q . k / sqrt(D). The kernel works in base 2 (the "
+         "scores are scaled by log2(e)): divide m + log2(l) by log2(e) for natural logarithms"),
+    Case("70 queries, 100 keys", _ch15_rows((1, 2, 32), 70, 100, False),
+         "lengths that are not multiples of the tile: mask the loads, and give the keys past Lk a "
+         "score of -inf, not 0: " + _CH15.format("The forward kernel")),
+    Case("causal, 40 queries, 100 keys", _ch15_rows((1, 2, 32), 40, 100, True),
+         "the causal mask is aligned bottom-right: query i sees key j iff j <= i + Lk - Lq "
+         "(_key_range, _scores): " + _CH15.format("The forward kernel")),
+    Case("causal, 100 queries, 40 keys", _ch15_rows((1, 2, 32), 100, 40, True),
+         "the first Lq - Lk rows see no key: their logsumexp is -inf, not NaN; subtract 0 where "
+         "the running maximum is still -inf: " + _CH15.format("The forward kernel")),
+    Case("a batch of 2 and 3 heads", _ch15_rows((2, 3, 16), 65, 33, True),
+         "each program finds its batch and head with _program, and writes its row of the output "
+         "at bh * Lq: " + _CH15.format("The Triton programming model")),
+    Case("scores in the thousands", _ch15_rows((1, 2, 32), 50, 80, False, spread=300.0),
+         "exponentiate scores minus the running maximum: exp2 of a score in the thousands "
+         "overflows float32: " + _CH15.format("From tiles to programs")),
+    Case("q and k strided along D", _ch15_rows((1, 2, 32), 37, 45, False, strided=True),
+         "read q and k through their own four strides each: neither is contiguous along D: "
+         + _CH15.format("The Triton programming model")),
+))
+
+
 # chapters/a7-exercise-cases.md, "Chapter 16"
 def _ch16_backward_case(shape, lq, lk, causal=False, dtype=np.float64, nan_query=None):
     """(B, H) batch and heads, lq queries and lk keys of width d = shape[-1]."""
@@ -840,52 +886,6 @@ EXERCISES["16.1"] = Exercise("the backward pass of attention", (
     Case("a NaN in query 2", _ch16_backward_case((1, 1, 4), 4, 5, nan_query=2),
          "a NaN in query 2 makes its row of P NaN: dq's row 2 and every dk and dv are NaN, the "
          "other rows of dq are not: never replace a NaN (torch.nan_to_num)"),
-))
-
-
-# chapters/a7-exercise-cases.md, "Chapter 15"
-def _ch15_rows(shape, lq, lk, causal, spread=1.0, strided=False):
-    """Chapter 15, exercise 3: q (B, H, lq, D) and k (B, H, lk, D) in float32, and the natural
-    logsumexp of each row of q k^T / sqrt(D) by the package's forward kernel (-inf: no key)."""
-    def build(rng):
-        from attnbook import kernels  # imports Triton: only once a case is built
-
-        device = "cpu" if kernels.INTERPRETED else "cuda"
-        (b, h, d), scale = shape, shape[-1] ** -0.5
-        q, k = (torch.from_numpy(rng.standard_normal((b, h, n, d))).float().to(device)
-                for n in (lq, lk))
-        q = q * spread
-        if strided:  # the same numbers, stored with stride 1 along the rows, not along D
-            q = q.transpose(-1, -2).contiguous().transpose(-1, -2)
-        _, lse = kernels._forward(q, k, k, causal, scale)  # (B, H, lq), base 2
-        return ({"q": q, "k": k, "causal": causal},
-                torch.where(lse.isinf(), float("-inf"), lse / kernels._LOG2E))
-    return build
-
-
-_CH15 = 'chapter 15, "{}"'
-EXERCISES["15.3"] = Exercise("the logsumexp of each query row, in Triton", (
-    Case("one query, one key", _ch15_rows((1, 1, 16), 1, 1, False),
-         "one key: the logsumexp is its score q . k / sqrt(D). The kernel works in base 2 (the "
-         "scores are scaled by log2(e)): divide m + log2(l) by log2(e) for natural logarithms"),
-    Case("70 queries, 100 keys", _ch15_rows((1, 2, 32), 70, 100, False),
-         "lengths that are not multiples of the tile: mask the loads, and give the keys past Lk a "
-         "score of -inf, not 0: " + _CH15.format("The Triton programming model")),
-    Case("causal, 40 queries, 100 keys", _ch15_rows((1, 2, 32), 40, 100, True),
-         "the causal mask is aligned bottom-right: query i sees key j iff j <= i + Lk - Lq "
-         "(_key_range, _scores): " + _CH15.format("The forward kernel")),
-    Case("causal, 100 queries, 40 keys", _ch15_rows((1, 2, 32), 100, 40, True),
-         "the first Lq - Lk rows see no key: their logsumexp is -inf, not NaN; subtract 0 where "
-         "the running maximum is still -inf: " + _CH15.format("The forward kernel")),
-    Case("a batch of 2 and 3 heads", _ch15_rows((2, 3, 16), 65, 33, True),
-         "each program finds its batch and head with _program, and writes its row of the output "
-         "at bh * Lq: " + _CH15.format("The Triton programming model")),
-    Case("scores in the thousands", _ch15_rows((1, 2, 32), 50, 80, False, spread=300.0),
-         "exponentiate scores minus the running maximum: exp2 of a score in the thousands "
-         "overflows float32: " + _CH15.format("From tiles to programs")),
-    Case("q strided along D", _ch15_rows((1, 2, 32), 37, 45, False, strided=True),
-         "read q through its four strides: this q is not contiguous along D: "
-         + _CH15.format("The Triton programming model")),
 ))
 
 

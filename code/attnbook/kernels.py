@@ -18,7 +18,6 @@ __all__ = [
 # chapters/15-flash-attention-triton.md, "The Triton programming model"
 import contextlib
 import functools
-import os
 
 import torch
 import triton  # compiled, or interpreted after use_triton_interpreter() without a GPU
@@ -32,6 +31,7 @@ from attnbook.checks import (  # noqa: F401
     check_real,
     check_scale,
     check_tensor,
+    env_flag,
 )
 
 
@@ -81,9 +81,10 @@ def _program(H, BLOCK: tl.constexpr, WIDE: tl.constexpr, TILES_FIRST: tl.constex
     # first row i * BLOCK, int64 when WIDE so that the rows built from it are too. The grid is
     # (tiles, B * H) when TILES_FIRST, else (B * H, tiles).
     bh = tl.program_id(1 if TILES_FIRST else 0)
-    start = tl.program_id(0 if TILES_FIRST else 1) * BLOCK
-    if WIDE:  # some tensor spans 2**31 elements or more: rows * stride may not fit 32 bits
-        start = start.to(tl.int64)
+    tile = tl.program_id(0 if TILES_FIRST else 1)
+    if WIDE:  # some tensor spans 2**31 elements or more: widen before the multiply, which
+        tile = tile.to(tl.int64)  # passes 2**31 from tile 2**31 / BLOCK on (TILES_FIRST)
+    start = tile * BLOCK
     return bh.to(tl.int64), (bh // H).to(tl.int64), (bh % H).to(tl.int64), start
 
 
@@ -92,11 +93,11 @@ def _grid(length: int, block: int, pairs: int) -> tuple[tuple[int, int], bool]:
     # allows 2**31 - 1 programs on the first axis and 65,535 on the second, so (B * H, tiles)
     # unless the tiles need the first axis and B * H fits the second.
     tiles = triton.cdiv(length, block)
-    if tiles >= _TILES_FIRST_FROM and pairs <= 65_535:
-        return (tiles, pairs), True
     if not _fits(tiles, pairs):
         raise ValueError(f"a length of {length} rows needs {tiles} tiles of {block} rows and "
-                         f"B * H = {pairs}: a grid takes 65,535 programs on its second axis")
+                         f"B * H = {pairs}: {_limit_passed(tiles, pairs)}")
+    if tiles >= _TILES_FIRST_FROM and pairs <= 65_535:
+        return (tiles, pairs), True
     return (pairs, tiles), False
 
 
@@ -106,6 +107,14 @@ _TILES_FIRST_FROM = 65_536  # tiles from which they take the first axis (the tes
 def _fits(tiles: int, pairs: int) -> bool:
     # Whether one of the two orders fits CUDA's limits: one count on the second axis.
     return min(tiles, pairs) <= 65_535 and max(tiles, pairs) <= 2**31 - 1
+
+
+def _limit_passed(tiles: int, pairs: int) -> str:
+    # Which of CUDA's grid limits a grid of `tiles` and B * H = `pairs` passes (_fits is False).
+    if max(tiles, pairs) > 2**31 - 1:
+        what = "the tile count" if tiles > pairs else "B * H"
+        return f"{what} passes the 2**31 - 1 programs of a grid's first axis"
+    return "both pass the 65,535 programs of a grid's second axis"
 
 
 def _wide(*tensors: torch.Tensor) -> bool:
@@ -328,12 +337,17 @@ def _check_tiles(kernel: str, arg: str, length: int, rows: int, pairs: int) -> N
     # Refuse a length of `arg` whose tiles of `rows` rows fit neither of _grid's orders with
     # B * H pairs, naming the argument, its length, B * H and the kernel.
     tiles = triton.cdiv(length, rows)
-    if not _fits(tiles, pairs):
-        raise ValueError(f"{arg} has L{arg} = {length} rows, too many for the "
-                         f"{_KERNEL_NAMES[kernel]} kernel at B * H = {pairs}: its tiles of "
-                         f"{rows} rows would need {tiles} programs on one grid axis and B * H "
-                         f"on the other, which takes 65,535 (L{arg} <= {65_535 * rows}, or "
-                         "B * H <= 65,535)")
+    if _fits(tiles, pairs):
+        return
+    if pairs > 2**31 - 1:  # B * H is to blame, not the length
+        raise ValueError(f"q has B * H = {pairs} (batch, head) pairs, too many for the "
+                         f"{_KERNEL_NAMES[kernel]} kernel with {tiles} tiles of {rows} rows: "
+                         f"{_limit_passed(tiles, pairs)}")
+    fix = (f"L{arg} <= {(2**31 - 1) * rows}" if tiles > 2**31 - 1
+           else f"L{arg} <= {65_535 * rows}, or B * H <= 65,535")
+    raise ValueError(f"{arg} has L{arg} = {length} rows, too many for the "
+                     f"{_KERNEL_NAMES[kernel]} kernel at B * H = {pairs}: its tiles of "
+                     f"{rows} rows number {tiles}; {_limit_passed(tiles, pairs)} ({fix})")
 
 
 def _fastest(name: str, settings, run) -> tuple[int, int, int, int]:
@@ -362,13 +376,7 @@ def _bucket(length: int) -> int:
 def _autotuning() -> bool:
     # ATTNBOOK_AUTOTUNE off (0, false, off or no, in any case): always the first setting that
     # fits, the same in every process (reproducible). Unset, empty, 1, true, on or yes: timed.
-    value = os.environ.get("ATTNBOOK_AUTOTUNE", "").strip().upper()
-    if value in ("0", "FALSE", "OFF", "NO"):
-        return False
-    if value in ("", "1", "TRUE", "ON", "YES"):
-        return True
-    raise ValueError(f"ATTNBOOK_AUTOTUNE must be 1, true, on, yes or 0, false, off, no (any "
-                     f"case), got ATTNBOOK_AUTOTUNE={os.environ['ATTNBOOK_AUTOTUNE']!r}")
+    return env_flag("ATTNBOOK_AUTOTUNE", True)
 
 
 def _seconds(run) -> float:
@@ -562,8 +570,7 @@ class _FlashAttention(torch.autograd.Function):
 
 
 def _check_backward_lengths(q, k) -> None:
-    # A ValueError naming q and Lq or k and Lk, and B * H, if a backward launch fits neither
-    # grid order: raised before the forward runs, not in loss.backward() after it.
+    # Before the forward, not in loss.backward(): a backward launch that fits no grid order
     _check_tiles("delta", "q", q.shape[2], 32, q.shape[0] * q.shape[1])
     for name in ("dkdv", "dq"):
         _fitting(name, q, k)

@@ -10,7 +10,7 @@ __all__ = [
 ]
 
 # chapters/15-flash-attention-triton.md, "Choosing the interpreter"
-import os  # noqa: F811 (the page imported it above; triton_mode.py needs its own import)
+import os
 import sys
 
 # What Triton (3.7's getenv_bool) reads as true in TRITON_INTERPRET, in any case; any other
