@@ -15,8 +15,7 @@ import torch.nn.functional as F
 from test_backends import check_calls  # calls of attnbook.checks' functions
 
 from attnbook.gpt import GPT, GPTConfig
-from attnbook.layers import (
-    Attention, AttentionConfig, Block, BlockConfig, SwiGLU, TransformerBlock)
+from attnbook.layers import Attention, AttentionConfig, Block, BlockConfig, SwiGLU, TransformerBlock
 from attnbook.positions import ALiBi, Rotary, alibi_bias, apply_rope
 
 pytestmark = pytest.mark.usefixtures("one_thread")
