@@ -6,6 +6,7 @@ by name. The parts inside attention are compared with chapter 5's functions and 
 written out with the scores."""
 
 import dataclasses
+import inspect
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ import torch.nn.functional as F
 from test_backends import check_calls  # calls of attnbook.checks' functions
 
 from attnbook.gpt import GPT, GPTConfig
-from attnbook.layers import SwiGLU
+from attnbook.layers import Attention, AttentionConfig, Block, BlockConfig, SwiGLU, TransformerBlock
 from attnbook.positions import ALiBi, Rotary, alibi_bias, apply_rope
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -211,11 +212,96 @@ def test_bad_settings_are_refused_by_name(field, value, error, match):
 def test_settings_that_do_not_go_together_are_refused_by_name():
     with pytest.raises(ValueError, match="head_dim=3 is not divisible"):  # RoPE turns pairs
         GPTConfig(**{**SIZES, "d_model": 12}, positions="rope")
-    with pytest.raises(ValueError, match="backend must be 'sdpa'"):
-        GPTConfig(**SIZES, positions="alibi", backend="explicit")
-    fine = GPTConfig(**SIZES, positions="alibi")
-    with pytest.raises(ValueError, match="backend must be 'sdpa'"):
-        dataclasses.replace(fine, backend="triton")
+
+
+# ALiBi on every path: the weights asked for, every backend, a query with no key -------------
+
+
+def alibi_block(**fields) -> Block:
+    torch.manual_seed(0)
+    return Block(BlockConfig(16, 4, positions="alibi", **fields)).eval()
+
+
+def alibi_weights(block: Block, x: torch.Tensor) -> torch.Tensor:
+    """The block's causal self-attention weights (B, nh, T, T), ALiBi written out in float64."""
+    attn, (b, t, _) = block.self_attn, x.shape
+    q, k = (p(block.attn_norm(x)).double().view(b, t, -1, 4).transpose(1, 2)
+            for p in (attn.q_proj, attn.k_proj))
+    k = k.repeat_interleave(4 // k.shape[1], dim=1)
+    scores = q @ k.transpose(-2, -1) / 2.0 + alibi_bias(4, t).double()  # head size 4
+    causal = torch.ones(t, t, dtype=torch.bool).tril()
+    return scores.masked_fill(~causal, float("-inf")).softmax(-1)
+
+
+@pytest.mark.parametrize("fields", [{}, dict(num_kv_heads=2)])
+def test_alibi_block_with_its_weights_computes_the_same(fields):
+    block, x = alibi_block(**fields), torch.randn(2, 5, 16)
+    with torch.no_grad():
+        out, weights, _ = block(x, is_causal=True, return_weights=True)
+        torch.testing.assert_close(out, block(x, is_causal=True))
+        torch.testing.assert_close(weights.double(), alibi_weights(block, x))
+
+
+@pytest.mark.parametrize("backend", ["explicit", "triton"])
+def test_alibi_takes_every_backend(backend):
+    x = torch.randn(2, 5, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(alibi_block(backend=backend)(x, is_causal=True),
+                                   alibi_block()(x, is_causal=True))
+    assert dataclasses.replace(config("alibi"), backend=backend).backend == backend
+
+
+@pytest.mark.parametrize("return_weights", [False, True])
+@pytest.mark.parametrize("backend", ["sdpa", "explicit"])
+def test_alibi_gives_zeros_to_a_query_with_no_key(backend, return_weights):
+    block, x = alibi_block(backend=backend), torch.randn(1, 4, 16)
+    mask = torch.ones(4, 4, dtype=torch.bool)
+    mask[1] = False  # query 1 may read no key
+    with torch.no_grad():
+        out = block.self_attn(block.attn_norm(x), mask=mask, return_weights=return_weights)
+        weights = out[1] if return_weights else None
+        out = out[0]
+    attn = block.self_attn
+    torch.testing.assert_close(out[0, 1], attn.out_proj.bias)  # zeros before out_proj
+    assert torch.isfinite(out).all()
+    if weights is not None:
+        assert (weights[0, :, 1] == 0).all()
+
+
+def test_alibi_guards_the_row_with_no_key_itself(monkeypatch):
+    """SDPA's CUDA math kernel gives NaN where a float mask is -inf across a row; the CPU's
+    gives zeros. Here SDPA answers NaN for such a row, and the layer must still give zeros."""
+    real = F.scaled_dot_product_attention
+
+    def nan_for_empty_rows(q, k, v, attn_mask=None, **kwargs):
+        out = real(q, k, v, attn_mask=attn_mask, **kwargs)
+        if attn_mask is not None and attn_mask.dtype.is_floating_point:
+            empty = torch.isneginf(attn_mask).all(dim=-1, keepdim=True)
+            out = out.masked_fill(empty, float("nan"))
+        return out
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", nan_for_empty_rows)
+    block, x = alibi_block(), torch.randn(1, 4, 16)
+    mask = torch.ones(4, 4, dtype=torch.bool)
+    mask[2] = False
+    with torch.no_grad():
+        out, _ = block.self_attn(block.attn_norm(x), mask=mask)
+    torch.testing.assert_close(out[0, 2], block.self_attn.out_proj.bias)
+
+
+def test_attention_checks_its_hooks_when_built():
+    c = AttentionConfig(16, 4)
+    for name in ("rotary", "fast"):
+        with pytest.raises(TypeError, match=f"{name} must be callable or None, got {name}=5"):
+            Attention(c, **{name: 5})
+
+
+def test_transformer_block_takes_every_field_of_block_config():
+    torch.manual_seed(0)
+    ours = TransformerBlock(16, 4, positions="rope", rope_base=500.0)
+    assert ours.config == BlockConfig(16, 4, positions="rope", rope_base=500.0)
+    assert [f.name for f in dataclasses.fields(BlockConfig)] == list(
+        inspect.signature(TransformerBlock).parameters)
 
 
 # Llama's weights (chapter 19) ---------------------------------------------------------------
@@ -268,13 +354,21 @@ def test_from_hf_llama_keeps_the_dtype_and_mode():
 @pytest.mark.parametrize("overrides, match", [
     (dict(hidden_act="gelu"), "hidden_act='gelu'"),
     (dict(head_dim=16), "head_dim=16"),
-    (dict(attention_bias=True, mlp_bias=False), "mlp_bias=False"),
+    (dict(attention_bias=True, mlp_bias=False), "mlp_bias=False and .*attention_bias=True must"),
+    (dict(attention_bias=False, mlp_bias=True), "mlp_bias=True and .*attention_bias=False must"),
     (dict(attention_dropout=0.1), "attention_dropout=0.1"),
     (dict(rope_scaling={"rope_type": "linear", "factor": 2.0}), "rope_type='linear'"),
 ])
 def test_from_hf_llama_refuses_what_it_does_not_compute(overrides, match):
     with pytest.raises(ValueError, match=match):
         GPT.from_hf_llama(hf_llama(**overrides))
+
+
+def test_from_hf_llama_refuses_a_tied_flag_whose_weights_differ():
+    theirs = hf_llama()  # its own output layer, then a flag that says it is the embedding
+    theirs.config.tie_word_embeddings = True
+    with pytest.raises(ValueError, match="tie_word_embeddings=True.*lm_head.weight"):
+        GPT.from_hf_llama(theirs)
 
 
 def test_from_hf_llama_refuses_other_models():

@@ -227,13 +227,18 @@ class GPT(nn.Module):
                                                         **(getattr(hf, "rope_scaling", None) or {})}
         d, heads = hf.hidden_size, hf.num_attention_heads
         found = {"hidden_act": hf.hidden_act, "rope_type": rope.get("rope_type", "default"),
-                 "head_dim": getattr(hf, "head_dim", d // heads), "mlp_bias": hf.mlp_bias,
+                 "head_dim": getattr(hf, "head_dim", d // heads),
                  "attention_dropout": hf.attention_dropout, "pretraining_tp": hf.pretraining_tp}
         for name, wanted in {"hidden_act": "silu", "rope_type": "default", "head_dim": d // heads,
-                             "mlp_bias": hf.attention_bias, "attention_dropout": 0.0,
-                             "pretraining_tp": 1}.items():
+                             "attention_dropout": 0.0, "pretraining_tp": 1}.items():
             if (value := found[name]) != wanted:
                 raise ValueError(f"model.config.{name}={value!r} is not supported, only {wanted!r}")
+        if hf.mlp_bias != hf.attention_bias:  # our GPT has one `bias` for both
+            raise ValueError(f"model.config.mlp_bias={hf.mlp_bias!r} and model.config.attention_bias="
+                             f"{hf.attention_bias!r} must be equal: our GPT has one bias setting")
+        if hf.tie_word_embeddings and not torch.equal(model.lm_head.weight, body.embed_tokens.weight):
+            raise ValueError("model.config.tie_word_embeddings=True, but model.lm_head.weight differs "
+                             "from model.model.embed_tokens.weight")
         config = GPTConfig.llama(
             vocab_size=hf.vocab_size, context_length=hf.max_position_embeddings, d_model=d,
             num_layers=len(body.layers), num_heads=heads, num_kv_heads=hf.num_key_value_heads,

@@ -238,7 +238,11 @@ class Attention(nn.Module):
                  fast: nn.Module | None = None) -> None:
         super().__init__()
         config = check_instance("config", config, AttentionConfig)
-        # chapter 7's variants: RoPE turns q and k (rotary); ALiBi attends with a bias (fast)
+        # chapter 7's variants: RoPE turns q and k (rotary); ALiBi attends with a bias (fast,
+        # whose `with_weights` computes the weights too)
+        for name, hook in (("rotary", rotary), ("fast", fast)):
+            if hook is not None and not callable(hook):
+                raise type_error(name, hook, "callable or None")
         self.rotary = _unturned if rotary is None else rotary
         self.fast = fast  # None: the backend's function
         self.config, width, kv_width = config, config.d_model, config.kv_heads * config.head_dim
@@ -274,7 +278,9 @@ class Attention(nn.Module):
         if cache is not None:
             k, v = cache._append(k, v)  # this chunk's and every earlier position: (B, nkv, Lk, hs)
         dropout_p = self.config.dropout if self.training else 0.0
-        if return_weights:  # only the explicit computation has them
+        if return_weights and self.fast is not None:  # a variant's own, with its bias
+            out, weights = self.fast.with_weights(q, k, v, mask, is_causal, dropout_p)
+        elif return_weights:  # only the explicit computation has them
             mask = _with_causal(mask, is_causal, q, k)
             out, weights = _attend(q, k, v, mask, dropout_p, self.head_dim ** -0.5)
         else:
@@ -628,9 +634,6 @@ class BlockConfig:
         keep("positions", check_choice, ("none", "rope", "alibi")), keep("rope_base", check_positive)
         if self.positions == "rope":  # RoPE turns pairs of a head's coordinates
             check_divisible("head_dim", attention.head_dim, "2", 2)
-        if self.positions == "alibi" and self.backend != "sdpa":
-            raise ValueError(f"positions='alibi' attends by SDPA with a bias: backend must be "
-                             f"'sdpa', got backend={self.backend!r}")
 
     @property
     def attention(self) -> AttentionConfig:
@@ -689,24 +692,42 @@ def _inside_attention(c: BlockConfig) -> tuple[nn.Module | None, nn.Module | Non
     """The self-attention's `rotary` and `fast` (chapter 3) for c.positions: RoPE turns q and
     k, ALiBi attends with a bias; None keeps the attention's own."""
     rotary = Rotary(c.attention.head_dim, c.rope_base) if c.positions == "rope" else None
-    return rotary, (_ALiBiAttention(c.num_heads) if c.positions == "alibi" else None)
+    alibi = _ALiBiAttention(c.num_heads, c.backend) if c.positions == "alibi" else None
+    return rotary, alibi
 
 
 class _ALiBiAttention(nn.Module):
-    """The fast path of an ALiBi layer: SDPA with chapter 5's bias added to the scores, and -inf
-    where `mask` (with is_causal, the causal mask too) forbids a key."""
+    """Attention with chapter 5's bias added to the scores, where `mask` (with is_causal, the
+    causal mask too) allows a key: written out for the weights and the explicit backend, else by
+    SDPA (Triton's kernel takes no bias). A query with no allowed key gets zeros."""
 
-    def __init__(self, num_heads: int) -> None:
+    def __init__(self, num_heads: int, backend: str) -> None:
         super().__init__()
-        self.alibi = ALiBi(num_heads)
+        self.alibi, self.backend = ALiBi(num_heads), backend
 
     def forward(self, q, k, v, mask, is_causal, dropout_p):
+        if self.backend == "explicit" or (q.device.type == "cpu" and q.element_size() == 2):
+            return self.with_weights(q, k, v, mask, is_causal, dropout_p)[0]
         bias = self.alibi(q.shape[2], k.shape[2]).to(q.dtype)  # (nh, Lq, Lk)
         allowed = _with_causal(mask, is_causal, q, k)
-        if allowed is not None:
-            bias = bias.masked_fill(~allowed, float("-inf"))
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p,
-                                              enable_gqa=q.shape[1] != k.shape[1])
+        if allowed is not None:  # a row of -inf would be NaN: it attends to all, then zeros
+            seen = allowed.any(dim=-1, keepdim=True)
+            bias = bias.masked_fill(~(allowed | ~seen), float("-inf"))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p,
+                                             enable_gqa=q.shape[1] != k.shape[1])
+        return out if allowed is None else out.masked_fill(~seen, 0.0)
+
+    def with_weights(self, q, k, v, mask, is_causal, dropout_p):
+        """(outputs (B, nh, Lq, hs), weights (B, nh, Lq, Lk)), computed in float32 at least."""
+        allowed, work = _with_causal(mask, is_causal, q, k), compute_dtype(q.dtype)
+        group = q.shape[1] // k.shape[1]  # key/value heads repeated for their query heads
+        k, v = (t.repeat_interleave(group, dim=1).to(work) for t in (k, v))
+        scores = q.to(work) @ k.transpose(-2, -1) * q.shape[-1] ** -0.5
+        weights = _masked_softmax(scores + self.alibi(q.shape[2], k.shape[2]).to(work), allowed)
+        out = F.dropout(weights, p=dropout_p) @ v if dropout_p > 0.0 else weights @ v
+        if allowed is not None:  # a query with no key: zeros, even by a NaN value
+            out = out.masked_fill(~allowed.any(dim=-1, keepdim=True), 0.0)
+        return out.to(q.dtype), weights.to(q.dtype)
 
 
 def _make_norm(c: BlockConfig) -> nn.Module:
@@ -724,10 +745,11 @@ class TransformerBlock(Block):
                  activation: str = "gelu", norm: str = "layernorm", eps: float = 1e-5,
                  num_kv_heads: int | None = None, bias: bool = True,
                  attn_dropout: float | None = None, ff_dropout: float | None = None,
-                 backend: str = "sdpa") -> None:
+                 backend: str = "sdpa", positions: str = "none",
+                 rope_base: float = 10000.0) -> None:
         super().__init__(BlockConfig(d_model, num_heads, d_ff, dropout, norm_first,
                                      cross_attention, activation, norm, eps, num_kv_heads, bias,
-                                     attn_dropout, ff_dropout, backend))
+                                     attn_dropout, ff_dropout, backend, positions, rope_base))
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None,
                 is_causal: bool = False, context: torch.Tensor | None = None,
