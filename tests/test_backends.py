@@ -130,6 +130,21 @@ def test_a_query_that_sees_nothing_gets_zeros_when_a_value_is_nan(backend):
     assert out[0, 0, 1:, 0].isnan().all()
 
 
+@pytest.mark.parametrize("backend", ATTENTION_BACKENDS)
+def test_cross_attention_gives_nan_only_for_a_query_that_is_not_finite(backend):
+    # large finite queries (float64's 1e200, float32's 1e37 summed over a head) stay finite;
+    # a query holding a NaN or an infinity gives NaN, which SDPA's CPU kernel alone does not
+    for dtype, big in ((DOUBLE, 1e200), (torch.float32, 1e37)):
+        q = torch.full((1, 2, 3, 64), big, dtype=dtype)
+        q[0, :, 1, 0], q[0, :, 2, 5] = float("nan"), float("inf")
+        layer = Attention(AttentionConfig(128, 2, backend=backend)).to(dtype)
+        layer.q_proj = torch.nn.Identity()  # the heads' queries, as given
+        x = q.transpose(1, 2).flatten(2)  # (1, 3, 128)
+        context = torch.randn(1, 5, 128, dtype=dtype)
+        out, _ = layer(x, context)
+        assert out[0, 0].isfinite().all() and out[0, 1:].isnan().all(), (dtype, backend)
+
+
 @pytest.mark.parametrize("backend", ["sdpa", "explicit"])
 def test_the_cache_gives_the_same_steps_on_every_backend(backend):
     torch.manual_seed(2)

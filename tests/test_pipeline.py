@@ -801,14 +801,20 @@ def test_a_continuing_cell_that_would_run_otherwise_in_the_module_is_refused(cel
 
 
 def test_a_continued_methods_docstring_is_the_chapters(tmp_path):
-    """Before, the docstring's inner lines were indented with the method (and blank runs
-    collapsed), so that `__doc__` differed from the chapter's: 'One.\\n\\n        Two.'."""
+    """Before, blank runs inside the docstring collapsed, so that it read otherwise than the
+    chapter's; then its inner lines kept the cell's indentation, four spaces short of the
+    method's body in the module."""
+    import inspect
+
     cell = ('# continues Counter\ndef f(self):\n    """One.\n\n\n    Two.\n    """\n'
             "    return 1\n\n\nCounter.f = f")
     chapter = _chapter_of_cells(COUNTER, cell)
-    module = _import_module(tangler.package_files([chapter])["code/attnbook/extra.py"], tmp_path)
-    assert module.Counter.f.__doc__ == _run_as_chapter(chapter)["Counter"].f.__doc__
-    assert module.Counter.f.__doc__ == "One.\n\n\n    Two.\n    " and module.Counter().f() == 1
+    source = tangler.package_files([chapter])["code/attnbook/extra.py"]
+    module = _import_module(source, tmp_path)
+    chapters = _run_as_chapter(chapter)["Counter"].f
+    assert inspect.getdoc(module.Counter.f) == inspect.getdoc(chapters) == "One.\n\n\nTwo."
+    assert '        """One.\n\n\n        Two.\n        """\n        return 1\n' in source
+    assert module.Counter().f() == 1
 
 
 def test_what_a_continuing_cell_may_hold_runs_alike_in_chapter_and_module(tmp_path):

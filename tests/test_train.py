@@ -728,6 +728,35 @@ def test_only_the_latest_checkpoints_are_kept(tmp_path, monkeypatch):
     assert [p.name for p in (tmp_path / "one" / "checkpoints").iterdir()] == ["step-00000004"]
 
 
+def test_a_step_with_a_nan_loss_stops_the_run_before_saving_it(tmp_path, monkeypatch, capsys):
+    """Step 2 goes wrong (a weight becomes NaN): the run stops with status 1 and one line that
+    names the step and the last checkpoint, which it keeps; it saves nothing of step 2 on."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    steps = []
+
+    def poisoned(model, *args, _step=train.train_step, **kwargs):
+        steps.append(len(steps) + 1)
+        if len(steps) == 2:
+            with torch.no_grad():
+                next(model.parameters()).fill_(math.nan)
+        return _step(model, *args, **kwargs)
+
+    monkeypatch.setattr(train, "train_step", poisoned)
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as exit:
+        train.main(["gpt", *TINY, "--steps", "3", "--checkpoint-every", "1",
+                    "--keep-checkpoints", "1", "--out", str(out)])
+    assert exit.value.code == 1 and steps == [1, 2]
+    said = capsys.readouterr().err.splitlines()[-1]
+    first = out / "checkpoints" / "step-00000001"
+    assert said.startswith("attnbook-train: error: step 2: the loss is nan")
+    assert said.endswith(f"the last checkpoint is {first} (step 1)")
+    assert [p.name for p in (out / "checkpoints").iterdir()] == [first.name]
+    assert not (out / "model.pt").exists()
+    logged = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in logged] == [1]
+
+
 # The installed command, run as a user runs it.
 
 COMMAND = Path(sys.executable).with_name("attnbook-train")
@@ -934,25 +963,33 @@ def test_a_checkpoint_restores_the_random_state_dropout_draws_from(tmp_path, dev
     torch.testing.assert_close(torch.rand(16, device=device), unbroken, rtol=0, atol=0)
 
 
-def test_a_step_of_the_command_reads_the_device_once(tmp_path, monkeypatch):
+def test_a_step_of_the_command_reads_the_device_twice(tmp_path, monkeypatch):
     """The command's loop reads its step's loss and gradient norm in one transfer from the
-    device: one host read a step (the logged line), not one per number. Counted from outside,
-    as every read of a tensor's value into Python that the loop itself makes."""
+    device; the model's check of its token ids reads once more. Counted from outside, as every
+    read of a tensor's value into Python from any file but PyTorch's own (AdamW reads its step
+    count, a tensor it keeps on the CPU even for a model on a GPU)."""
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     monkeypatch.setattr(sys, "stderr", io.StringIO())
-    reads, steps = [], []
+    reads, steps, TORCH = [], [], Path(torch.__file__).parent
     for name in ("item", "tolist", "__bool__", "__int__", "__float__", "__index__"):
         original = getattr(torch.Tensor, name)
 
         def counted(self, *args, _original=original, **kwargs):
-            caller = sys._getframe(1).f_code.co_filename
-            if Path(caller).name == "train.py":  # the loop's own reads, not the model's checks
-                reads.append(len(steps))
+            caller = Path(sys._getframe(1).f_code.co_filename)
+            if TORCH not in caller.parents:
+                reads.append((len(steps), caller.name))
             return _original(self, *args, **kwargs)
 
         monkeypatch.setattr(torch.Tensor, name, counted)
-    train.train(train.parse_options(["gpt", *TINY, "--steps", "3", "--eval-every", "100",
+    train.train(train.parse_options(["gpt", *TINY, "--steps", "4", "--eval-every", "100",
                                      "--out", str(tmp_path / "run")]),
                 on_step=lambda step: steps.append(step))
-    per_step = [reads.count(done) for done in range(2)]  # steps 1 and 2: no held-out loss
-    assert per_step == [1, 1]
+    per_step = [sorted(f for done, f in reads if done == step) for step in range(1, 3)]
+    # steps 2 and 3 (no held-out loss): the model's id check, the batch's start positions
+    # (drawn on the CPU, before the batch moves to the device) and the loop's read
+    assert per_step == [["checks.py", "recipe.py", "train.py"]] * 2
+
+
+def test_read_step_refuses_a_number_by_name():
+    with pytest.raises(TypeError, match="norm"):
+        train._read_step(torch.tensor(1.0), 2.0)

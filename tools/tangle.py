@@ -345,7 +345,8 @@ def _docstring_tokens(tree: ast.Module, source: str) -> set[tuple[int, int]]:
 def _method_lines(chapter: Chapter, cell: ExportCell) -> list[str]:
     """The lines of a continuing cell's functions, with the comments and single blank lines
     between them, at the indentation of a class body; without the marker and the attaching lines.
-    The lines inside a docstring stay as they are, so that the method's __doc__ is the chapter's."""
+    A docstring's inner lines are indented with the rest and its blank lines kept, so that the
+    method's docstring reads as the chapter's (inspect.getdoc gives the same text)."""
     source = cell.source
     tree = ast.parse(source)
     functions, attaching = _functions_and_attaching_lines(chapter, cell, tree)
@@ -360,8 +361,8 @@ def _method_lines(chapter: Chapter, cell: ExportCell) -> list[str]:
     for i, line in enumerate(source.splitlines()):
         if i in dropped:
             continue
-        if i in verbatim:
-            kept.append(line)
+        if i in verbatim:  # inside a docstring: every line kept, blank ones too
+            kept.append(f"    {line}" if line.strip() else line)
         elif line.strip() or (kept and kept[-1].strip()):  # a run of blank lines becomes one
             kept.append(f"    {line}" if line.strip() else "")
     while kept and not kept[-1]:
@@ -372,7 +373,7 @@ def _method_lines(chapter: Chapter, cell: ExportCell) -> list[str]:
 def _refuse_multiline_strings(chapter: Chapter, cell: ExportCell, tree: ast.Module) -> set[int]:
     """Indenting a function changes a string literal that spans lines, unless it is a docstring,
     whose inner lines are then kept as written: any other such string is refused, not silently
-    changed. Returns the (0-based) lines inside the docstrings, not to be indented."""
+    changed. Returns the (0-based) lines inside the docstrings, whose blank lines are kept."""
     docstrings = _docstring_tokens(tree, cell.source)
     verbatim = set()
     opened = []  # from Python 3.12 an f-string is several tokens: where the open ones started

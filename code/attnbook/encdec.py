@@ -189,8 +189,8 @@ class EncoderDecoder(nn.Module):
     def greedy_decode(self, src: torch.Tensor, max_new_tokens: int | None = None,
                       src_lengths=None) -> torch.Tensor:
         """Target ids (B, T <= max_new_tokens, default config.context_length): each row the
-    tokens after BOS up to EOS, then pad_id. Runs in eval mode without gradients, then
-    restores each module's mode."""
+        tokens after BOS up to EOS, then pad_id. Runs in eval mode without gradients, then
+        restores each module's mode."""
         c = self.config
         src, src_padding = self._source(src, src_lengths)
         steps = c.context_length if max_new_tokens is None else check_int(
@@ -201,8 +201,8 @@ class EncoderDecoder(nn.Module):
     def decode(self, tgt_in: torch.Tensor, memory: torch.Tensor,
                src_padding: torch.Tensor | None = None, return_weights: bool = False):
         """Logits (B, Lt, tgt_vocab) for `tgt_in` given `memory` (B, Ls, d_model) and
-    `src_padding` (B, Ls), True at real source tokens (None: all); with `return_weights`, also
-    each decoder block's cross-attention weights (B, nh, Lt, Ls)."""
+        `src_padding` (B, Ls), True at real source tokens (None: all); with `return_weights`, also
+        each decoder block's cross-attention weights (B, nh, Lt, Ls)."""
         c = self.config
         weight = self.lm_head.weight  # memory must have the model's dtype and device
         memory = check_tensor("memory", memory, ndim=3, size=c.d_model, dtype=weight.dtype,

@@ -219,7 +219,7 @@ class GPT(nn.Module):
     @classmethod
     def from_hf_llama(cls, model: nn.Module) -> "GPT":
         """A GPT with the weights, device, dtype and mode of a transformers LlamaForCausalLM
-    (chapter 19, "Llama's weights"): RoPE, RMSNorm, SwiGLU and shared key/value heads."""
+        (chapter 19, "Llama's weights"): RoPE, RMSNorm, SwiGLU and shared key/value heads."""
         hf, body = getattr(model, "config", None), getattr(model, "model", None)
         if getattr(hf, "model_type", None) != "llama" or not hasattr(model, "lm_head"):
             raise TypeError(f"model must be a LlamaForCausalLM, got {type(model).__name__}")

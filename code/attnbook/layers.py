@@ -151,9 +151,10 @@ def _sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
 
 
 def _nan_where_not_finite(out: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """out, NaN in the rows whose query is not finite (SDPA's CPU kernel gives them zeros in
-    cross-attention): 0 times a row's sum is 0, or NaN for a NaN or an infinity."""
-    return out + q.sum(dim=-1, keepdim=True, dtype=torch.float32).mul_(0.0).to(out.dtype)
+    """out, NaN in the rows whose query holds a NaN or an infinity (SDPA's CPU kernel gives
+    them zeros in cross-attention); the other rows, however large, as they are."""
+    finite = q.isfinite().all(dim=-1, keepdim=True)  # (B, H, Lq, 1)
+    return out.masked_fill(~finite, float("nan"))
 
 
 # chapters/03-heads.md, "The fast path"
@@ -461,7 +462,7 @@ class LayerCache:
     # chapters/04-heads-at-work.md, "Keeping keys and values for generation"
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write k and v (B, num_kv_heads, n, head_dim) after the positions so far; return all
-    the keys and values so far, (B, num_kv_heads, length, head_dim)."""
+        the keys and values so far, (B, num_kv_heads, length, head_dim)."""
         k = check_tensor("k", k, 4, dtype=self.keys.dtype, device=self.keys.device,
                          shape=(*self.keys.shape[:2], None, self.keys.shape[3]))
         v = check_tensor("v", v, 4, dtype=self.values.dtype, device=self.values.device,

@@ -181,7 +181,9 @@ def _train(options, on_step, rank: int, processes: int, device: torch.device) ->
             lr = learning_rate(recipe, step, options.steps)
             # DDP all-reduces, FSDP reduce-scatters the gradients in the step's backward
             loss, norm = train_step(model, optimizer, x, y, lr, recipe.clip)
-            loss, norm = _read_step(loss, norm)  # the step's one read of the device
+            loss, norm = _read_step(loss, norm)  # the loop's one read of the device a step
+            if not (math.isfinite(loss) and math.isfinite(norm)):  # stop before saving it
+                raise ValueError(_diverged(options.out, step, loss, norm))
             seconds = time.perf_counter() - began
             line = {"step": step, "loss": loss, "grad_norm": norm, "lr": lr,
                     "tokens_per_second": options.global_batch * options.context / seconds}
@@ -205,8 +207,8 @@ def _train(options, on_step, rank: int, processes: int, device: torch.device) ->
 def run(options: argparse.Namespace, argv: list[str]) -> int:
     """Run the command that `options` (parse_options of `argv`) describe; its exit status.
 
-    0 when it succeeds; 1, with one line on stderr, for a refusal, a damaged file or a folder
-    that cannot be used; 130 for Ctrl-C, saying where the last checkpoint is and which command
+    0 when it succeeds; 1, with one line on stderr, for a refusal, a damaged file, a folder
+    that cannot be used or a step whose loss or gradient norm is not finite; 130 for Ctrl-C, saying where the last checkpoint is and which command
     resumes from it."""
     first = int(os.environ.get("RANK", "0")) == 0  # the process that speaks for all
     try:
@@ -244,11 +246,23 @@ def _interrupted(options: argparse.Namespace, argv: list[str]) -> str:
     again = ["gpt", "--resume", "--out", str(options.out)]
     launcher = (PROGRAM if "WORLD_SIZE" not in os.environ
                 else "torchrun <the same torchrun options> -m attnbook.train")
-    latest = latest_checkpoint(options.out)
-    where = ("no checkpoint was written (--checkpoint-every K writes them), so it starts again "
-             "from step 1, with the run's options" if latest is None else
-             f"the last checkpoint is {latest} (step {int(latest.name[5:])})")
-    return (f"stopped by Ctrl-C: {where}. To resume:\n  {launcher} {shlex.join(again)}")
+    return (f"stopped by Ctrl-C: {_last_checkpoint(options.out)}. To resume:\n  {launcher} "
+            f"{shlex.join(again)}")
+
+
+def _diverged(out: Path, step: int, loss: float, norm: float) -> str:
+    """Why a run stopped at a step whose loss or gradient norm is not finite: nothing of that
+    step was logged or saved, and no checkpoint was deleted."""
+    return (f"step {step}: the loss is {loss} and the gradient norm {norm}; stopped before "
+            f"saving anything of this step: {_last_checkpoint(out)}")
+
+
+def _last_checkpoint(out: Path) -> str:
+    latest = latest_checkpoint(out)
+    if latest is None:
+        return ("no checkpoint was written (--checkpoint-every K writes them), so it starts again "
+                "from step 1, with the run's options")
+    return f"the last checkpoint is {latest} (step {int(latest.name[5:])})"
 
 
 def _start_processes() -> tuple[int, int, torch.device]:
@@ -285,7 +299,10 @@ def _leave_processes(orderly: bool) -> None:
 
 def _read_step(loss: torch.Tensor, norm: torch.Tensor) -> tuple[float, float]:
     """A step's loss, the mean over the processes, and its gradient norm (every process's), read
-    from the device in one transfer: the one time a step waits for the GPU."""
+    from the device in one transfer: the loop's one read a step (the model's check of its
+    token ids, chapter 10's GPT.forward, reads the device once more)."""
+    check_instance("loss", loss, torch.Tensor)
+    check_instance("norm", norm, torch.Tensor)
     if dist.is_initialized():
         dist.all_reduce(loss)  # queued on the device, like the step's own work
         loss = loss / dist.get_world_size()
