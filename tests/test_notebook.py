@@ -120,6 +120,28 @@ def test_median_seconds_names_a_bad_setting(kwargs, error, text):
         median_seconds("not a function")
 
 
+@pytest.fixture(autouse=True)
+def _no_transformers_offline(monkeypatch):
+    # CI sets TRANSFORMERS_OFFLINE=1, which online() obeys too; tests that want it set it
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+
+
+@pytest.mark.parametrize("hf_hub, transformers", [(None, "1"), ("0", "yes"), ("", "True")])
+def test_online_obeys_transformers_offline_too(monkeypatch, hf_hub, transformers):
+    # huggingface_hub falls back on TRANSFORMERS_OFFLINE; online() stays offline if either is true
+    from huggingface_hub.constants import _is_true
+
+    tried = []
+    monkeypatch.setattr(notebook.socket, "create_connection", lambda *args, **kw: tried.append(1))
+    for name, setting in (("HF_HUB_OFFLINE", hf_hub), ("TRANSFORMERS_OFFLINE", transformers)):
+        monkeypatch.delenv(name, raising=False) if setting is None else monkeypatch.setenv(name, setting)
+    assert notebook.online("example.org") is False and tried == []
+    assert _is_true(transformers)
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "ture")  # refused by name, as HF_HUB_OFFLINE is
+    with pytest.raises(ValueError, match="^TRANSFORMERS_OFFLINE must be 1, true, .*'ture'"):
+        notebook.online("example.org")
+
+
 @pytest.mark.parametrize("setting, expected", [("1", False), ("true", False), ("0", True),
                                                ("false", True), (None, True)])
 def test_online_obeys_hf_hub_offline(monkeypatch, setting, expected):

@@ -127,8 +127,8 @@ def check_instance(name: str, value, kind: type):
 
 
 def check_text(name: str, value) -> str:
-    """`value`, a string that a file or a page can hold: one with a lone surrogate, such as
-    "\\ud800", has no UTF-8 encoding, so no file or display could take it."""
+    """`value`, a string that UTF-8 can encode: not one with a lone surrogate, such as "\\ud800".
+    Control characters, "\\x00" included, pass: a caller that writes a page must escape them."""
     try:
         check_instance(name, value, str).encode("utf-8")
     except UnicodeEncodeError:
@@ -220,14 +220,14 @@ def _same_device(actual: "torch.device", wanted) -> bool:
 
 
 def check_generator(name: str, generator, device) -> "torch.Generator | None":
-    """`generator`, a torch.Generator that can draw tensors on `device`: a CPU one for CPU tensors,
-    a CUDA one of the same GPU for CUDA tensors. None is PyTorch's default generator."""
+    """`generator`, a torch.Generator on the device of the tensors it draws: a CPU one for CPU
+    tensors, a CUDA one of the same GPU for CUDA tensors. None is PyTorch's default generator."""
     import torch
 
     device = _device_named("device", device)  # named, but not asked for: tensors are there
     if check_instance(name, generator, (torch.Generator, type(None))) is None:
         return None
-    if generator.device.type == "meta":  # it has no state, so it draws nothing
+    if generator.device.type == "meta":  # torch makes none; a stand-in saying so draws nothing
         raise ValueError(f"{name} must draw random numbers, got {name} on the meta device")
     if not _same_device(generator.device, device):
         raise ValueError(f"{name} must be on {device}, the device of the tensors it draws, "

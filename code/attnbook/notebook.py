@@ -217,11 +217,11 @@ def runtime() -> Runtime:
 # chapters/a1-conventions.md, "Downloading only when online"
 def online(host: str = "huggingface.co", timeout: float = 3.0) -> bool:
     """Can `host` be reached on port 443 within `timeout` seconds (at most an hour)? False if
-    HF_HUB_OFFLINE is true (1, true, on or yes, in any case); a value that is neither a true nor
-    a false word is refused, where huggingface_hub would silently read it as false."""
+    HF_HUB_OFFLINE or TRANSFORMERS_OFFLINE is true (1, true, on or yes); a value neither true nor
+    false is refused, where huggingface_hub would silently read it as false."""
     host = check_instance("host", host, str)
     timeout = check_real("timeout", timeout, 0.0, 3600.0, open_low=True)  # 1e300: join overflows
-    if env_flag("HF_HUB_OFFLINE", False):
+    if any([env_flag("HF_HUB_OFFLINE", False), env_flag("TRANSFORMERS_OFFLINE", False)]):
         return False
     reached = []
 
