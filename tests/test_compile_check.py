@@ -509,7 +509,8 @@ def test_compiling_in_an_interpreting_process_is_refused():
 _QKV = ("stride_qb:i32/16 stride_qh:i32/16 stride_qm:i32/16 stride_qd:1 stride_kb:i32/16 "
         "stride_kh:i32/16 stride_kn:i32/16 stride_kd:1 stride_vb:i32/16 stride_vh:i32/16 "
         "stride_vn:i32/16 stride_vd:1")
-_META = "CAUSAL:constexpr BLOCK_M:constexpr BLOCK_N:constexpr HEAD_DIM:constexpr WIDE:constexpr"
+_META = ("CAUSAL:constexpr BLOCK_M:constexpr BLOCK_N:constexpr HEAD_DIM:constexpr WIDE:constexpr "
+         "TILES_FIRST:constexpr")
 _BACKWARD = (f"Q:*T K:*T V:*T DO:*T LSE:*fp32 DELTA:*fp32 {_QKV} stride_dob:i32/16 "
              "stride_doh:i32/16 stride_dom:i32/16 stride_dod:1 H:i32 Lq:i32/16 Lk:i32/16 "
              "qk_scale:fp32 scale:fp32")
