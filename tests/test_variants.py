@@ -75,6 +75,13 @@ def test_the_llama_preset_and_its_parts():
     assert type(gpt.norm_f).__name__ == "RMSNorm" and block.self_attn.q_proj.bias is None
 
 
+@pytest.mark.parametrize("d_model, width", [(4096, 11008), (5120, 13824), (8192, 22016), (64, 256)])
+def test_the_llama_preset_narrows_the_feed_forward_as_llama_does(d_model, width):
+    # Llama's widths: 2/3 * 4 * d rounded up to a multiple of 256 (7B, 13B, 65B; tiny: 256)
+    assert GPTConfig.llama(d_model=d_model, num_heads=32 if d_model > 64 else 4).d_ff == width
+    assert GPTConfig.llama(d_model=d_model, num_heads=4, ff_width=100).d_ff == 100  # given wins
+
+
 @pytest.mark.parametrize("name", VARIANTS)
 def test_the_kv_cache_gives_the_logits_of_one_pass(name):
     gpt, idx = model(name), ids()
@@ -201,7 +208,9 @@ def test_swiglu_is_the_gated_formula():
     ("num_kv_heads", 0, ValueError, "num_kv_heads"),
     ("tied", "yes", TypeError, "tied"),
     ("bias", 1.0, TypeError, "bias"),
-    ("ff_width", 0, ValueError, "d_ff"),
+    ("ff_width", 0, ValueError, "ff_width must be"),
+    ("ff_width", 2.5, TypeError, "ff_width"),
+    ("embed_norm", 1, TypeError, "embed_norm"),
     ("rope_base", 0.0, ValueError, "rope_base"),
 ])
 def test_bad_settings_are_refused_by_name(field, value, error, match):

@@ -57,6 +57,7 @@ class GPTConfig:
     tied: bool = True  # the output layer is the token embedding
     ff_width: int | None = None  # None: 4 * d_model
     rope_base: float = 10000.0
+    embed_norm: bool = False  # normalise the token embeddings before the first block (BLOOM)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "context_length", "d_model", "num_layers", "num_heads"):
@@ -65,7 +66,10 @@ class GPTConfig:
         object.__setattr__(self, "eps", check_positive("eps", self.eps))
         check_choice("positions", self.positions, ("learned", "rope", "alibi", "none"))
         check_choice("ffn", self.ffn, ("gelu", "swiglu"))
-        object.__setattr__(self, "tied", check_bool("tied", self.tied))
+        for name in ("tied", "embed_norm"):
+            object.__setattr__(self, name, check_bool(name, getattr(self, name)))
+        if self.ff_width is not None:  # named here, not as the block's d_ff
+            object.__setattr__(self, "ff_width", check_int("ff_width", self.ff_width, 1))
         self.block  # noqa: B018 (BlockConfig checks the rest: heads, widths, norm, bias, backend)
 
     @property
@@ -90,9 +94,18 @@ class GPTConfig:
 
     @classmethod
     def llama(cls, **fields) -> "GPTConfig":
-        """Llama's choices, then `fields`: RoPE, RMSNorm, SwiGLU, no biases, untied, no dropout."""
+        """Llama's choices, then `fields`: RoPE, RMSNorm, SwiGLU, no biases, untied, no dropout,
+        and a feed-forward width of 2/3 * 4 * d_model rounded up to a multiple of 256."""
+        d = fields.get("d_model", cls.d_model)
+        width = 256 * -(-(8 * d // 3) // 256)  # Llama-7B: d = 4096 gives 11008
         return cls(**{**dict(positions="rope", norm="rmsnorm", ffn="swiglu", bias=False,
-                             tied=False, dropout=0.0, eps=1e-6), **fields})
+                             tied=False, dropout=0.0, eps=1e-6, ff_width=width), **fields})
+
+
+def _norm(c: GPTConfig) -> nn.Module:
+    """The config's normalisation over d_model: LayerNorm (GPT-2) or RMSNorm (Llama)."""
+    return nn.LayerNorm(c.d_model, eps=c.eps, bias=c.bias) if c.norm == "layernorm" \
+        else RMSNorm(c.d_model, c.eps)
 
 
 # chapters/10-gpt.md, "The model"
@@ -106,8 +119,8 @@ class GPT(nn.Module):
         self.pos_emb = nn.Embedding(c.context_length, c.d_model) if c.positions == "learned" else None
         self.drop = nn.Dropout(c.dropout)
         self.blocks = nn.ModuleList(Block(c.block) for _ in range(c.num_layers))
-        self.norm_f = nn.LayerNorm(c.d_model, eps=c.eps, bias=c.bias) if c.norm == "layernorm" \
-            else RMSNorm(c.d_model, c.eps)
+        self.emb_norm = _norm(c) if c.embed_norm else nn.Identity()
+        self.norm_f = _norm(c)  # pre-norm blocks leave the residual stream un-normalised
         self.lm_head = None if c.tied else nn.Linear(c.d_model, c.vocab_size, bias=False)
         for module in self.modules():  # GPT-2's initialisation
             if isinstance(module, (nn.Linear, nn.Embedding)):
@@ -131,7 +144,8 @@ class GPT(nn.Module):
         start, caches = (0, [None] * len(self.blocks)) if kv_cache is None else \
             (kv_cache.length, kv_cache.layers)
         positions = torch.arange(start, start + idx.shape[1], device=idx.device)  # (T,)
-        x = self.drop(self.tok_emb(idx) + (0 if self.pos_emb is None else self.pos_emb(positions)))
+        x = self.emb_norm(self.tok_emb(idx)) + (0 if self.pos_emb is None else self.pos_emb(positions))
+        x = self.drop(x)  # (B, T, d_model)
         for block, cache in zip(self.blocks, caches):
             x = block(x, is_causal=True, cache=cache)  # (B, T, d_model)
         head = self.tok_emb.weight if self.lm_head is None else self.lm_head.weight  # tied?
