@@ -91,6 +91,15 @@ def test_tokens_are_text_not_markup():
     assert "<b>" not in html and "&lt;b&gt;" in html
 
 
+def test_control_characters_show_as_their_pictures_not_raw():
+    tokens, title = ["\x00", "a\x1fb", "\x7f", "\n"], "t\x07"
+    html = attention_explorer(tokens, np.full((4, 4), 0.25), title=title)._repr_html_()
+    assert not any(ord(ch) < 32 or ord(ch) == 0x7F for ch in html.replace("\n", ""))
+    page = Page(html)
+    assert page.texts == ["\u2400", "a\u241fb", "\u2421", "\u240a"]
+    assert page.data()["tokens"] == tokens  # the data keep the tokens as they are
+
+
 def test_no_outside_requests_and_unique_ids():
     first = attention_explorer(["a", "b", "c"], random_weights(2, 2, 3, 3))
     pages = [first._repr_html_(), first._repr_html_(),

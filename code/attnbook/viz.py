@@ -127,10 +127,22 @@ def _options(name: str, count: int, uid: str, average: bool = False) -> str:
             f'<select id="{uid}-{name}" class="ax-{name}">{"".join(choices)}</select> ')
 
 
+_PICTURES = {**{c: 0x2400 + c for c in range(32)}, 0x7F: 0x2421}  # "\x00" -> "␀", DEL -> "␡"
+
+
+def _as_text(text: str) -> str:
+    """`text` escaped for HTML, its control characters shown as their pictures: a page may not
+    hold them raw (a browser drops or replaces a NUL)."""
+    return html.escape(text.translate(_PICTURES))
+
+
 def _json_for_script(data) -> str:
-    """JSON that an HTML <script> element holds safely: no `<`, `>` or `&` left to parse."""
+    """JSON that an HTML <script> element holds safely: no `<`, `>` or `&` left to parse, and no
+    DEL (JSON escapes the other control characters itself)."""
     text = json.dumps(data, separators=(",", ":"), ensure_ascii=False)
-    return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+    for raw, escaped in (("<", "\\u003c"), (">", "\\u003e"), ("&", "\\u0026"), ("\x7f", "\\u007f")):
+        text = text.replace(raw, escaped)
+    return text
 
 
 def explorer_html(tokens, weights: np.ndarray, uid: str, title: str = "", digits: int = 3) -> str:
@@ -146,12 +158,12 @@ def explorer_html(tokens, weights: np.ndarray, uid: str, title: str = "", digits
     L, H, T, _ = weights.shape
     spans = "".join(
         f'<span class="ax-token" tabindex="0" data-token-index="{i}">'
-        f'<span class="ax-text">{html.escape(token)}</span><span class="ax-value"></span></span>'
+        f'<span class="ax-text">{_as_text(token)}</span><span class="ax-value"></span></span>'
         for i, token in enumerate(tokens))
     data = {"tokens": list(tokens), "digits": digits,
             "weights": np.round(weights, digits).tolist()}  # (L, H, T, T)
     return (f'<div class="attnbook-explorer" id="{uid}"><style>{_STYLE}</style>'
-            f'<div class="ax-title">{html.escape(title)}</div>'
+            f'<div class="ax-title">{_as_text(title)}</div>'
             f'<div class="ax-controls">{_options("layer", L, uid)}'
             f'{_options("head", H, uid, average=True)}</div>'
             f'<div class="ax-tokens">{spans}</div>'
