@@ -697,6 +697,87 @@ EXERCISES["8.2"] = Exercise("BERT's input layer", (
 ))
 
 
+# chapters/a7-exercise-cases.md, "Chapter 9"
+def _ch9_mlm_case(chosen, vocab=11, dtype=torch.float64, spread=1.0, nan_chosen=False):
+    """`chosen`: one list per sequence, True where the position carries a label."""
+    def build(rng):
+        keep = torch.tensor(chosen)  # (B, L) bool
+        logits = torch.from_numpy(rng.standard_normal((*keep.shape, vocab)) * spread)
+        if nan_chosen:  # a NaN logit at the first chosen position
+            logits[tuple(keep.nonzero()[0].tolist()) + (0,)] = float("nan")
+        labels = torch.where(keep, torch.from_numpy(rng.integers(0, vocab, keep.shape)), -100)
+        expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(),
+                                                     ignore_index=-100)
+        return {"logits": logits.to(dtype), "labels": labels}, expected.to(dtype)
+    return build
+
+
+_CH9 = 'chapter 9, "{}"'
+EXERCISES["9.3"] = Exercise("the masked-language-model loss", (
+    Case("one chosen position", _ch9_mlm_case([[True]]),
+         "the loss of a position is -log p of its label: logsumexp(logits) - logits[label], "
+         "from the logits over the vocabulary (the last axis): " + _CH9.format(
+             "Masked language modelling")),
+    Case("one sequence, three of eight positions chosen",
+         _ch9_mlm_case([[False, True, False, False, True, True, False, False]]),
+         "a position whose label is -100 carries no loss and does not count: divide by the "
+         "number of chosen positions, not by L, and never index the logits with -100: "
+         + _CH9.format("Masked language modelling")),
+    Case("4 sequences with 1, 3, 0 and 6 chosen positions", _ch9_mlm_case(
+        [[i < n for i in range(6)] for n in (1, 3, 0, 6)], vocab=17),
+         "the mean is over every chosen position of the batch, not a mean of each sequence's "
+         "mean: a sequence with more blanks weighs more (and one with none weighs nothing)"),
+    Case("logits in the thousands", _ch9_mlm_case([[True, False, True]], spread=1000.0),
+         "e^s overflows a float64 once s > 709.78: subtract each position's largest logit "
+         "before exponentiating (torch.logsumexp does)"),
+    Case("float32 logits", _ch9_mlm_case([[True, True, False], [False, True, True]],
+                                         dtype=torch.float32),
+         "float32 logits: compute in float32 or wider, and return a float32 loss"),
+    Case("no chosen position", _ch9_mlm_case([[False, False], [False, False]]),
+         "with no chosen position the loss has no mean: NaN (0 / 0, as cross_entropy gives), "
+         "not 0, which would read as a perfect model"),
+    Case("a NaN logit at a chosen position", _ch9_mlm_case(
+        [[False, True, True], [True, False, False]], nan_chosen=True),
+         "a NaN logit at a chosen position makes its loss, and so the mean, NaN: never replace "
+         "a NaN (torch.nan_to_num)"),
+))
+
+
+# chapters/a7-exercise-cases.md, "Chapter 10"
+def _ch10_schedule_case(steps, lr, warmup, min_lr_ratio):
+    def build(rng):
+        from attnbook.recipe import Recipe, learning_rate
+
+        recipe = Recipe(lr=lr, warmup=warmup, min_lr_ratio=min_lr_ratio)
+        expected = [learning_rate(recipe, step, steps) for step in range(1, steps + 1)]
+        return ({"steps": steps, "lr": lr, "warmup": warmup, "min_lr_ratio": min_lr_ratio},
+                torch.tensor(expected, dtype=torch.float64))
+    return build
+
+
+_CH10 = 'chapter 10, "The training recipe"'
+EXERCISES["10.2"] = Exercise("the warm-up and cosine learning-rate schedule", (
+    Case("one step, no warm-up", _ch10_schedule_case(1, 0.5, 0, 0.1),
+         "without a warm-up the first step has the full rate lr: the cosine starts at "
+         "done = 0 (and dividing by warmup = 0 is never needed): " + _CH10),
+    Case("four steps, all warm-up", _ch10_schedule_case(4, 1.0, 4, 0.1),
+         "steps count from 1: warm-up step s has the rate lr * s / warmup, so step 1 is "
+         "lr / warmup, not 0, and the last warm-up step has lr: " + _CH10),
+    Case("ten steps of cosine down to 0", _ch10_schedule_case(10, 1.0, 0, 0.0),
+         "after the warm-up, done = (step - 1 - warmup) / (steps - warmup) runs from 0 at the "
+         "first step after it, so the first cosine step has lr and the last is just above the "
+         "floor; compute in float64 (torch.arange(1, steps + 1, dtype=torch.float64)): " + _CH10),
+    Case("500 steps, 30 of warm-up, floor 0.1", _ch10_schedule_case(500, 1.0, 30, 0.1),
+         "the cosine runs over the steps after the warm-up and falls to min_lr_ratio * lr, not "
+         "to 0: lr * (low + (1 - low) * (1 + cos(pi * done)) / 2), a scaled cosine, not one "
+         "clamped at the floor: " + _CH10),
+    Case("a warm-up longer than the run", _ch10_schedule_case(12, 1.0, 30, 0.1),
+         "a run that ends inside its warm-up only rises: lr * step / warmup, never reaching lr"),
+    Case("a floor of 1: a constant rate after the warm-up", _ch10_schedule_case(20, 2.0, 7, 1.0),
+         "min_lr_ratio = 1 keeps the rate at lr once the warm-up is over"),
+))
+
+
 # chapters/a7-exercise-cases.md, "Chapter 11"
 def _ch11_cross_case(lengths, lt, heads=2, d=4, dtype=torch.float64, nan_key=False):
     def build(rng):
