@@ -41,7 +41,7 @@ NARROWER = {  # an input dtype: (the rounding of a narrower dtype, relative diff
     "float64": (("float32 rounding size (or of a small constant such as eps)", 1e-9, 1e-5),
                 ("float16 or bfloat16 rounding size (or of a constant such as eps)", 1e-5, 5e-2)),
     "float32": (("float16 or bfloat16 rounding size", 1e-5, 5e-2),),
-    "float16": (("bfloat16 rounding size", 2e-3, 5e-2),),
+    "float16": (("float16 arithmetic or bfloat16 rounding size", 2e-3, 5e-2),),
 }
 
 
@@ -110,9 +110,10 @@ def _difference(got, expected, tolerance, name="output",
 
 def _rounding_note(relative: float, narrowest: str) -> str:
     """A note when a relative difference is the size of a dtype narrower than the inputs'."""
+    wider = "float32 and round to float16 once" if narrowest == "float16" else f"{narrowest} or wider"
     for rounding, low, high in NARROWER.get(narrowest, ()):
         if low <= relative < high:
-            return f": a difference of {rounding}: compute in {narrowest} or wider"
+            return f": a difference of {rounding}: compute in {wider}"
     return ""
 
 
@@ -534,6 +535,9 @@ EXERCISES["2.3"] = Exercise("the gradient through the softmax", (
          "NaN: a stable softmax subtracts a maximum of -inf; subtract 0 there: " + _CH2),
     Case("float32", _ch2_backward_case((5, 9), np.float32),
          "float32 input: compute in float32 or wider, never in float16"),
+    Case("float16, 300 keys", _ch2_backward_case((4, 300), np.float16, spread=4.0),
+         "float16 input: compute the softmax and p . g in float32 (a float16 sum over hundreds "
+         "of keys keeps 11 bits) and return float16 or wider"),
     Case("a NaN score in row 1", _ch2_backward_case((3, 5), nan_row=1),
          "a NaN score makes its row's weights, and so its row's gradient, NaN; the other rows "
          "stay as they are: never replace a NaN (np.nan_to_num)"),
@@ -548,7 +552,9 @@ def _ch3_heads_case(batch, length, d_model, heads, dtype=np.float64, nan_at=None
         x = rng.standard_normal((batch, length, d_model))
         if nan_at is not None:  # (sequence, position)
             x[nan_at + (0,)] = np.nan
-        W_Q, W_K, W_V, W_O = rng.standard_normal((4, d_model, d_model)) / np.sqrt(d_model)
+        weights = rng.standard_normal((4, d_model, d_model)) / np.sqrt(d_model)
+        x, weights = x.astype(dtype).astype(np.float64), weights.astype(dtype).astype(np.float64)
+        W_Q, W_K, W_V, W_O = weights  # the inputs' numbers, rounded to dtype, in float64
         layer = MultiHeadAttention(d_model, heads, bias=False).double()
         with torch.no_grad():
             for linear, W in zip((layer.q_proj, layer.k_proj, layer.v_proj, layer.out_proj),
@@ -576,6 +582,9 @@ EXERCISES["3.3"] = Exercise("multi-head self-attention in NumPy", (
          "a batch in front: split and join the heads of every sequence the same way"),
     Case("float32", _ch3_heads_case(2, 9, 16, 4, np.float32),
          "float32 input: compute in float32 or wider, never in float16"),
+    Case("float16", _ch3_heads_case(2, 33, 32, 4, np.float16),
+         "float16 input: compute in float32 (x.astype(np.float32)) and return float16 or wider: "
+         "float16 products and sums over 33 keys and 32 features lose the 11 bits float16 keeps"),
     Case("a NaN in sequence 0, position 2", _ch3_heads_case(2, 5, 8, 2, nan_at=(0, 2)),
          "every position reads position 2's key and value, so sequence 0's outputs are all NaN "
          "and sequence 1's are not: never replace a NaN (np.nan_to_num)"),
@@ -583,13 +592,15 @@ EXERCISES["3.3"] = Exercise("multi-head self-attention in NumPy", (
 
 
 # chapters/a7-exercise-cases.md, "Chapter 4"
-def _ch4_grouped_case(batch, heads, kv_heads, length, d, dtype=torch.float64):
+def _ch4_grouped_case(batch, heads, kv_heads, length, d, dtype=torch.float64, nan_key=None):
     def build(rng):
         from attnbook.layers import attend, causal_mask
 
         q = rng.standard_normal((batch, heads, length, d))
         k, v = rng.standard_normal((2, batch, kv_heads, length, d))
-        q, k, v = (torch.from_numpy(a) for a in (q, k, v))
+        if nan_key is not None:  # (key/value head, position) of sequence 0
+            k[(0, *nan_key, 0)] = np.nan
+        q, k, v = (torch.from_numpy(a).to(dtype).double() for a in (q, k, v))  # dtype's numbers
         expected = attend(q, k, v, causal_mask(length))[0].to(dtype)
         return {"q": q.to(dtype), "k": k.to(dtype), "v": v.to(dtype)}, expected
     return build
@@ -610,6 +621,14 @@ EXERCISES["4.2"] = Exercise("causal grouped-query attention", (
          "a batch in front: group the heads of every sequence the same way"),
     Case("float32", _ch4_grouped_case(2, 6, 2, 9, 8, torch.float32),
          "float32 input: compute in float32 or wider, never in float16"),
+    Case("float16", _ch4_grouped_case(2, 8, 2, 40, 16, torch.float16),
+         "float16 input: compute the scores, softmax and sums in float32 (q.float()), then return "
+         "float16: float16 keeps 11 bits"),
+    Case("a NaN in key/value head 1's key at position 3", _ch4_grouped_case(
+        2, 6, 2, 7, 4, nan_key=(1, 3)),
+         "a NaN key reaches the outputs that read it, group 1's query heads at positions 3 and "
+         "later in sequence 0, and no other: mask the scores with masked_fill (a NaN times a "
+         "zero weight, or plus -inf, stays NaN), and never replace a NaN (torch.nan_to_num)"),
 ))
 
 
@@ -667,6 +686,7 @@ def _ch8_embedding_case(batch, length, vocab=20, d=8, dtype=torch.float64, nan_w
         tables = {name: torch.from_numpy(rng.standard_normal(shape)) for name, shape in
                   (("word", (vocab, d)), ("position", (64, d)), ("token_type", (2, d)),
                    ("gamma", (d,)), ("beta", (d,)))}
+        tables = {name: t.to(dtype).double() for name, t in tables.items()}  # dtype's numbers
         if nan_word:  # a NaN in the vector of the first token's id
             tables["word"][ids[0, 0], 0] = float("nan")
         with torch.no_grad():
@@ -691,6 +711,9 @@ EXERCISES["8.2"] = Exercise("BERT's input layer", (
          "every sequence uses positions 0..L-1, and the LayerNorm is over the last axis only"),
     Case("float32 tables", _ch8_embedding_case(2, 9, dtype=torch.float32),
          "float32 tables: compute in float32 or wider, never in float16"),
+    Case("float16 tables", _ch8_embedding_case(2, 9, d=64, dtype=torch.float16),
+         "float16 tables: add the three vectors and normalise in float32, then return float16: "
+         "eps = 1e-12 is 0 in float16 and a float16 mean over 64 features keeps 11 bits"),
     Case("a NaN in one word's vector", _ch8_embedding_case(2, 6, nan_word=True),
          "a NaN in a word's row of the table makes every token with that id NaN after the "
          "LayerNorm, and no other token: never replace a NaN"),
@@ -809,6 +832,8 @@ EXERCISES["11.1"] = Exercise("cross-attention over a padded source", (
          "NaN from masking with -inf nor the mean of v from masking with -1e9: " + _CH11),
     Case("float32", _ch11_cross_case([9, 4], 5, dtype=torch.float32),
          "float32 input: compute in float32 or wider, never in float16, and return float32"),
+    Case("float16", _ch11_cross_case([40, 17], 6, heads=2, d=16, dtype=torch.float16),
+         "float16 input: compute the scores, softmax and sums in float32, then return float16"),
     Case("a NaN in a source key", _ch11_cross_case([4, 3], 3, nan_key=True),
          "a NaN in a real source token's key makes that head's scores, and so its outputs for "
          "that sequence, NaN: never replace a NaN (torch.nan_to_num)"),
@@ -852,8 +877,9 @@ def _ch14_roofline_case(intensity, gpu, ridge=False):
         if ridge:
             values = np.append(values, spec.peak_flops(2) / spec.bandwidth)
         moved = 1e9  # bytes; the FLOPs are intensity x bytes
-        expected = np.array([i * moved / roofline_seconds(i * moved, moved, gpu)
-                             for i in values.ravel()]).reshape(values.shape)
+        expected = np.array([  # a NaN intensity has no roof: NaN (roofline_seconds refuses it)
+            np.nan if np.isnan(i) else i * moved / roofline_seconds(i * moved, moved, gpu)
+            for i in values.ravel()]).reshape(values.shape)
         return {"intensity": values, "gpu": gpu}, expected
     return build
 
@@ -873,6 +899,9 @@ EXERCISES["14.2"] = Exercise("the roofline: attainable FLOP/s against arithmetic
     Case("no arithmetic at all, and the A100's ridge point",
          _ch14_roofline_case([0.0, 2e3], "A100", ridge=True),
          "at intensity 0 a kernel does no arithmetic: 0 FLOP/s; at the ridge both roofs meet"),
+    Case("a NaN among the intensities", _ch14_roofline_case([[2.0, np.nan], [np.nan, 900.0]], "H100"),
+         "a NaN intensity gives NaN, not a roof: np.minimum keeps a NaN, while np.fmin, Python's "
+         "min and np.where(a < b, a, b) all turn it into the peak"),
 ))
 
 
@@ -964,6 +993,9 @@ EXERCISES["16.1"] = Exercise("the backward pass of attention", (
          "a batch and heads in front: transpose the last two axes only (k.transpose(-2, -1))"),
     Case("float32", _ch16_backward_case((1, 2, 16), 33, 40, True, np.float32),
          "float32 input: compute in float32 or wider, and return float32 gradients"),
+    Case("float16", _ch16_backward_case((1, 2, 16), 33, 40, True, np.float16),
+         "float16 input: compute P, delta and the products in float32, then return float16 "
+         "gradients: dS = P * (dP - delta) subtracts nearly equal numbers"),
     Case("a NaN in query 2", _ch16_backward_case((1, 1, 4), 4, 5, nan_query=2),
          "a NaN in query 2 makes its row of P NaN: dq's row 2 and every dk and dv are NaN, the "
          "other rows of dq are not: never replace a NaN (torch.nan_to_num)"),
