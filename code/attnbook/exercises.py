@@ -17,7 +17,11 @@ __all__ = [
 
 # chapters/a6-checking-exercises.md, "Comparing an answer"
 import copy
+import gc
 import math
+import multiprocessing
+import pickle
+import signal
 import textwrap
 import threading
 import time
@@ -172,6 +176,46 @@ def _change(before, after) -> str | None:
     return None if before == after else "in place"
 
 
+# chapters/a6-checking-exercises.md, "Running a candidate"
+def _call_in_child(candidate, args: tuple, timeout: float) -> dict:
+    """candidate(*args) in a forked child: _call's answer plus 'inputs' as the call left them,
+    {'stopped': True} after `timeout`, or {'crashed': the signal's name}."""
+    fork = multiprocessing.get_context("fork")
+    receive, send = fork.Pipe(duplex=False)
+    child = fork.Process(target=_answer_from_child, args=(candidate, args, send), daemon=True)
+    child.start()
+    send.close()  # the child holds the only writing end: its death ends the pipe
+    try:
+        box = pickle.loads(receive.recv_bytes()) if receive.poll(
+            min(timeout, threading.TIMEOUT_MAX)) else {"stopped": True}
+    except EOFError:  # the pipe closed with nothing in it: the child died
+        box = None
+    if box is not None and box.get("stopped"):  # a process, unlike a thread, can be stopped
+        child.kill()
+    child.join()  # after an answer or a crash the child ends by itself
+    if box is None or (child.exitcode < 0 and not box.get("stopped")):
+        code = child.exitcode
+        return {"crashed": signal.Signals(-code).name if code < 0 else f"exit code {code}"}
+    return box
+
+
+def _answer_from_child(candidate, args: tuple, send) -> None:
+    """In the child: call, free what the call made, send the pickled answer."""
+    torch.set_num_threads(1)  # a forked OpenMP pool is not safe to use
+    box = _call(candidate, args, math.inf)
+    if "value" in box:
+        box["inputs"] = args
+    try:
+        payload = pickle.dumps(box)
+    except Exception as error:  # noqa: BLE001 (a generator, a lock: anything pickle refuses)
+        payload = pickle.dumps({"error": TypeError(f"its answer cannot leave the child process "
+                                                   f"({error}): return tensors or arrays")})
+    del box
+    gc.collect()  # a write out of bounds often aborts here, when its memory is freed
+    send.send_bytes(payload)
+    send.close()
+
+
 # chapters/a6-checking-exercises.md, "The exercises"
 @dataclass(frozen=True)
 class Case:
@@ -186,11 +230,14 @@ class Case:
 @dataclass(frozen=True)
 class Exercise:
     """A title and its cases; `tolerance` (absolute, relative) replaces the dtype's when the
-    answer only moves numbers: (0, 0), exact."""
+    answer only moves numbers: (0, 0), exact; `in_child()` True runs each call in a child
+    process (where fork exists), and `crash_hint` says what a crash there means."""
 
     title: str
     cases: tuple[Case, ...]
     tolerance: tuple[float, float] | None = None
+    in_child: Callable[[], bool] | None = None  # True: each call runs in a child process
+    crash_hint: str | None = None  # what a crash of that process most likely means
 
 
 @dataclass(frozen=True)
@@ -463,10 +510,14 @@ def _run_cases(exercise_id: str, exercise: Exercise, candidate, timeout: float) 
     for number, case in enumerate(exercise.cases):
         inputs, expected = case.build(np.random.default_rng([sum(map(ord, exercise_id)), number]))
         kept = copy.deepcopy(inputs)
-        done = _call(candidate, tuple(inputs.values()), timeout)
+        in_child = exercise.in_child is not None and exercise.in_child() and \
+            "fork" in multiprocessing.get_all_start_methods()
+        done = (_call_in_child if in_child else _call)(candidate, tuple(inputs.values()), timeout)
+        inputs = dict(zip(inputs, done.pop("inputs", inputs.values())))
         if found := _judge(done, inputs, kept, expected, timeout, exercise.tolerance):
             # the case's hint names a mistake in the numbers: shown only when the numbers differ
             hint = case.hint if found[1] is not None else None
+            hint = exercise.crash_hint if "crashed" in done else hint
             return CheckResult(exercise_id, False, number, count, case.name, _describe(kept),
                                *found, hint, exercise.title)
     return CheckResult(exercise_id, True, count, count, title=exercise.title)
@@ -476,6 +527,11 @@ def _judge(done: dict, inputs: dict, kept: dict, expected, timeout: float, toler
     """(problem, largest difference, its index) for one call, or None when it is right."""
     if not done:
         return f"no answer after {timeout:g} s (it goes on in the background until it returns)", None, None
+    if done.get("stopped"):
+        return f"no answer after {timeout:g} s: its process was stopped", None, None
+    if "crashed" in done:
+        return (f"its process crashed ({done['crashed']}) on this case, with no answer; your "
+                f"notebook goes on", None, None)
     if "error" in done:
         return f"raised {type(done['error']).__name__}: {done['error']}", None, None
     if done["seconds"] > timeout:  # one long call that holds the GIL cannot be interrupted
@@ -925,6 +981,13 @@ def _ch15_rows(shape, lq, lk, causal, spread=1.0, strided=False):
     return build
 
 
+def _ch15_interpreted() -> bool:
+    """Triton's interpreter runs the reader's kernel (no GPU): a crash would end the notebook,
+    so appendix F's check runs each call in a child process."""
+    from attnbook import kernels
+    return kernels.INTERPRETED
+
+
 _CH15 = 'chapter 15, "{}"'
 EXERCISES["15.3"] = Exercise("the logsumexp of each query row, in Triton", (
     Case("one query, one key", _ch15_rows((1, 1, 16), 1, 1, False),
@@ -948,7 +1011,9 @@ EXERCISES["15.3"] = Exercise("the logsumexp of each query row, in Triton", (
     Case("q and k strided along D", _ch15_rows((1, 2, 32), 37, 45, False, strided=True),
          "read q and k through their own four strides each: neither is contiguous along D: "
          + _CH15.format("The Triton programming model")),
-))
+), in_child=_ch15_interpreted, crash_hint=(
+    "a load or store outside a tensor's memory: mask every tl.load and tl.store by the rows "
+    "and keys that exist (mask=rows < Lq, other=0.0): " + _CH15.format("The forward kernel")))
 
 
 # chapters/a7-exercise-cases.md, "Chapter 16"
