@@ -207,9 +207,8 @@ def _answer_from_child(candidate, args: tuple, send) -> None:
         box["inputs"] = args
     try:
         payload = pickle.dumps(box)
-    except Exception as error:  # noqa: BLE001 (a generator, a lock: anything pickle refuses)
-        payload = pickle.dumps({"error": TypeError(f"its answer cannot leave the child process "
-                                                   f"({error}): return tensors or arrays")})
+    except Exception:  # noqa: BLE001 (a generator, a lock: anything pickle refuses)
+        payload = pickle.dumps({"unsendable": _kind(box.get("value", box.get("error")))})
     del box
     gc.collect()  # a write out of bounds often aborts here, when its memory is freed
     send.send_bytes(payload)
@@ -529,6 +528,9 @@ def _judge(done: dict, inputs: dict, kept: dict, expected, timeout: float, toler
         return f"no answer after {timeout:g} s (it goes on in the background until it returns)", None, None
     if done.get("stopped"):
         return f"no answer after {timeout:g} s: its process was stopped", None, None
+    if "unsendable" in done:
+        return (f"output is {done['unsendable']}, which cannot leave its child process: return "
+                f"a tensor", None, None)
     if "crashed" in done:
         return (f"its process crashed ({done['crashed']}) on this case, with no answer; your "
                 f"notebook goes on", None, None)
