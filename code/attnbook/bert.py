@@ -25,7 +25,7 @@ from torch import nn
 
 from attnbook.attention import compute_dtype
 from attnbook.checks import (
-    check_generator,
+    check_generator,  # noqa: F401 (chapter 9's mask_tokens, in this module, uses it)
     check_instance,
     check_int,
     check_positive,
