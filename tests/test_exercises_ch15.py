@@ -2,7 +2,14 @@
 at the case whose hint names their mistake. The cases build with the package's Triton kernels, in
 the interpreter (the root conftest chooses it before anything imports Triton)."""
 
+import json
 import math
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,6 +18,8 @@ import torch
 pytest.importorskip("triton", reason="Triton (the triton extra) has wheels for Linux only")
 
 from attnbook.exercises import EXERCISES, check  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def scores(q, k, dtype=torch.float64):
@@ -103,3 +112,39 @@ def test_the_expected_answers_agree_with_torch():
         assert expected.dtype == torch.float32 and expected.shape == ours.shape, case.name
         assert torch.equal(expected.isneginf(), ours.isneginf()), case.name
         torch.testing.assert_close(expected, ours, rtol=1e-5, atol=1e-4)
+
+
+# ---- a kernel that crashes the interpreter: each call runs in a child process -------------------
+
+@pytest.mark.parametrize("store", ["masked", "unmasked"])
+def test_a_kernel_that_crashes_the_interpreter_fails_its_case_and_the_caller_lives(tmp_path, store):
+    # run in a subprocess: were check to call the kernel in its own process again, the store
+    # past the output's end would kill that process (SIGABRT or SIGSEGV), not this test run
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(map(str, [ROOT / "code", *sys.path]))}
+    run = subprocess.run([sys.executable, str(ROOT / "tests" / "reader_kernel_15_3.py"), store],
+                         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    result = json.loads(run.stdout.splitlines()[-1])
+    if store == "masked":
+        assert result["passed"], result
+    else:
+        assert not result["passed"] and result["case"] == "one query, one key", result
+        assert re.search(r"its process crashed \(SIG[A-Z]+\) on this case", result["problem"])
+        assert "mask every tl.load and tl.store" in result["hint"]
+
+
+def test_a_child_process_keeps_the_time_limit_and_the_input_check():
+    def slow(q, k, causal):
+        time.sleep(60)
+        return right(q, k, causal)
+
+    def in_place(q, k, causal):
+        q.mul_(2.0)  # the answer is then computed from the doubled q
+        return right(q / 2.0, k, causal)
+
+    started = time.perf_counter()
+    stopped = check("15.3", slow, timeout=0.5, show=False)
+    assert stopped.case == "one query, one key" and "its process was stopped" in stopped.problem
+    assert time.perf_counter() - started < 30  # the child was stopped, not waited for
+    changed = check("15.3", in_place, show=False)
+    assert changed.cases_passed == 0 and "changed its input q in place" in changed.problem

@@ -35,7 +35,7 @@ def attention_backward(q, k, v, dout, causal, delta=True, scale=None, top_left=F
                        delta_dim=-1):
     """16.1 from chapter 16's formulas, in float32 or wider; the keyword arguments make the
     wrong answers below (no delta or one along the wrong axis, another scale, a top-left mask)."""
-    work = torch.promote_types(q.dtype, torch.float32)
+    dtype, work = q.dtype, torch.promote_types(q.dtype, torch.float32)
     q, k, v, dout = (x.to(work) for x in (q, k, v, dout))
     lq, lk = q.shape[-2], k.shape[-2]
     scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
@@ -48,7 +48,7 @@ def attention_backward(q, k, v, dout, causal, delta=True, scale=None, top_left=F
     d_row = (p * dp).sum(delta_dim, keepdim=True) if delta else 0.0
     ds = p * (dp - d_row)
     grads = scale * ds @ k, scale * ds.transpose(-2, -1) @ q, p.transpose(-2, -1) @ dout
-    return tuple(g.to(dout.dtype if work == dout.dtype else q.dtype) for g in grads)
+    return tuple(g.to(dtype) for g in grads)
 
 
 def backward_by_autograd(q, k, v, dout, causal):

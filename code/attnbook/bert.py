@@ -25,6 +25,7 @@ from torch import nn
 
 from attnbook.attention import compute_dtype
 from attnbook.checks import (
+    check_generator,  # noqa: F401 (chapter 9's mask_tokens, in this module, uses it)
     check_instance,
     check_int,
     check_positive,
@@ -281,8 +282,6 @@ def mask_tokens(input_ids: torch.Tensor, mask_id: int, vocab_size: int, *,
     """BERT's 80/10/10 corruption: each token where `can_mask` (default: all) is chosen with
     probability `p` becomes `mask_id`, a random id or stays. Returns int64 (corrupted ids,
     labels): the original ids where chosen, else -100. `generator` is on input_ids' device."""
-    from attnbook.checks import check_generator  # until chapter 8's import cell names it
-
     vocab_size = check_int("vocab_size", vocab_size, minimum=1)
     input_ids, p = check_token_ids("input_ids", input_ids, vocab_size), check_probability("p", p)
     mask_id = check_int("mask_id", mask_id, 0, vocab_size - 1)

@@ -17,7 +17,11 @@ __all__ = [
 
 # chapters/a6-checking-exercises.md, "Comparing an answer"
 import copy
+import gc
 import math
+import multiprocessing
+import pickle
+import signal
 import textwrap
 import threading
 import time
@@ -41,7 +45,7 @@ NARROWER = {  # an input dtype: (the rounding of a narrower dtype, relative diff
     "float64": (("float32 rounding size (or of a small constant such as eps)", 1e-9, 1e-5),
                 ("float16 or bfloat16 rounding size (or of a constant such as eps)", 1e-5, 5e-2)),
     "float32": (("float16 or bfloat16 rounding size", 1e-5, 5e-2),),
-    "float16": (("bfloat16 rounding size", 2e-3, 5e-2),),
+    "float16": (("float16 arithmetic or bfloat16 rounding size", 2e-3, 5e-2),),
 }
 
 
@@ -110,9 +114,10 @@ def _difference(got, expected, tolerance, name="output",
 
 def _rounding_note(relative: float, narrowest: str) -> str:
     """A note when a relative difference is the size of a dtype narrower than the inputs'."""
+    wider = "float32 and round to float16 once" if narrowest == "float16" else f"{narrowest} or wider"
     for rounding, low, high in NARROWER.get(narrowest, ()):
         if low <= relative < high:
-            return f": a difference of {rounding}: compute in {narrowest} or wider"
+            return f": a difference of {rounding}: compute in {wider}"
     return ""
 
 
@@ -171,6 +176,45 @@ def _change(before, after) -> str | None:
     return None if before == after else "in place"
 
 
+# chapters/a6-checking-exercises.md, "Running a candidate"
+def _call_in_child(candidate, args: tuple, timeout: float) -> dict:
+    """candidate(*args) in a forked child: _call's answer plus 'inputs' as the call left them,
+    {'stopped': True} after `timeout`, or {'crashed': the signal's name}."""
+    fork = multiprocessing.get_context("fork")
+    receive, send = fork.Pipe(duplex=False)
+    child = fork.Process(target=_answer_from_child, args=(candidate, args, send), daemon=True)
+    child.start()
+    send.close()  # the child holds the only writing end: its death ends the pipe
+    try:
+        box = pickle.loads(receive.recv_bytes()) if receive.poll(
+            min(timeout, threading.TIMEOUT_MAX)) else {"stopped": True}
+    except EOFError:  # the pipe closed with nothing in it: the child died
+        box = None
+    if box is not None and box.get("stopped"):  # a process, unlike a thread, can be stopped
+        child.kill()
+    child.join()  # after an answer or a crash the child ends by itself
+    if box is None or (child.exitcode < 0 and not box.get("stopped")):
+        code = child.exitcode
+        return {"crashed": signal.Signals(-code).name if code < 0 else f"exit code {code}"}
+    return box
+
+
+def _answer_from_child(candidate, args: tuple, send) -> None:
+    """In the child: call, free what the call made, send the pickled answer."""
+    torch.set_num_threads(1)  # a forked OpenMP pool is not safe to use
+    box = _call(candidate, args, math.inf)
+    if "value" in box:
+        box["inputs"] = args
+    try:
+        payload = pickle.dumps(box)
+    except Exception:  # noqa: BLE001 (a generator, a lock: anything pickle refuses)
+        payload = pickle.dumps({"unsendable": _kind(box.get("value", box.get("error")))})
+    del box
+    gc.collect()  # a write out of bounds often aborts here, when its memory is freed
+    send.send_bytes(payload)
+    send.close()
+
+
 # chapters/a6-checking-exercises.md, "The exercises"
 @dataclass(frozen=True)
 class Case:
@@ -185,11 +229,14 @@ class Case:
 @dataclass(frozen=True)
 class Exercise:
     """A title and its cases; `tolerance` (absolute, relative) replaces the dtype's when the
-    answer only moves numbers: (0, 0), exact."""
+    answer only moves numbers: (0, 0), exact; `in_child()` True runs each call in a child
+    process (where fork exists), and `crash_hint` says what a crash there means."""
 
     title: str
     cases: tuple[Case, ...]
     tolerance: tuple[float, float] | None = None
+    in_child: Callable[[], bool] | None = None  # True: each call runs in a child process
+    crash_hint: str | None = None  # what a crash of that process most likely means
 
 
 @dataclass(frozen=True)
@@ -462,10 +509,14 @@ def _run_cases(exercise_id: str, exercise: Exercise, candidate, timeout: float) 
     for number, case in enumerate(exercise.cases):
         inputs, expected = case.build(np.random.default_rng([sum(map(ord, exercise_id)), number]))
         kept = copy.deepcopy(inputs)
-        done = _call(candidate, tuple(inputs.values()), timeout)
+        in_child = exercise.in_child is not None and exercise.in_child() and \
+            "fork" in multiprocessing.get_all_start_methods()
+        done = (_call_in_child if in_child else _call)(candidate, tuple(inputs.values()), timeout)
+        inputs = dict(zip(inputs, done.pop("inputs", inputs.values())))
         if found := _judge(done, inputs, kept, expected, timeout, exercise.tolerance):
             # the case's hint names a mistake in the numbers: shown only when the numbers differ
             hint = case.hint if found[1] is not None else None
+            hint = exercise.crash_hint if "crashed" in done else hint
             return CheckResult(exercise_id, False, number, count, case.name, _describe(kept),
                                *found, hint, exercise.title)
     return CheckResult(exercise_id, True, count, count, title=exercise.title)
@@ -475,6 +526,14 @@ def _judge(done: dict, inputs: dict, kept: dict, expected, timeout: float, toler
     """(problem, largest difference, its index) for one call, or None when it is right."""
     if not done:
         return f"no answer after {timeout:g} s (it goes on in the background until it returns)", None, None
+    if done.get("stopped"):
+        return f"no answer after {timeout:g} s: its process was stopped", None, None
+    if "unsendable" in done:
+        return (f"output is {done['unsendable']}, which cannot leave its child process: return "
+                f"a tensor", None, None)
+    if "crashed" in done:
+        return (f"its process crashed ({done['crashed']}) on this case, with no answer; your "
+                f"notebook goes on", None, None)
     if "error" in done:
         return f"raised {type(done['error']).__name__}: {done['error']}", None, None
     if done["seconds"] > timeout:  # one long call that holds the GIL cannot be interrupted
@@ -534,6 +593,9 @@ EXERCISES["2.3"] = Exercise("the gradient through the softmax", (
          "NaN: a stable softmax subtracts a maximum of -inf; subtract 0 there: " + _CH2),
     Case("float32", _ch2_backward_case((5, 9), np.float32),
          "float32 input: compute in float32 or wider, never in float16"),
+    Case("float16, 300 keys", _ch2_backward_case((4, 300), np.float16, spread=4.0),
+         "float16 input: compute the softmax and p . g in float32 (a float16 sum over hundreds "
+         "of keys keeps 11 bits) and return float16 or wider"),
     Case("a NaN score in row 1", _ch2_backward_case((3, 5), nan_row=1),
          "a NaN score makes its row's weights, and so its row's gradient, NaN; the other rows "
          "stay as they are: never replace a NaN (np.nan_to_num)"),
@@ -548,7 +610,9 @@ def _ch3_heads_case(batch, length, d_model, heads, dtype=np.float64, nan_at=None
         x = rng.standard_normal((batch, length, d_model))
         if nan_at is not None:  # (sequence, position)
             x[nan_at + (0,)] = np.nan
-        W_Q, W_K, W_V, W_O = rng.standard_normal((4, d_model, d_model)) / np.sqrt(d_model)
+        weights = rng.standard_normal((4, d_model, d_model)) / np.sqrt(d_model)
+        x, weights = x.astype(dtype).astype(np.float64), weights.astype(dtype).astype(np.float64)
+        W_Q, W_K, W_V, W_O = weights  # the inputs' numbers, rounded to dtype, in float64
         layer = MultiHeadAttention(d_model, heads, bias=False).double()
         with torch.no_grad():
             for linear, W in zip((layer.q_proj, layer.k_proj, layer.v_proj, layer.out_proj),
@@ -576,6 +640,9 @@ EXERCISES["3.3"] = Exercise("multi-head self-attention in NumPy", (
          "a batch in front: split and join the heads of every sequence the same way"),
     Case("float32", _ch3_heads_case(2, 9, 16, 4, np.float32),
          "float32 input: compute in float32 or wider, never in float16"),
+    Case("float16", _ch3_heads_case(2, 33, 32, 4, np.float16),
+         "float16 input: compute in float32 (x.astype(np.float32)) and return float16 or wider: "
+         "float16 products and sums over 33 keys and 32 features lose the 11 bits float16 keeps"),
     Case("a NaN in sequence 0, position 2", _ch3_heads_case(2, 5, 8, 2, nan_at=(0, 2)),
          "every position reads position 2's key and value, so sequence 0's outputs are all NaN "
          "and sequence 1's are not: never replace a NaN (np.nan_to_num)"),
@@ -583,13 +650,15 @@ EXERCISES["3.3"] = Exercise("multi-head self-attention in NumPy", (
 
 
 # chapters/a7-exercise-cases.md, "Chapter 4"
-def _ch4_grouped_case(batch, heads, kv_heads, length, d, dtype=torch.float64):
+def _ch4_grouped_case(batch, heads, kv_heads, length, d, dtype=torch.float64, nan_key=None):
     def build(rng):
         from attnbook.layers import attend, causal_mask
 
         q = rng.standard_normal((batch, heads, length, d))
         k, v = rng.standard_normal((2, batch, kv_heads, length, d))
-        q, k, v = (torch.from_numpy(a) for a in (q, k, v))
+        if nan_key is not None:  # (key/value head, position) of sequence 0
+            k[(0, *nan_key, 0)] = np.nan
+        q, k, v = (torch.from_numpy(a).to(dtype).double() for a in (q, k, v))  # dtype's numbers
         expected = attend(q, k, v, causal_mask(length))[0].to(dtype)
         return {"q": q.to(dtype), "k": k.to(dtype), "v": v.to(dtype)}, expected
     return build
@@ -610,6 +679,14 @@ EXERCISES["4.2"] = Exercise("causal grouped-query attention", (
          "a batch in front: group the heads of every sequence the same way"),
     Case("float32", _ch4_grouped_case(2, 6, 2, 9, 8, torch.float32),
          "float32 input: compute in float32 or wider, never in float16"),
+    Case("float16", _ch4_grouped_case(2, 8, 2, 40, 16, torch.float16),
+         "float16 input: compute the scores, softmax and sums in float32 (q.float()), then return "
+         "float16: float16 keeps 11 bits"),
+    Case("a NaN in key/value head 1's key at position 3", _ch4_grouped_case(
+        2, 6, 2, 7, 4, nan_key=(1, 3)),
+         "a NaN key reaches the outputs that read it, group 1's query heads at positions 3 and "
+         "later in sequence 0, and no other: mask the scores with masked_fill (a NaN times a "
+         "zero weight, or plus -inf, stays NaN), and never replace a NaN (torch.nan_to_num)"),
 ))
 
 
@@ -667,6 +744,7 @@ def _ch8_embedding_case(batch, length, vocab=20, d=8, dtype=torch.float64, nan_w
         tables = {name: torch.from_numpy(rng.standard_normal(shape)) for name, shape in
                   (("word", (vocab, d)), ("position", (64, d)), ("token_type", (2, d)),
                    ("gamma", (d,)), ("beta", (d,)))}
+        tables = {name: t.to(dtype).double() for name, t in tables.items()}  # dtype's numbers
         if nan_word:  # a NaN in the vector of the first token's id
             tables["word"][ids[0, 0], 0] = float("nan")
         with torch.no_grad():
@@ -691,9 +769,93 @@ EXERCISES["8.2"] = Exercise("BERT's input layer", (
          "every sequence uses positions 0..L-1, and the LayerNorm is over the last axis only"),
     Case("float32 tables", _ch8_embedding_case(2, 9, dtype=torch.float32),
          "float32 tables: compute in float32 or wider, never in float16"),
+    Case("float16 tables", _ch8_embedding_case(2, 9, d=64, dtype=torch.float16),
+         "float16 tables: add the three vectors and normalise in float32, then return float16: "
+         "eps = 1e-12 is 0 in float16 and a float16 mean over 64 features keeps 11 bits"),
     Case("a NaN in one word's vector", _ch8_embedding_case(2, 6, nan_word=True),
          "a NaN in a word's row of the table makes every token with that id NaN after the "
          "LayerNorm, and no other token: never replace a NaN"),
+))
+
+
+# chapters/a7-exercise-cases.md, "Chapter 9"
+def _ch9_mlm_case(chosen, vocab=11, dtype=torch.float64, spread=1.0, nan_chosen=False):
+    """`chosen`: one list per sequence, True where the position carries a label."""
+    def build(rng):
+        keep = torch.tensor(chosen)  # (B, L) bool
+        logits = torch.from_numpy(rng.standard_normal((*keep.shape, vocab)) * spread)
+        if nan_chosen:  # a NaN logit at the first chosen position
+            logits[tuple(keep.nonzero()[0].tolist()) + (0,)] = float("nan")
+        labels = torch.where(keep, torch.from_numpy(rng.integers(0, vocab, keep.shape)), -100)
+        expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(),
+                                                     ignore_index=-100)
+        return {"logits": logits.to(dtype), "labels": labels}, expected.to(dtype)
+    return build
+
+
+_CH9 = 'chapter 9, "{}"'
+EXERCISES["9.3"] = Exercise("the masked-language-model loss", (
+    Case("one chosen position", _ch9_mlm_case([[True]]),
+         "the loss of a position is -log p of its label: logsumexp(logits) - logits[label], "
+         "from the logits over the vocabulary (the last axis): " + _CH9.format(
+             "Masked language modelling")),
+    Case("one sequence, three of eight positions chosen",
+         _ch9_mlm_case([[False, True, False, False, True, True, False, False]]),
+         "a position whose label is -100 carries no loss and does not count: divide by the "
+         "number of chosen positions, not by L, and never index the logits with -100: "
+         + _CH9.format("Masked language modelling")),
+    Case("4 sequences with 1, 3, 0 and 6 chosen positions", _ch9_mlm_case(
+        [[i < n for i in range(6)] for n in (1, 3, 0, 6)], vocab=17),
+         "the mean is over every chosen position of the batch, not a mean of each sequence's "
+         "mean: a sequence with more blanks weighs more (and one with none weighs nothing)"),
+    Case("logits in the thousands", _ch9_mlm_case([[True, False, True]], spread=1000.0),
+         "e^s overflows a float64 once s > 709.78: subtract each position's largest logit "
+         "before exponentiating (torch.logsumexp does)"),
+    Case("float32 logits", _ch9_mlm_case([[True, True, False], [False, True, True]],
+                                         dtype=torch.float32),
+         "float32 logits: compute in float32 or wider, and return a float32 loss"),
+    Case("no chosen position", _ch9_mlm_case([[False, False], [False, False]]),
+         "with no chosen position the loss has no mean: NaN (0 / 0, as cross_entropy gives), "
+         "not 0, which would read as a perfect model"),
+    Case("a NaN logit at a chosen position", _ch9_mlm_case(
+        [[False, True, True], [True, False, False]], nan_chosen=True),
+         "a NaN logit at a chosen position makes its loss, and so the mean, NaN: never replace "
+         "a NaN (torch.nan_to_num)"),
+))
+
+
+# chapters/a7-exercise-cases.md, "Chapter 10"
+def _ch10_schedule_case(steps, lr, warmup, min_lr_ratio):
+    def build(rng):
+        from attnbook.recipe import Recipe, learning_rate
+
+        recipe = Recipe(lr=lr, warmup=warmup, min_lr_ratio=min_lr_ratio)
+        expected = [learning_rate(recipe, step, steps) for step in range(1, steps + 1)]
+        return ({"steps": steps, "lr": lr, "warmup": warmup, "min_lr_ratio": min_lr_ratio},
+                torch.tensor(expected, dtype=torch.float64))
+    return build
+
+
+_CH10 = 'chapter 10, "The training recipe"'
+EXERCISES["10.2"] = Exercise("the warm-up and cosine learning-rate schedule", (
+    Case("one step, no warm-up", _ch10_schedule_case(1, 0.5, 0, 0.1),
+         "without a warm-up the first step has the full rate lr: the cosine starts at "
+         "done = 0 (and dividing by warmup = 0 is never needed): " + _CH10),
+    Case("four steps, all warm-up", _ch10_schedule_case(4, 1.0, 4, 0.1),
+         "steps count from 1: warm-up step s has the rate lr * s / warmup, so step 1 is "
+         "lr / warmup, not 0, and the last warm-up step has lr: " + _CH10),
+    Case("ten steps of cosine down to 0", _ch10_schedule_case(10, 1.0, 0, 0.0),
+         "after the warm-up, done = (step - 1 - warmup) / (steps - warmup) runs from 0 at the "
+         "first step after it, so the first cosine step has lr and the last is just above the "
+         "floor; compute in float64 (torch.arange(1, steps + 1, dtype=torch.float64)): " + _CH10),
+    Case("500 steps, 30 of warm-up, floor 0.1", _ch10_schedule_case(500, 1.0, 30, 0.1),
+         "the cosine runs over the steps after the warm-up and falls to min_lr_ratio * lr, not "
+         "to 0: lr * (low + (1 - low) * (1 + cos(pi * done)) / 2), a scaled cosine, not one "
+         "clamped at the floor: " + _CH10),
+    Case("a warm-up longer than the run", _ch10_schedule_case(12, 1.0, 30, 0.1),
+         "a run that ends inside its warm-up only rises: lr * step / warmup, never reaching lr"),
+    Case("a floor of 1: a constant rate after the warm-up", _ch10_schedule_case(20, 2.0, 7, 1.0),
+         "min_lr_ratio = 1 keeps the rate at lr once the warm-up is over"),
 ))
 
 
@@ -728,6 +890,8 @@ EXERCISES["11.1"] = Exercise("cross-attention over a padded source", (
          "NaN from masking with -inf nor the mean of v from masking with -1e9: " + _CH11),
     Case("float32", _ch11_cross_case([9, 4], 5, dtype=torch.float32),
          "float32 input: compute in float32 or wider, never in float16, and return float32"),
+    Case("float16", _ch11_cross_case([40, 17], 6, heads=2, d=16, dtype=torch.float16),
+         "float16 input: compute the scores, softmax and sums in float32, then return float16"),
     Case("a NaN in a source key", _ch11_cross_case([4, 3], 3, nan_key=True),
          "a NaN in a real source token's key makes that head's scores, and so its outputs for "
          "that sequence, NaN: never replace a NaN (torch.nan_to_num)"),
@@ -771,8 +935,9 @@ def _ch14_roofline_case(intensity, gpu, ridge=False):
         if ridge:
             values = np.append(values, spec.peak_flops(2) / spec.bandwidth)
         moved = 1e9  # bytes; the FLOPs are intensity x bytes
-        expected = np.array([i * moved / roofline_seconds(i * moved, moved, gpu)
-                             for i in values.ravel()]).reshape(values.shape)
+        expected = np.array([  # a NaN intensity has no roof: NaN (roofline_seconds refuses it)
+            np.nan if np.isnan(i) else i * moved / roofline_seconds(i * moved, moved, gpu)
+            for i in values.ravel()]).reshape(values.shape)
         return {"intensity": values, "gpu": gpu}, expected
     return build
 
@@ -792,6 +957,9 @@ EXERCISES["14.2"] = Exercise("the roofline: attainable FLOP/s against arithmetic
     Case("no arithmetic at all, and the A100's ridge point",
          _ch14_roofline_case([0.0, 2e3], "A100", ridge=True),
          "at intensity 0 a kernel does no arithmetic: 0 FLOP/s; at the ridge both roofs meet"),
+    Case("a NaN among the intensities", _ch14_roofline_case([[2.0, np.nan], [np.nan, 900.0]], "H100"),
+         "a NaN intensity gives NaN, not a roof: np.minimum keeps a NaN, while np.fmin, Python's "
+         "min and np.where(a < b, a, b) all turn it into the peak"),
 ))
 
 
@@ -813,6 +981,13 @@ def _ch15_rows(shape, lq, lk, causal, spread=1.0, strided=False):
         return ({"q": q, "k": k, "causal": causal},
                 torch.where(lse.isinf(), float("-inf"), lse / kernels._LOG2E))
     return build
+
+
+def _ch15_interpreted() -> bool:
+    """Triton's interpreter runs the reader's kernel (no GPU): a crash would end the notebook,
+    so appendix F's check runs each call in a child process."""
+    from attnbook import kernels
+    return kernels.INTERPRETED
 
 
 _CH15 = 'chapter 15, "{}"'
@@ -838,7 +1013,9 @@ EXERCISES["15.3"] = Exercise("the logsumexp of each query row, in Triton", (
     Case("q and k strided along D", _ch15_rows((1, 2, 32), 37, 45, False, strided=True),
          "read q and k through their own four strides each: neither is contiguous along D: "
          + _CH15.format("The Triton programming model")),
-))
+), in_child=_ch15_interpreted, crash_hint=(
+    "a load or store outside a tensor's memory: mask every tl.load and tl.store by the rows "
+    "and keys that exist (mask=rows < Lq, other=0.0): " + _CH15.format("The forward kernel")))
 
 
 # chapters/a7-exercise-cases.md, "Chapter 16"
@@ -883,6 +1060,9 @@ EXERCISES["16.1"] = Exercise("the backward pass of attention", (
          "a batch and heads in front: transpose the last two axes only (k.transpose(-2, -1))"),
     Case("float32", _ch16_backward_case((1, 2, 16), 33, 40, True, np.float32),
          "float32 input: compute in float32 or wider, and return float32 gradients"),
+    Case("float16", _ch16_backward_case((1, 2, 16), 33, 40, True, np.float16),
+         "float16 input: compute P, delta and the products in float32, then return float16 "
+         "gradients: dS = P * (dP - delta) subtracts nearly equal numbers"),
     Case("a NaN in query 2", _ch16_backward_case((1, 1, 4), 4, 5, nan_query=2),
          "a NaN in query 2 makes its row of P NaN: dq's row 2 and every dk and dv are NaN, the "
          "other rows of dq are not: never replace a NaN (torch.nan_to_num)"),
