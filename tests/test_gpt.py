@@ -244,6 +244,23 @@ def test_greedy_with_and_without_cache(prompt_len, new):
         assert out.shape == (2, prompt_len + new) and torch.equal(out, expected)
 
 
+@pytest.mark.parametrize("prompt_len, new, size", [(1, 10, 11), (5, 40, 32), (20, 12, 32),
+                                                    (40, 3, 32), (6, 0, 6)])
+def test_generate_allocates_the_cache_the_tokens_need(monkeypatch, prompt_len, new, size):
+    """min(context_length, prompt + new tokens) positions, not always context_length (V6); the
+    tokens are those of the plain loop (the test above), the window moving past the context."""
+    model, made = tiny_gpt(), []
+    make = model.make_kv_cache
+    monkeypatch.setattr(model, "make_kv_cache", lambda *args: made.append(make(*args)) or made[-1])
+    prompt = torch.randint(50, (2, prompt_len), generator=torch.Generator().manual_seed(1))
+    out = model.generate(prompt, new, temperature=0)
+    assert [cache.capacity for cache in made] == [size] and torch.equal(
+        out, plain_greedy(model, prompt, new))
+    sampled = model.generate(prompt, new, generator=torch.Generator().manual_seed(2))
+    assert made[-1].capacity == size and torch.equal(sampled, model.generate(
+        prompt, new, generator=torch.Generator().manual_seed(2), use_cache=False))
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_sampling_with_and_without_cache_same_seed(seed):
     model = tiny_gpt(seed)
@@ -453,8 +470,9 @@ def test_the_layers_keep_the_cache_and_advance_it():
     cache.reset()
     assert cache.length == 0 and all(layer.length == 0 for layer in cache.layers)
     cache.layers[0].length = 3  # as if a call had been interrupted after its first layer
-    with pytest.raises(RuntimeError, match=r"\[0, 3\]"):
-        _ = cache.length
+    with pytest.raises(RuntimeError, match=r"the layers hold \[3, 0\] positions: reset\(\)"):
+        MODEL(torch.zeros(2, 1, dtype=torch.long), kv_cache=cache)  # refused before it runs
+    assert [layer.length for layer in cache.layers] == [3, 0]
 
 
 def test_a_cache_of_another_dtype_is_refused_and_left_unchanged():
@@ -510,9 +528,9 @@ def test_generation_refuses_logits_that_turn_non_finite_late():
     calls = [0]
     original = model._logits
 
-    def late_nan(idx, cache):  # finite for the first two tokens, then NaN
+    def late_nan(idx, cache, real=None):  # finite for the first two tokens, then NaN
         calls[0] += 1
-        out = original(idx, cache)
+        out = original(idx, cache, real)
         return out if calls[0] <= 2 else out * float("nan")
 
     model._logits = late_nan
@@ -543,7 +561,7 @@ def test_a_hand_made_kv_cache_larger_than_the_context_is_refused_past_it():
     c = model.config
     cache = KVCache(c.num_layers, 1, c.num_heads, c.context_length + 8, c.head_dim)
     model(torch.zeros(1, c.context_length, dtype=torch.long), kv_cache=cache)
-    with pytest.raises(ValueError, match=f"passes context_length={c.context_length}"):
+    with pytest.raises(ValueError, match=f"at most context_length={c.context_length}"):
         model(torch.zeros(1, 1, dtype=torch.long), kv_cache=cache)
 
 

@@ -142,6 +142,49 @@ def test_each_variant_compiles_whole(name):
         torch.testing.assert_close(got, wanted, rtol=1e-4, atol=1e-5)
 
 
+def compiled_steps(gpt: GPT, idx: torch.Tensor, steps: int) -> tuple[torch.Tensor, int]:
+    """The logits of a prefill of 4 tokens and `steps` one-token steps through the KV cache by
+    torch.compile(gpt, fullgraph=True), and how many graphs it compiled for them."""
+    graphs = []
+
+    def counting(graph, inputs):  # a backend that counts, then runs the graph as traced
+        graphs.append(graph)
+        return graph.forward
+
+    dynamo.reset()
+    step, cache = torch.compile(gpt, fullgraph=True, backend=counting), gpt.make_kv_cache(len(idx))
+    with torch.no_grad():
+        logits = [step(idx[:, :4], kv_cache=cache)]
+        logits += [step(idx[:, t:t + 1], kv_cache=cache) for t in range(4, 4 + steps)]
+    return torch.cat(logits, dim=1), len(graphs)
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_a_compiled_step_with_the_cache_compiles_twice_however_many_steps(name):
+    """The prefill, then one step whose cache length is a symbol: 2 graphs for 5 steps or 20
+    (the cache's length read through a set compiled once per length, up to the limit of 8).
+    The cache is not filled: ALiBi's step compiles once more for the step that fills it (its
+    keys are then the whole storage, not a slice of it; measured on torch 2.13)."""
+    gpt, idx = model(name, context_length=32), ids(length=24)
+    counts = {}
+    for steps in (5, 20):
+        logits, counts[steps] = compiled_steps(gpt, idx, steps)
+        with torch.no_grad():
+            cache = gpt.make_kv_cache(3)
+            eager = [gpt(idx[:, :4], kv_cache=cache)]
+            eager += [gpt(idx[:, t:t + 1], kv_cache=cache) for t in range(4, 4 + steps)]
+        torch.testing.assert_close(logits, torch.cat(eager, dim=1), atol=1e-5, rtol=1e-5)
+    assert counts == {5: 2, 20: 2}, counts
+
+
+def test_a_cache_whose_layers_disagree_is_refused_before_the_step():
+    gpt, idx = model("rope"), ids()
+    cache = gpt.make_kv_cache(3)
+    cache.layers[1].length = 2  # as an interrupted call would leave it
+    with pytest.raises(RuntimeError, match=r"the layers hold \[0, 2\] positions: reset\(\)"):
+        gpt(idx[:, :1], kv_cache=cache)
+
+
 @pytest.mark.parametrize("name", VARIANTS)
 def test_a_variant_checks_its_input_once(name):
     idx, counts = ids(batch=2, length=8), {}

@@ -131,23 +131,28 @@ class GPT(nn.Module):
             for proj in (block.self_attn.out_proj, block.ff.fc2):  # residual-stream writers
                 nn.init.normal_(proj.weight, mean=0.0, std=0.02 / math.sqrt(2 * c.num_layers))
 
-    def forward(self, idx: torch.Tensor, kv_cache: "KVCache | None" = None) -> torch.Tensor:
-        """Logits (B, T, vocab_size); with `kv_cache`, idx continues its positions, no grads."""
-        if kv_cache is None:
-            return self._logits(_check_idx(self, idx, self.config.context_length), None)
-        idx = _check_kv_cache(self, kv_cache, _check_idx(self, idx))
-        with torch.no_grad():
-            return self._logits(idx, kv_cache)
+    def forward(self, idx: torch.Tensor, kv_cache: "KVCache | None" = None,
+                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (B, T, vocab_size); with `kv_cache`, idx continues its positions, no grads.
+        `attention_mask` (B, cached + T): 1 at a real token, 0 at padding (chapter 19)."""
+        idx = _check_idx(self, idx, self.config.context_length if kv_cache is None else math.inf)
+        cached = 0 if kv_cache is None else _check_kv_cache(self, kv_cache, idx)
+        real = None if attention_mask is None else _check_padding(attention_mask, idx, cached)  # noqa: F821
+        with torch.set_grad_enabled(torch.is_grad_enabled() and kv_cache is None):  # cache: none
+            return self._logits(idx, kv_cache, real)
 
-    def _logits(self, idx: torch.Tensor, kv_cache: "KVCache | None") -> torch.Tensor:
-        # forward's computation, on ids already checked (generate checks them once per call)
+    def _logits(self, idx: torch.Tensor, kv_cache: "KVCache | None",
+                real: torch.Tensor | None = None) -> torch.Tensor:
+        # forward's computation, on arguments already checked (generate checks them once a call)
         start, caches = (0, [None] * len(self.blocks)) if kv_cache is None else \
             (kv_cache.length, kv_cache.layers)
-        positions = torch.arange(start, start + idx.shape[1], device=idx.device)  # (T,)
+        positions, mask = torch.arange(start, start + idx.shape[1], device=idx.device)[None], None
+        if real is not None:  # a padded batch: each row's own positions, padding masked
+            positions, mask = _padded(real, start, idx.shape[1])  # noqa: F821 (chapter 19's, as above)
         x = self.emb_norm(self.tok_emb(idx)) + (0 if self.pos_emb is None else self.pos_emb(positions))
         x = self.drop(x)  # (B, T, d_model)
         for block, cache in zip(self.blocks, caches):
-            x = block(x, is_causal=True, cache=cache)  # (B, T, d_model)
+            x = block(x, mask, True, cache=cache, positions=positions)  # (B, T, d_model)
         head = self.tok_emb.weight if self.lm_head is None else self.lm_head.weight  # tied?
         return F.linear(self.norm_f(x), head)  # (B, T, vocab_size)
 
@@ -162,15 +167,19 @@ class GPT(nn.Module):
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
                  top_k: int | None = None, use_cache: bool = True,
-                 generator: torch.Generator | None = None) -> torch.Tensor:
+                 generator: torch.Generator | None = None,
+                 attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """idx (B, T) and `max_new_tokens` tokens more, generated in eval mode: the likeliest for
-        temperature 0, else drawn from softmax(logits / temperature) among the `top_k` likeliest."""
+        temperature 0, else drawn from softmax(logits / temperature) among the `top_k` likeliest.
+        `attention_mask` (B, T), 0 at padding on the left of a prompt (chapter 19)."""
         seq, limit = _check_idx(self, idx), self.config.context_length
         max_new_tokens = check_int("max_new_tokens", max_new_tokens, 0)
         temperature = check_real("temperature", temperature, 0.0)
         top_k = None if top_k is None else check_int("top_k", top_k, 1)
         generator = check_generator("generator", generator, seq.device)  # before any sampling
-        cache = self.make_kv_cache(len(seq)) if check_bool("use_cache", use_cache) else None
+        real = None if attention_mask is None else _check_padding(attention_mask, seq, 0, True)  # noqa: F821
+        size = min(limit, seq.shape[1] + max_new_tokens)  # no more than the tokens it will hold
+        cache = self.make_kv_cache(len(seq), size) if check_bool("use_cache", use_cache) else None
         finite = torch.ones((), dtype=torch.bool, device=seq.device)  # stays on the device
         was_training = self.training
         self.eval()
@@ -179,10 +188,11 @@ class GPT(nn.Module):
                 if cache is not None and cache.length == limit:  # the window moved: reread it
                     cache.reset()
                 cached = cache is not None and cache.length > 0  # after the prefill
-                logits = self._logits(seq[:, -1:] if cached else seq[:, -limit:], cache)[:, -1]
-                finite &= logits.isfinite().all()
-                next_id = _next_token(logits, temperature, top_k, generator)  # (B, 1)
+                logits = self._logits(seq[:, -1:] if cached else seq[:, -limit:], cache, real)
+                finite &= logits[:, -1].isfinite().all()
+                next_id = _next_token(logits[:, -1], temperature, top_k, generator)  # (B, 1)
                 seq = torch.cat([seq, next_id], dim=1)  # (B, T + 1)
+                real = None if real is None else F.pad(real, (0, 1), value=True)  # a real token
         finally:
             self.train(was_training)
         if not finite:  # read once per call: a test per token would wait for the GPU each time
@@ -286,8 +296,9 @@ def _check_idx(model: GPT, idx, longest: float = math.inf) -> torch.Tensor:
     return idx
 
 
-def _check_kv_cache(model: GPT, kv_cache, idx: torch.Tensor) -> torch.Tensor:
-    """idx (B, n), after checking that kv_cache is the model's and that n more positions fit."""
+def _check_kv_cache(model: GPT, kv_cache, idx: torch.Tensor) -> int:
+    """The positions kv_cache holds, after checking that it is the model's and that idx's
+    (B, n) fit after them."""
     c, (b, n) = model.config, idx.shape
     cache = check_instance("kv_cache", kv_cache, KVCache)
     layers, batch = cache.keys.shape[:2]
@@ -297,13 +308,13 @@ def _check_kv_cache(model: GPT, kv_cache, idx: torch.Tensor) -> torch.Tensor:
     weight = model.tok_emb.weight  # the layers' keys and values come out in its dtype and device
     check_tensor("kv_cache.keys", cache.keys, dtype=weight.dtype, device=weight.device,
                  shape=(None, None, c.kv_heads, None, c.head_dim))
-    if cache.length + n > cache.capacity:
-        raise ValueError(f"idx of length {n} does not fit: kv_cache holds {cache.length} "
-                         f"positions of its capacity {cache.capacity}")
-    if cache.length + n > c.context_length:  # a KVCache made by hand may hold more
-        raise ValueError(f"idx of length {n} after the {cache.length} positions of kv_cache "
-                         f"passes context_length={c.context_length}")
-    return idx
+    if any(layer.length != cache.length for layer in cache.layers):  # only an interrupted call
+        raise RuntimeError(f"the layers hold {[layer.length for layer in cache.layers]} "
+                           "positions: reset() the cache")
+    if cache.length + n > min(cache.capacity, c.context_length):  # one made by hand may hold more
+        raise ValueError(f"idx of length {n} does not fit: kv_cache holds {cache.length} positions "
+                         f"of its capacity {cache.capacity}, at most context_length={c.context_length}")
+    return cache.length
 
 
 # chapters/10-gpt.md, "GPT-2's weights"
@@ -331,11 +342,9 @@ class KVCache:
 
     @property
     def length(self) -> int:
-        """The positions filled: the same in every layer, since each call reaches them all."""
-        lengths = {layer.length for layer in self.layers}
-        if len(lengths) > 1:  # only an interrupted call leaves the layers apart
-            raise RuntimeError(f"the layers hold {sorted(lengths)} positions: reset() the cache")
-        return lengths.pop()
+        """The positions filled: the same in every layer, since each call reaches them all
+        (GPT.forward checks it, once a call: a compiled step reads one plain integer)."""
+        return self.layers[0].length
 
     @property
     def nbytes(self) -> int:
@@ -389,3 +398,32 @@ class CharTokenizer:
         ids = torch.as_tensor(ids).flatten()
         ids = check_token_ids("ids", ids if len(ids) else ids.long(), self.vocab_size)  # [] is fine
         return "".join(self.itos[i] for i in ids.tolist())
+
+
+# chapters/19-gpt-variants.md, "Prompts of different lengths"
+def _check_padding(mask, idx: torch.Tensor, cached: int, left: bool = False) -> torch.Tensor:
+    """GPT's attention_mask (B, cached + T), bool or 0/1, as bool: a real token in every row and,
+    with `left` (generate), padding only before it (chapter 19). One read, none when compiled."""
+    shape = (len(idx), cached + idx.shape[1])
+    wanted = f"attention_mask must be a bool or integer tensor of shape {shape} on {idx.device}"
+    if not isinstance(mask, torch.Tensor) or mask.is_floating_point() or mask.is_complex():
+        raise TypeError(f"{wanted}, got {getattr(mask, 'dtype', type(mask).__name__)}")
+    if tuple(mask.shape) != shape or mask.device != idx.device:
+        raise ValueError(f"{wanted}, got shape {tuple(mask.shape)} on {mask.device}")
+    real = mask != 0
+    faults = {"hold only 0 and 1": (real & (mask != 1)).any(),  # (B, L) -> ()
+              "have a real token (a 1) in every row": ~real.any(dim=-1).all(),
+              "pad on the left only: no 0 after a 1": left & (real[:, :-1] > real[:, 1:]).any()}
+    if torch.compiler.is_compiling():  # a RuntimeError when the graph runs (appendix A)
+        for fact, fault in faults.items():
+            torch._assert_async(~fault, f"attention_mask must {fact}")
+    elif bool(torch.stack(list(faults.values())).any()):  # one read of the device
+        raise ValueError(f"attention_mask must {next(f for f, bad in faults.items() if bad)}")
+    return real
+
+
+def _padded(real: torch.Tensor, start: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The positions (B, t) of t tokens after `start` cached ones, counted from each row's first
+    real token, and the keys' mask (B, 1, 1, start + t), from `real` (B, >= start + t)."""
+    real = real[:, -(start + t):]  # generate's grows past the window that the cache holds
+    return (real.cumsum(-1) - 1).clamp(min=0)[:, -t:], real[:, None, None, :]  # padding: 0

@@ -266,16 +266,17 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, context: torch.Tensor | None = None,
                 mask: torch.Tensor | None = None, is_causal: bool = False,
-                return_weights: bool = False, cache=None
+                return_weights: bool = False, cache=None, positions: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Attend from x (B, Lq, d_model) to context (B, Lk, d_model; default x): the outputs
         (B, Lq, d_model) and, with `return_weights`, the weights (B, nh, Lq, Lk), else None.
         `is_causal` aligns bottom-right; `cache` (self-attention only; chapter 4's LayerCache)
-        keeps earlier keys and values, which x's join first; a mask has two dimensions at least."""
+        keeps earlier keys and values, which x's join first; a mask has two dimensions at least.
+        `positions` (B, Lq), x's positions for a `rotary` hook, replace the cache's count."""
         q = _split_heads(self.q_proj(x), self.num_heads)  # (B, nh, Lq, hs)
         source = x if context is None else context
         k, v = (_split_heads(p(source), self.num_kv_heads) for p in (self.k_proj, self.v_proj))
-        q, k = self.rotary(q, k, 0 if cache is None else cache.length)  # x's first position
+        q, k = self.rotary(q, k, 0 if cache is None else cache.length, positions)  # x's first
         if cache is not None:
             k, v = cache._append(k, v)  # this chunk's and every earlier position: (B, nkv, Lk, hs)
         dropout_p = self.config.dropout if self.training else 0.0
@@ -292,7 +293,8 @@ class Attention(nn.Module):
         return self.out_proj(out.transpose(1, 2).flatten(2)), weights  # (B, Lq, d_model), ...
 
 
-def _unturned(q: torch.Tensor, k: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _unturned(q: torch.Tensor, k: torch.Tensor, start: int, positions=None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
     return q, k  # no positions inside attention: GPT-2's and BERT's are added to the inputs
 
 
@@ -663,13 +665,15 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None,
                 is_causal: bool = False, context: torch.Tensor | None = None,
                 context_mask: torch.Tensor | None = None, return_weights: bool = False,
-                cache: LayerCache | None = None):
+                cache: LayerCache | None = None, positions: torch.Tensor | None = None):
         """(B, L, d_model) -> (B, L, d_model), and with `return_weights` the self- and cross-
-        attention weights (or None). `mask`, `is_causal` and `cache` go to the self-attention,
-        `context` (B, Lc, d_model) and `context_mask` to the cross-attention, if the block has it."""
+        attention weights (or None). `mask`, `is_causal`, `cache` and `positions` go to the
+        self-attention, `context` (B, Lc, d_model) and `context_mask` to the cross-attention, if
+        the block has it."""
+        own = (return_weights, cache, positions)  # the self-attention's last arguments
         if not self.config.norm_first:
-            return self._post_norm(x, mask, is_causal, context, context_mask, return_weights, cache)
-        h, self_w = self.self_attn(self.attn_norm(x), None, mask, is_causal, return_weights, cache)
+            return self._post_norm(x, mask, is_causal, context, context_mask, own)
+        h, self_w = self.self_attn(self.attn_norm(x), None, mask, is_causal, *own)
         x, cross_w = x + self.dropout(h), None  # pre-norm: x + f(norm(x)) for each sublayer f
         if self.cross_attn is not None:
             h, cross_w = self.cross_attn(self.cross_norm(x), context, context_mask, False,
@@ -678,9 +682,9 @@ class Block(nn.Module):
         x = x + self.dropout(self.ff(self.ff_norm(x)))
         return (x, self_w, cross_w) if return_weights else x
 
-    def _post_norm(self, x, mask, is_causal, context, context_mask, return_weights, cache):
+    def _post_norm(self, x, mask, is_causal, context, context_mask, own):
         """forward with norm_first=False: norm(x + f(x)) for each sublayer f."""
-        h, self_w = self.self_attn(x, None, mask, is_causal, return_weights, cache)
+        (h, self_w), return_weights = self.self_attn(x, None, mask, is_causal, *own), own[0]
         x, cross_w = self.attn_norm(x + self.dropout(h)), None
         if self.cross_attn is not None:
             h, cross_w = self.cross_attn(x, context, context_mask, False, return_weights)

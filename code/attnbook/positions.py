@@ -60,10 +60,11 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor | None = None,
 
 
 def _rope(x: torch.Tensor, positions: torch.Tensor, base: float) -> torch.Tensor:
-    """apply_rope's computation, on checked arguments: positions (L,) in _wide's dtype."""
+    """apply_rope's computation, on checked arguments: positions (L,), or (..., L) broadcasting
+    with x's leading dimensions, in _wide's dtype."""
     work, d, wide = compute_dtype(x.dtype), x.shape[-1], positions.dtype
     frequencies = base ** (-torch.arange(0, d, 2, device=x.device, dtype=wide) / d)  # (d/2,)
-    angles = positions[:, None] * frequencies  # (L, d/2)
+    angles = positions[..., None] * frequencies  # (..., L, d/2)
     cos, sin = angles.cos().to(work), angles.sin().to(work)
     x1, x2 = x.to(work).chunk(2, dim=-1)  # (..., L, d/2) each: pair i is (x1[i], x2[i])
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(x.dtype)
@@ -128,18 +129,21 @@ def _alibi_bias(slopes: torch.Tensor, q_len: int, k_len: int) -> torch.Tensor:
 
 # chapters/05-positions.md, "Inside a model's attention"
 class Rotary(nn.Module):
-    """RoPE inside attention: q and k (B, H, L, head_dim) at positions start..start+L-1, turned
-    as apply_rope turns them. Settings checked when made; calls not checked (chapter 7)."""
+    """RoPE inside attention: q and k (B, H, L, head_dim) at positions start..start+L-1, or at
+    `positions` (B, L), each row's own (a padded batch, chapter 19), turned as apply_rope turns
+    them. Settings checked when made; calls not checked (chapter 7)."""
 
     def __init__(self, head_dim: int, base: float = 10000.0) -> None:
         super().__init__()
         self.head_dim = check_divisible("head_dim", check_int("head_dim", head_dim, 2), "2", 2)
         self.base = check_positive("base", base)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, start: int
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        positions = torch.arange(start, start + q.shape[2], device=q.device, dtype=_wide(q.device))
-        return _rope(q, positions, self.base), _rope(k, positions, self.base)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, start: int,
+                positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        if positions is None:
+            positions = torch.arange(start, start + q.shape[2], device=q.device)[None]  # (1, L)
+        at = positions.to(_wide(q.device))[:, None]  # (B or 1, 1, L): every head's the same
+        return _rope(q, at, self.base), _rope(k, at, self.base)
 
 
 class ALiBi(nn.Module):
