@@ -267,7 +267,8 @@ def _launch_settings(kernel: str, element_size: int, head_dim: int,
 
 
 # chapters/15-flash-attention-triton.md, "Launching the kernels"
-def _forward(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+             scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     # O (B, H, Lq, D) and the base-2 logsumexp of each row's scores (B, H, Lq), float32.
     q, k, v = _unit_stride_d(q, k, v)
     B, H, Lq, D = q.shape
@@ -513,7 +514,9 @@ def _dq_step(dq, q, do, lse, delta, K, V, rows, start_n, stride_kn, stride_kd, s
 TRITON_KERNELS = {"forward": _forward_kernel, "dkdv": _dkdv_kernel, "dq": _dq_kernel}
 
 
-def _backward(q, k, v, o, lse, do, causal: bool, scale: float):
+def _backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+              lse: torch.Tensor, do: torch.Tensor, causal: bool, scale: float
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # dQ, dK, dV (contiguous, in the inputs' dtype) from the forward's O and logsumexp.
     q, k, v, do = _unit_stride_d(q, k, v, do)  # as in _forward (chapter 15)
     B, H, Lq, D = q.shape
@@ -540,7 +543,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     _check_inputs(q, k, v)
     causal = check_bool("causal", causal)
     scale = check_real("scale", check_scale(scale, q.shape[-1]), -_LARGEST_SCALE, _LARGEST_SCALE)
-    return _FlashAttention.apply(q, k, v, causal, scale)
+    return _attention(q, k, v, causal, scale)
 
 
 def _flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
@@ -548,29 +551,36 @@ def _flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: 
     """flash_attention on arguments its caller has checked (chapter 3's Triton backend): only
     whether the kernels can run on q's device is checked, with no call of appendix A's checks."""
     _check_mode(q.device)
-    return _FlashAttention.apply(q, k, v, causal, scale)
+    return _attention(q, k, v, causal, scale)
 
 
-class _FlashAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, causal: bool, scale: float):
-        q, k, v = _unit_stride_d(q, k, v)  # copied once here, not again for the backward
-        if any(ctx.needs_input_grad[:3]):  # refuse now what the backward could not launch
-            _check_backward_lengths(q, k)
-        o, lse = _forward(q, k, v, causal, scale)
-        ctx.save_for_backward(q, k, v, o, lse)  # no (Lq, Lk) matrix: O and one float per row
-        ctx.causal, ctx.scale = causal, scale
-        return o
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, do):
-        q, k, v, o, lse = ctx.saved_tensors
-        return (*_backward(q, k, v, o, lse, do, ctx.causal, ctx.scale), None, None)
+def _attention(q, k, v, causal: bool, scale: float) -> torch.Tensor:
+    # O by the operator below; inputs strided along D copied once, not again for the backward
+    q, k, v = _unit_stride_d(q, k, v)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        _check_backward_lengths(q, k)
+    return torch.ops.attnbook.flash_attention(q, k, v, causal, scale)[0]
 
 
-def _check_backward_lengths(q, k) -> None:
-    # Before the forward, not in loss.backward(): a backward launch that fits no grid order
+def _save(ctx, inputs, output) -> None:  # for the backward: O and one float per row, no matrix
+    ctx.save_for_backward(*inputs[:3], *output)  # q, k, v, O, the logsumexp
+    ctx.causal, ctx.scale = inputs[3:]
+
+
+def _gradients(ctx, do, _dlse):  # dQ, dK, dV; none for causal and scale (nor by the logsumexp)
+    return (*torch.ops.attnbook.flash_attention_backward(*ctx.saved_tensors, do, ctx.causal,
+                                                         ctx.scale), None, None)
+
+
+if not hasattr(torch.ops.attnbook, "flash_attention"):  # once a process: see below
+    op = torch.library.custom_op("attnbook::flash_attention", _forward, mutates_args=())
+    op.register_fake(lambda q, *rest: (q.new_empty(q.shape), q.new_empty(q.shape[:3]).float()))
+    op.register_autograd(_gradients, setup_context=_save)
+    op = torch.library.custom_op("attnbook::flash_attention_backward", _backward, mutates_args=())
+    op.register_fake(lambda q, k, v, *rest: tuple(t.new_empty(t.shape) for t in (q, k, v)))
+
+
+def _check_backward_lengths(q, k) -> None:  # before the forward, not in loss.backward()
     _check_tiles("delta", "q", q.shape[2], 32, q.shape[0] * q.shape[1])
     for name in ("dkdv", "dq"):
         _fitting(name, q, k)
