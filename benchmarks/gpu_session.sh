@@ -5,7 +5,8 @@
 #                                               # an H100-class GPU):
 #     1. the GPU and software versions (versions.txt);
 #     2. tests/test_kernels.py with the Triton kernels compiled for this GPU (kernel_tests.txt),
-#        among them the row offsets past 2**31 elements (a 5 GB buffer) and CUDA's grid limits;
+#        among them the row offsets past 2**31 elements (a 5 GB buffer) and CUDA's grid limits,
+#        and tests/test_kernel_operator.py: models on the Triton backend under torch.compile;
 #     2b. with two GPUs or more, the device guard: inputs on cuda:1 while cuda:0 is current
 #        (two_gpus.txt; skipped, and said so, on one GPU or none);
 #     3. benchmarks/flash_attention.py: ours against every SDPA backend and naive attention,
@@ -68,7 +69,7 @@ kernel_tests() {
         echo "pytest is not installed here: the kernel tests did not run"
         return 1
     fi
-    "$python" -m pytest -q -p no:cacheprovider tests/test_kernels.py
+    "$python" -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_kernel_operator.py
 }
 
 two_gpus() {

@@ -116,17 +116,31 @@ def test_rectangular_tiles_split_the_causal_loops_correctly(tiles, lq, lk, monke
     # masked and unmasked loops must meet where they should with BLOCK_M != BLOCK_N too.
     from attnbook import kernels
 
-    monkeypatch.setattr(kernels, "launch_settings", lambda *args: [(*tiles, 4, 2)])
-    check_against_torch(lq, lk, 32, True, torch.float32, seed=5)
+    monkeypatch.setattr(kernels, "_launch_settings", lambda *args: [(*tiles, 4, 2)])
+    check_against_torch(lq, lk, 32, True, torch.float32, seed=5)  # patched launch_settings once,
+    # which the launcher does not call: the square tiles ran
 
 
 def test_launch_settings_choose_by_gpu_and_dtype():
-    from attnbook.kernels import LAUNCH, NUM_STAGES, NUM_WARPS, TILE_ROWS, launch_settings
+    from attnbook.kernels import (
+        LAUNCH,
+        NUM_STAGES,
+        NUM_WARPS,
+        TILE_ROWS,
+        WIDE_LAUNCH,
+        launch_settings,
+    )
 
     for (capability, kernel), by_dim in LAUNCH.items():
         assert set(by_dim) == {64, 128} and all(len(c) >= 1 for c in by_dim.values())
         for d in (16, 32, 64, 128):
             assert launch_settings(kernel, 2, d, capability) == by_dim[64 if d <= 64 else 128]
+    # a WIDE launch: WIDE_LAUNCH's where it has them, else LAUNCH's
+    for (capability, kernel), by_dim in LAUNCH.items():
+        for d in (64, 128):
+            own = WIDE_LAUNCH.get((capability, kernel), {}).get(d)
+            assert launch_settings(kernel, 2, d, capability, wide=True) == (own or by_dim[d])
+    assert launch_settings("dkdv", 2, 64, 80, True)[0] == (32, 32, 4, 3)  # 64 x 64 spilled
     # sm_86 and sm_89 (RTX 30 and 40, L4) take the A100's settings, sm_75 the T4's
     assert launch_settings("dq", 2, 64, 86) == LAUNCH[80, "dq"][64]
     assert launch_settings("dq", 2, 64, 75) == LAUNCH[75, "dq"][64]
@@ -783,6 +797,29 @@ class _Recorded:
                 raise triton.runtime.OutOfResources(300_000, 232_448, "shared memory")
             self.blocks.append(BLOCK_M)
         return launch
+
+
+def test_a_wide_launch_takes_its_own_settings(monkeypatch):
+    """On a GPU, a tensor spanning 2**31 elements makes a WIDE launch (64-bit rows), which takes
+    WIDE_LAUNCH's settings where LAUNCH's spill. Before, the A100's dK, dV kernel at D = 64 took
+    LAUNCH's 64 x 64 tiles, which spill 8 B compiled WIDE (appendix D). Meta tensors, a
+    stand-in kernel and capability 80: no GPU, no memory."""
+    from attnbook import kernels
+
+    monkeypatch.setattr(kernels, "INTERPRETED", False)
+    monkeypatch.setattr(kernels, "_capability", lambda device: 80)
+    monkeypatch.setenv("ATTNBOOK_AUTOTUNE", "0")
+    small = torch.empty(1, 2, 100, 64, dtype=torch.float16, device="meta")
+    huge = torch.empty(2**32, dtype=torch.float16, device="meta").as_strided(
+        (1, 2, 100, 64), (0, 64, 2**25, 1))  # rows 2**25 elements apart
+    blocks = {}
+    for q, wide in ((small, False), (huge, True)):
+        kernel = _Recorded()
+        kernels._launch(kernel, "dkdv", q, q, False, q)
+        blocks[wide] = kernel.blocks
+    assert blocks == {False: [64], True: [32]}  # the rows of a tile of keys
+    assert [kernels.LAUNCH[80, "dkdv"][64][0][1], kernels.WIDE_LAUNCH[80, "dkdv"][64][0][1]] \
+        == [64, 32]
 
 
 def test_autotuning_skips_candidates_that_do_not_fit_or_run_out_of_resources(monkeypatch):

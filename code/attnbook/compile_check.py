@@ -131,7 +131,7 @@ def _compile_here(kernel: str, gpu: str, dtype: str, head_dim: int, causal: bool
         raise RuntimeError("the kernels were imported in interpreted mode: use compile_kernels")
     # block None: the launcher's settings on this GPU; a block alone: square, 4 warps, 2 stages
     size = getattr(torch, dtype).itemsize
-    default = (kernels.launch_settings(kernel, size, head_dim, GPUS[gpu])[0] if block is None
+    default = (kernels.launch_settings(kernel, size, head_dim, GPUS[gpu], wide)[0] if block is None
                else (block, block, kernels.NUM_WARPS, kernels.NUM_STAGES))
     block, block_n, warps, stages = (given or d for given, d in
                                      zip((block, block_n, warps, stages), default))

@@ -9,6 +9,7 @@ __all__ = [
     "INTERPRETED",
     "TILE_ROWS",
     "LAUNCH",
+    "WIDE_LAUNCH",
     "AUTOTUNE_FROM",
     "launch_settings",
     "TRITON_KERNELS",
@@ -232,42 +233,49 @@ LAUNCH = {
     (75, "dkdv"): {64: [(32, 32, 8, 2)], 128: [(32, 32, 8, 2)]},
     (75, "dq"): {64: [(32, 32, 8, 2)], 128: [(16, 16, 8, 2)]},
     (80, "forward"): {64: [(64, 64, 4, 3)], 128: [(128, 64, 8, 3), (64, 64, 4, 3)]},
-    (80, "dkdv"): {64: [(64, 64, 4, 3)], 128: [(64, 64, 8, 2), (32, 32, 4, 3)]},
+    (80, "dkdv"): {64: [(64, 64, 4, 3)], 128: [(32, 64, 8, 2), (32, 32, 4, 3)]},
     (80, "dq"): {64: [(64, 64, 4, 3)], 128: [(64, 64, 8, 2), (32, 32, 4, 3)]},
     (90, "forward"): {64: [(128, 64, 4, 3), (64, 64, 4, 3)],
                       128: [(128, 64, 8, 3), (64, 64, 4, 3)]},
-    (90, "dkdv"): {64: [(64, 64, 4, 3)], 128: [(64, 64, 8, 2), (32, 32, 4, 3)]},
+    (90, "dkdv"): {64: [(64, 64, 4, 3)], 128: [(32, 64, 8, 2), (32, 32, 4, 3)]},
     (90, "dq"): {64: [(64, 64, 4, 3)], 128: [(64, 64, 8, 2), (32, 32, 4, 3)]},
 }
+# WIDE launches (64-bit rows): where LAUNCH's settings spill with them, these (appendix D).
+WIDE_LAUNCH = {(80, "forward"): {128: [(64, 64, 4, 3)]}, (80, "dkdv"): {64: [(32, 32, 4, 3)]}}
 AUTOTUNE_FROM = 2048 * 2048  # Lq * Lk from which a GPU launch times its candidates
 
 
 def launch_settings(kernel: str, element_size: int, head_dim: int,
-                    capability: int | None = None) -> list[tuple[int, int, int, int]]:
+                    capability: int | None = None,
+                    wide: bool = False) -> list[tuple[int, int, int, int]]:
     """Chapter 15's candidate launch settings (BLOCK_M, BLOCK_N, num_warps, num_stages) of
-    `kernel`, the default first: LAUNCH's for 2-byte dtypes on a GPU of compute capability 7.5
-    to 9.0 (given as 75 to 90); else, and in the interpreter (None), TILE_ROWS' square tile."""
+    `kernel`, the default first: LAUNCH's (WIDE_LAUNCH's where it has them for a wide launch)
+    for 2-byte dtypes on a GPU of compute capability 7.5 to 9.0 (given as 75 to 90); else, and
+    in the interpreter (None), TILE_ROWS' square tile."""
     check_choice("kernel", kernel, ("forward", "dkdv", "dq"))
     for name, value, known in (("element_size", element_size, (2, 4)),
                                ("head_dim", head_dim, (16, 32, 64, 128))):
         if check_int(name, value) not in known:
             raise ValueError(f"{name} must be one of {list(known)}, got {name}={value!r}")
     capability = None if capability is None else check_int("capability", capability, 0)
-    return _launch_settings(kernel, element_size, head_dim, capability)
+    return _launch_settings(kernel, element_size, head_dim, capability, check_bool("wide", wide))
 
 
-def _launch_settings(kernel: str, element_size: int, head_dim: int,
-                     capability: int | None) -> list[tuple[int, int, int, int]]:
+def _launch_settings(kernel: str, element_size: int, head_dim: int, capability: int | None,
+                     wide: bool = False) -> list[tuple[int, int, int, int]]:
     # launch_settings' choice, for arguments already checked (by it, or by flash_attention)
     if capability is not None and element_size == 2 and 75 <= capability <= 90:
         generation = 90 if capability == 90 else 80 if capability >= 80 else 75
-        return LAUNCH[generation, kernel][64 if head_dim <= 64 else 128]
+        width = 64 if head_dim <= 64 else 128
+        own = WIDE_LAUNCH.get((generation, kernel), {}) if wide else {}
+        return own.get(width) or LAUNCH[generation, kernel][width]
     block = TILE_ROWS[kernel, element_size][head_dim]
     return [(block, block, NUM_WARPS, NUM_STAGES)]
 
 
 # chapters/15-flash-attention-triton.md, "Launching the kernels"
-def _forward(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+             scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     # O (B, H, Lq, D) and the base-2 logsumexp of each row's scores (B, H, Lq), float32.
     q, k, v = _unit_stride_d(q, k, v)
     B, H, Lq, D = q.shape
@@ -295,10 +303,10 @@ def _launch(kernel, name: str, q, k, causal: bool, *args) -> None:
     # first, or on a GPU and a large problem the fastest that compiles for its length bucket,
     # unless ATTNBOOK_AUTOTUNE is off.
     capability = None if INTERPRETED else _capability(q.device)
-    settings = _fitting(name, q, k)
+    wide = _wide(*(a for a in args if isinstance(a, torch.Tensor)))
+    settings = _fitting(name, q, k, wide)
     length = k.shape[2] if name == "dkdv" else q.shape[2]
     pairs = q.shape[0] * q.shape[1]
-    wide = _wide(*(a for a in args if isinstance(a, torch.Tensor)))
 
     def run(setting):
         block_m, block_n, warps, stages = setting
@@ -310,18 +318,18 @@ def _launch(kernel, name: str, q, k, causal: bool, *args) -> None:
     setting = settings[0]
     if len(settings) > 1 and q.shape[2] * k.shape[2] >= AUTOTUNE_FROM and _autotuning():
         key = (name, _bucket(q.shape[2]), _bucket(k.shape[2]), q.shape[-1], causal, q.dtype,
-               capability)
+               capability, wide)
         if key not in _FASTEST:  # timed once per key and process: each run overwrites the same
             _FASTEST[key] = _fastest(name, settings, run)
         setting = _FASTEST[key]
     run(setting)
 
 
-def _fitting(name: str, q, k) -> list[tuple[int, int, int, int]]:
+def _fitting(name: str, q, k, wide: bool) -> list[tuple[int, int, int, int]]:
     # launch_settings' candidates for `name` whose tiles and B * H fit one of _grid's orders,
     # the default first; a ValueError naming the tensor, its length and B * H if none does.
     capability = None if INTERPRETED else _capability(q.device)
-    settings = _launch_settings(name, q.element_size(), q.shape[-1], capability)
+    settings = _launch_settings(name, q.element_size(), q.shape[-1], capability, wide)
     arg, length = ("k", k.shape[2]) if name == "dkdv" else ("q", q.shape[2])
     pairs = q.shape[0] * q.shape[1]
     rows = [s[1] if name == "dkdv" else s[0] for s in settings]  # rows of a tile
@@ -365,7 +373,7 @@ def _fastest(name: str, settings, run) -> tuple[int, int, int, int]:
     return min(seconds, key=seconds.get)
 
 
-_FASTEST = {}  # (kernel, Lq bucket, Lk bucket, D, causal, dtype, capability) -> its setting
+_FASTEST = {}  # (kernel, Lq, Lk buckets, D, causal, dtype, capability, wide) -> its setting
 
 
 def _bucket(length: int) -> int:
@@ -513,7 +521,9 @@ def _dq_step(dq, q, do, lse, delta, K, V, rows, start_n, stride_kn, stride_kd, s
 TRITON_KERNELS = {"forward": _forward_kernel, "dkdv": _dkdv_kernel, "dq": _dq_kernel}
 
 
-def _backward(q, k, v, o, lse, do, causal: bool, scale: float):
+def _backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+              lse: torch.Tensor, do: torch.Tensor, causal: bool, scale: float
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # dQ, dK, dV (contiguous, in the inputs' dtype) from the forward's O and logsumexp.
     q, k, v, do = _unit_stride_d(q, k, v, do)  # as in _forward (chapter 15)
     B, H, Lq, D = q.shape
@@ -540,7 +550,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     _check_inputs(q, k, v)
     causal = check_bool("causal", causal)
     scale = check_real("scale", check_scale(scale, q.shape[-1]), -_LARGEST_SCALE, _LARGEST_SCALE)
-    return _FlashAttention.apply(q, k, v, causal, scale)
+    return _attention(q, k, v, causal, scale)
 
 
 def _flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
@@ -548,32 +558,39 @@ def _flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: 
     """flash_attention on arguments its caller has checked (chapter 3's Triton backend): only
     whether the kernels can run on q's device is checked, with no call of appendix A's checks."""
     _check_mode(q.device)
-    return _FlashAttention.apply(q, k, v, causal, scale)
+    return _attention(q, k, v, causal, scale)
 
 
-class _FlashAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, causal: bool, scale: float):
-        q, k, v = _unit_stride_d(q, k, v)  # copied once here, not again for the backward
-        if any(ctx.needs_input_grad[:3]):  # refuse now what the backward could not launch
-            _check_backward_lengths(q, k)
-        o, lse = _forward(q, k, v, causal, scale)
-        ctx.save_for_backward(q, k, v, o, lse)  # no (Lq, Lk) matrix: O and one float per row
-        ctx.causal, ctx.scale = causal, scale
-        return o
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, do):
-        q, k, v, o, lse = ctx.saved_tensors
-        return (*_backward(q, k, v, o, lse, do, ctx.causal, ctx.scale), None, None)
+def _attention(q, k, v, causal: bool, scale: float) -> torch.Tensor:
+    # O by the operator below; inputs strided along D copied once, not again for the backward
+    q, k, v = _unit_stride_d(q, k, v)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        _check_backward_lengths(q, k)
+    return torch.ops.attnbook.flash_attention(q, k, v, causal, scale)[0]
 
 
-def _check_backward_lengths(q, k) -> None:
-    # Before the forward, not in loss.backward(): a backward launch that fits no grid order
+def _save(ctx, inputs, output) -> None:  # for the backward: O and one float per row, no matrix
+    ctx.save_for_backward(*inputs[:3], *output)  # q, k, v, O, the logsumexp
+    ctx.causal, ctx.scale = inputs[3:]
+
+
+def _gradients(ctx, do, _dlse):  # dQ, dK, dV; none for causal and scale (nor by the logsumexp)
+    return (*torch.ops.attnbook.flash_attention_backward(*ctx.saved_tensors, do, ctx.causal,
+                                                         ctx.scale), None, None)
+
+
+if not hasattr(torch.ops.attnbook, "flash_attention"):  # once a process: see below
+    op = torch.library.custom_op("attnbook::flash_attention", _forward, mutates_args=())
+    op.register_fake(lambda q, *rest: (q.new_empty(q.shape), q.new_empty(q.shape[:3]).float()))
+    op.register_autograd(_gradients, setup_context=_save)
+    op = torch.library.custom_op("attnbook::flash_attention_backward", _backward, mutates_args=())
+    op.register_fake(lambda q, k, v, *rest: tuple(t.new_empty(t.shape) for t in (q, k, v)))
+
+
+def _check_backward_lengths(q, k) -> None:  # before the forward, not in loss.backward()
     _check_tiles("delta", "q", q.shape[2], 32, q.shape[0] * q.shape[1])
     for name in ("dkdv", "dq"):
-        _fitting(name, q, k)
+        _fitting(name, q, k, _wide(q, k))
 
 
 # chapters/16-flash-attention-backward.md, "A checked, differentiable function"
