@@ -9,13 +9,14 @@ and AdamW's step run eager in all four. Dropout is 0 and both models attend with
 scaled_dot_product_attention.
 
 Before timing, each compiled step's first loss is checked against its eager twin's (same weights,
-same batch), and the time of that first call, which compiles, is recorded apart. Then the four
-steps are timed interleaved (eager ours, compiled ours, eager theirs, compiled theirs, in turns)
-by attnbook.notebook.median_seconds, after its warm-up: the median of `--repeats` readings of the
-thread's CPU time (which other programs on a busy machine do not inflate), and, as a check, of the
-wall clock. The speed-up is eager / compiled.
+same batch), and the time of that first call, which compiles (the compile caches are off), is
+recorded apart. Then the four steps are timed interleaved (eager ours, compiled ours, eager
+theirs, compiled theirs, in turns) by attnbook.notebook.median_seconds, after its warm-up: the
+median of `--repeats` readings of the thread's CPU time (which other programs on a busy machine
+do not inflate), and, as a check, of the wall clock. The speed-up is eager / compiled.
 
-    python benchmarks/compile_train_step.py              # the sizes below, 15 repeats (~6 min)
+    python benchmarks/compile_train_step.py              # the sizes below, 15 repeats (~20 min
+                                                         # on a busy two-core machine)
     python benchmarks/compile_train_step.py --quick --repeats 3   # one tiny size, a smoke test
 
 Sizes: "chapter" is chapter 19's (batch 16, length 64, width 64, 2 layers, 4 heads, 96 tokens);
@@ -114,6 +115,7 @@ def main(argv=None) -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "cpu")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)  # before compiling: inductor's kernels then use one thread
+    torch.compiler.config.force_disable_caches = True  # first_call_s: a compile, not a cache hit
     rows = []
     print(f"{'size':>8} {'model':>13} {'mode':>9} {'step ms':>9} {'wall ms':>9} "
           f"{'speed-up':>9} {'first call s':>13}")
