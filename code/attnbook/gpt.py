@@ -283,6 +283,47 @@ class GPT(nn.Module):
             mine.load_state_dict(theirs.state_dict())
         return ours.train(model.training)
 
+    # chapters/19-gpt-variants.md, "BLOOM's weights"
+    @classmethod
+    def from_hf_bloom(cls, model: nn.Module, context_length: int = 2048) -> "GPT":
+        """A GPT with the weights, device, dtype and mode of a transformers BloomForCausalLM
+        (chapter 19, "BLOOM's weights"): ALiBi, a LayerNorm on the embeddings, fused q, k, v.
+        BLOOM has no table of positions: `context_length` is ours to choose."""
+        hf, body = getattr(model, "config", None), getattr(model, "transformer", None)
+        if getattr(hf, "model_type", None) != "bloom" or not hasattr(model, "lm_head"):
+            raise TypeError(f"model must be a BloomForCausalLM, got {type(model).__name__}")
+        for name in ("apply_residual_connection_post_layernorm", "hidden_dropout",
+                     "attention_dropout"):  # ours: pre-norm residuals, dropout on the embeddings
+            if value := getattr(hf, name):
+                raise ValueError(f"model.config.{name}={value!r} is not supported, only False or 0")
+        if hf.slow_but_exact and hf.pretraining_tp > 1:
+            raise ValueError(f"model.config.slow_but_exact=True with pretraining_tp="
+                             f"{hf.pretraining_tp} is not supported: our GPT does not sum by slices")
+        words = body.word_embeddings
+        if hf.tie_word_embeddings and not torch.equal(model.lm_head.weight, words.weight):
+            raise ValueError("model.config.tie_word_embeddings=True, but model.lm_head.weight differs "
+                             "from model.transformer.word_embeddings.weight")
+        (vocab, d), heads = words.weight.shape, hf.n_head
+        config = GPTConfig(vocab_size=vocab, context_length=context_length, d_model=d,
+                           num_layers=len(body.h), num_heads=heads, dropout=0.0,
+                           eps=hf.layer_norm_epsilon, positions="alibi", embed_norm=True,
+                           tied=hf.tie_word_embeddings)
+        ours = cls(config).to(device=words.weight.device, dtype=words.weight.dtype)
+        pairs = [(ours.tok_emb, words), (ours.emb_norm, body.word_embeddings_layernorm),
+                 (ours.norm_f, body.ln_f)] + ([] if config.tied else [(ours.lm_head, model.lm_head)])
+        for block, layer in zip(ours.blocks, body.h, strict=True):
+            attn, mlp, sa = layer.self_attention, layer.mlp, block.self_attn
+            pairs += [(block.attn_norm, layer.input_layernorm), (sa.out_proj, attn.dense),
+                      (block.ff_norm, layer.post_attention_layernorm), (block.ff.fc1,
+                      mlp.dense_h_to_4h), (block.ff.fc2, mlp.dense_4h_to_h)]
+            fused = attn.query_key_value.state_dict()  # weight (3d, d) and bias (3d,)
+            fused = {k: v.unflatten(0, (heads, 3, -1)) for k, v in fused.items()}  # (heads, 3, ...)
+            for i, proj in enumerate((sa.q_proj, sa.k_proj, sa.v_proj)):  # per head: q, k, v rows
+                proj.load_state_dict({k: v[:, i].flatten(0, 1) for k, v in fused.items()})
+        for mine, theirs in pairs:
+            mine.load_state_dict(theirs.state_dict())
+        return ours.train(model.training)
+
 
 def _check_idx(model: GPT, idx, longest: float = math.inf) -> torch.Tensor:
     """idx (B, T) as int64 ids of the vocabulary on the model's device, T at most `longest`."""
