@@ -43,6 +43,7 @@ if TYPE_CHECKING:  # for the annotations only: the tensor checks import torch wh
     import torch
 
 _T = TypeVar("_T")  # what a check returns: the class it was asked for, or the value's own
+_Shape = tuple[int | None, ...] | None  # a tensor's sizes, None where any size will do
 
 
 def type_error(name: str, value: object, wanted: str) -> TypeError:
@@ -51,8 +52,7 @@ def type_error(name: str, value: object, wanted: str) -> TypeError:
     return TypeError(f"{name} must be {wanted}, got {name}={shown} of type {type(value).__name__}")
 
 
-def check_int(name: str, value: object, minimum: int | None = None,
-              maximum: int | None = None) -> int:
+def check_int(name: str, value: object, minimum: int | None = None, maximum: int | None = None) -> int:
     """`value` as a Python int from `minimum` to `maximum`: not a bool, a float or a string.
     Whatever Python can use as an index counts, such as np.int64(3) or a 0-d integer tensor."""
     try:  # a bool tensor's dtype is named, so that this module needs no torch
@@ -248,8 +248,7 @@ def check_float_dtype(name: str, dtype: object) -> "torch.dtype":
     return dtype
 
 
-def check_token_ids(name: str, ids: object, vocab_size: int,
-                    shape: tuple[int | None, ...] | None = None,
+def check_token_ids(name: str, ids: object, vocab_size: int, shape: _Shape = None,
                     device: "torch.device | None" = None) -> "torch.Tensor":
     """`ids`, an integer tensor (unsigned dtypes included) with every id in [0, vocab_size), of
     `shape` (None entries allow any size) on `device`, as int64.
@@ -278,7 +277,7 @@ def check_token_ids(name: str, ids: object, vocab_size: int,
 _INT64_MAX = 2**63 - 1  # the largest id an int64 tensor holds, so the largest vocab_size checked
 
 
-def _as_int64(name: str, ids: object, vocab_size: int, shape: tuple[int | None, ...] | None,
+def _as_int64(name: str, ids: object, vocab_size: int, shape: _Shape,
               device: "torch.device | None") -> "torch.Tensor":
     """Integer ids of any dtype, of `shape` on `device`, as int64; what is not a tensor, a sparse
     tensor, a float, bool or complex dtype, and a tensor with no values (on the meta device) are
@@ -303,7 +302,7 @@ def _as_int64(name: str, ids: object, vocab_size: int, shape: tuple[int | None, 
     return ids.long()  # every other integer dtype fits in int64
 
 
-def _check_shape_and_device(name: str, x: "torch.Tensor", shape: tuple[int | None, ...] | None,
+def _check_shape_and_device(name: str, x: "torch.Tensor", shape: _Shape,
                             device: "torch.device | None") -> None:
     fits = shape is None or x.dim() == len(shape)
     for wanted_size, size in zip(shape or (), x.shape):  # a loop: no generator to resume
@@ -317,11 +316,9 @@ def _check_shape_and_device(name: str, x: "torch.Tensor", shape: tuple[int | Non
 
 def check_tensor(name: str, x: object, ndim: int | tuple[int, ...] | None = None,
                  size: int | None = None, dtype: "torch.dtype | None" = None,
-                 device: "torch.device | None" = None,
-                 shape: tuple[int | None, ...] | None = None) -> "torch.Tensor":
+                 device: "torch.device | None" = None, shape: _Shape = None) -> "torch.Tensor":
     """`x`, a floating-point torch.Tensor with `ndim` dimensions (one count or a tuple of them),
-    a last dimension of `size`, the given `dtype` and `device`, and `shape`, whose None entries
-    allow any size; None means any."""
+    a last dimension of `size`, the given `dtype`, `device` and `shape` (a _Shape); None: any."""
     import torch
 
     if not isinstance(x, torch.Tensor):

