@@ -7,6 +7,8 @@ Built and explained in the book's chapter chapters/01-queries-keys-values.md.
 
 __all__ = [
     "compute_dtype",
+    "compute_dtype",
+    "compute_dtype",
     "softmax",
     "divide_or_zero",
     "scaled_dot_product_attention",
@@ -14,12 +16,24 @@ __all__ = [
 ]
 
 # chapters/01-queries-keys-values.md, "Scores, softmax and the weighted sum"
+from typing import TYPE_CHECKING, Any, overload
+
 import numpy as np
+import numpy.typing as npt
 
 from attnbook.checks import check_array, check_scale, type_error
 
+if TYPE_CHECKING:  # for the annotations only: this module runs without torch
+    import torch
 
-def compute_dtype(dtype):
+
+@overload
+def compute_dtype(dtype: "torch.dtype") -> "torch.dtype": ...
+@overload
+def compute_dtype(dtype: npt.DTypeLike) -> np.dtype[Any]: ...
+
+
+def compute_dtype(dtype: Any) -> "torch.dtype | np.dtype[Any]":  # typed by the two above
     """The dtype a sum over `dtype` data is accumulated in: float32 for float16 and bfloat16.
 
     Works for torch and NumPy dtypes alike; other dtypes compute in themselves.
@@ -35,7 +49,7 @@ def compute_dtype(dtype):
     return np.dtype(np.float32) if dtype == np.float16 else dtype
 
 
-def softmax(x, axis: int = -1) -> np.ndarray:
+def softmax(x: npt.ArrayLike, axis: int = -1) -> np.ndarray:
     """Softmax along `axis`, without overflow: a slice of all -inf gives zeros, NaN or inf gives
     NaN (as in torch.softmax). float16 is computed in float32; integers become float64."""
     x = check_array("x", x, min_ndim=1)
@@ -47,7 +61,7 @@ def softmax(x, axis: int = -1) -> np.ndarray:
     return weights.astype(x.dtype, copy=False)
 
 
-def divide_or_zero(x, total):
+def divide_or_zero(x: npt.ArrayLike, total: npt.ArrayLike) -> np.ndarray:
     """x / total, and x * 0 where total is 0: 0 for a query with no allowed key, while a NaN or
     inf in x gives NaN. x and total broadcast; integers become float64."""
     number = type(total) in (int, float)  # x / 2.0 keeps x's dtype, and so does this
@@ -59,11 +73,14 @@ def divide_or_zero(x, total):
         raise ValueError(f"x of shape {x.shape} and total of shape {total.shape} do not broadcast"
                          ) from None
     np.divide(x, total, out=out, where=total != 0)
-    return np.multiply(x, 0, out=out, where=total == 0)
+    np.multiply(x, 0, out=out, where=total == 0)
+    return out
 
 
 # chapters/01-queries-keys-values.md, "Scaling, batches and masks"
-def scaled_dot_product_attention(Q, K, V, mask=None, scale: float | None = None):
+def scaled_dot_product_attention(Q: npt.ArrayLike, K: npt.ArrayLike, V: npt.ArrayLike,
+                                 mask: npt.ArrayLike | None = None, scale: float | None = None
+                                 ) -> tuple[np.ndarray, np.ndarray]:
     """Scaled dot-product attention in NumPy: Q (..., Lq, dk), K (..., Lk, dk), V (..., Lk, dv)
     -> (output (..., Lq, dv), weights (..., Lq, Lk)). `mask` (bool or 0/1) is True where a query
     may attend; `scale` defaults to 1/sqrt(dk)."""
@@ -79,7 +96,8 @@ def scaled_dot_product_attention(Q, K, V, mask=None, scale: float | None = None)
 
 
 # chapters/01-queries-keys-values.md, "Scaling, batches and masks"
-def check_qkv(Q, K, V) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def check_qkv(Q: npt.ArrayLike, K: npt.ArrayLike, V: npt.ArrayLike
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Q (..., Lq, dk), K (..., Lk, dk) and V (..., Lk, dv) as real arrays whose shapes fit:
     dk >= 1, Lk >= 1, and leading dimensions that broadcast."""
     Q, K, V = (check_array(name, x, min_ndim=2) for name, x in zip("QKV", (Q, K, V)))
@@ -95,7 +113,7 @@ def check_qkv(Q, K, V) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return Q, K, V
 
 
-def _as_mask(mask, scores_shape: tuple[int, ...]) -> np.ndarray:
+def _as_mask(mask: npt.ArrayLike, scores_shape: tuple[int, ...]) -> np.ndarray:
     """`mask` (True or 1 = may attend) as a bool array that broadcasts to the scores' shape."""
     mask = np.asarray(mask)
     if not (mask.dtype == bool or np.isin(mask, (0, 1)).all()):  # isin is False for text

@@ -35,27 +35,30 @@ import numbers
 import operator
 import os
 from collections.abc import Collection
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 
 if TYPE_CHECKING:  # for the annotations only: the tensor checks import torch when they run
     import torch
 
+_T = TypeVar("_T")  # what a check returns: the class it was asked for, or the value's own
+_Shape = tuple[int | None, ...] | None  # a tensor's sizes, None where any size will do
 
-def type_error(name: str, value, wanted: str) -> TypeError:
+
+def type_error(name: str, value: object, wanted: str) -> TypeError:
     """The TypeError of the package's policy: `name` must be `wanted`, and what it got."""
     shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."  # not a tensor
     return TypeError(f"{name} must be {wanted}, got {name}={shown} of type {type(value).__name__}")
 
 
-def check_int(name: str, value, minimum: int | None = None, maximum: int | None = None) -> int:
+def check_int(name: str, value: object, minimum: int | None = None, maximum: int | None = None) -> int:
     """`value` as a Python int from `minimum` to `maximum`: not a bool, a float or a string.
     Whatever Python can use as an index counts, such as np.int64(3) or a 0-d integer tensor."""
     try:  # a bool tensor's dtype is named, so that this module needs no torch
         if isinstance(value, (bool, np.bool_)) or str(getattr(value, "dtype", "")) == "torch.bool":
             raise TypeError
-        number = operator.index(value)
+        number = operator.index(value)  # type: ignore[arg-type]  # the check itself
     except TypeError:
         raise type_error(name, value, "an int") from None
     if minimum is not None and number < minimum:
@@ -65,14 +68,14 @@ def check_int(name: str, value, minimum: int | None = None, maximum: int | None 
     return number
 
 
-def check_bool(name: str, value) -> bool:
+def check_bool(name: str, value: object) -> bool:
     """`value` as a bool: True or False, not 1, "yes" or None."""
     if not isinstance(value, (bool, np.bool_)):
         raise type_error(name, value, "True or False")
     return bool(value)
 
 
-def check_real(name: str, value, low: float = -math.inf, high: float = math.inf, *,
+def check_real(name: str, value: object, low: float = -math.inf, high: float = math.inf, *,
                open_low: bool = False, open_high: bool = False) -> float:
     """`value` as a finite float in the interval from `low` to `high` (closed unless open_*)."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
@@ -87,22 +90,22 @@ def check_real(name: str, value, low: float = -math.inf, high: float = math.inf,
     return value
 
 
-def check_probability(name: str, value) -> float:
+def check_probability(name: str, value: object) -> float:
     """A probability, such as a dropout rate: a number in [0, 1]."""
     return check_real(name, value, 0.0, 1.0)
 
 
-def check_positive(name: str, value) -> float:
+def check_positive(name: str, value: object) -> float:
     """A finite number above 0, such as an epsilon, a base or a temperature."""
     return check_real(name, value, 0.0, open_low=True)
 
 
-def check_scale(scale, head_dim: int) -> float:
+def check_scale(scale: object, head_dim: int) -> float:
     """The factor applied to q·k: 1/sqrt(head_dim) for None, else any finite number."""
     return head_dim ** -0.5 if scale is None else check_real("scale", scale)
 
 
-def check_choice(name: str, value, choices: Collection[str]) -> str:
+def check_choice(name: str, value: object, choices: Collection[str]) -> str:
     """One of `choices`, given as a string."""
     if not isinstance(value, str) or value not in choices:
         raise ValueError(f"{name} must be one of {sorted(choices)}, got {name}={value!r}")
@@ -118,7 +121,7 @@ def check_divisible(name: str, value: int, by_name: str, by: int) -> int:
     return value
 
 
-def check_instance(name: str, value, kind: type):
+def check_instance(name: str, value: object, kind: type[_T] | tuple[type[_T], ...]) -> _T:
     """`value`, an instance of `kind` (a class, or a tuple of classes)."""
     if not isinstance(value, kind):
         names = " or ".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))
@@ -126,14 +129,15 @@ def check_instance(name: str, value, kind: type):
     return value
 
 
-def check_text(name: str, value) -> str:
+def check_text(name: str, value: object) -> str:
     """`value`, a string that UTF-8 can encode: not one with a lone surrogate, such as "\\ud800".
     Control characters, "\\x00" included, pass: a caller that writes a page must escape them."""
+    text = check_instance(name, value, str)
     try:
-        check_instance(name, value, str).encode("utf-8")
+        text.encode("utf-8")
     except UnicodeEncodeError:
         raise ValueError(f"{name} must be encodable as UTF-8, got {name}={value!r}") from None
-    return value
+    return text
 
 
 def env_flag(name: str, default: bool) -> bool:
@@ -147,7 +151,7 @@ def env_flag(name: str, default: bool) -> bool:
                      f"got {name}={value!r}")
 
 
-def check_callable(name: str, value):
+def check_callable(name: str, value: _T) -> _T:
     """`value`, something that can be called: a function, a lambda, a module."""
     if not callable(value):
         raise type_error(name, value, "callable")
@@ -155,7 +159,7 @@ def check_callable(name: str, value):
 
 
 # chapters/a1-conventions.md, "One way to check an argument"
-def check_array(name: str, x, min_ndim: int = 0) -> np.ndarray:
+def check_array(name: str, x: object, min_ndim: int = 0) -> np.ndarray:
     """`x` as a NumPy array of real numbers with at least `min_ndim` axes; integers become float64."""
     try:  # a bfloat16 tensor, one that requires grad or one on a GPU has no NumPy array
         x = np.asarray(x)
@@ -173,7 +177,7 @@ def check_array(name: str, x, min_ndim: int = 0) -> np.ndarray:
 
 
 # chapters/a1-conventions.md, "One way to check an argument"
-def check_device(name: str, device) -> "torch.device":
+def check_device(name: str, device: object) -> "torch.device":
     """`device` (a string or torch.device) as a torch.device that this machine has."""
     import torch  # here, not at the top: the NumPy chapters import this module without torch
 
@@ -184,7 +188,7 @@ def check_device(name: str, device) -> "torch.device":
         raise ValueError(f"{name}={device!r}, but this machine has no CUDA GPU")
     # torch.cuda, torch.xpu, ...; MPS says whether it is there in torch.backends
     backend = torch.backends.mps if found.type == "mps" else getattr(torch, found.type, None)
-    if hasattr(backend, "is_available") and not backend.is_available():
+    if not getattr(backend, "is_available", lambda: True)():
         raise ValueError(f"{name}={device!r}, but this machine has no {found.type} device")
     count = getattr(backend, "device_count", None) if found.type != "mps" else None
     if found.index is not None and count is not None and found.index >= count():
@@ -193,18 +197,18 @@ def check_device(name: str, device) -> "torch.device":
     return found
 
 
-def _device_named(name: str, device) -> "torch.device":
+def _device_named(name: str, device: object) -> "torch.device":
     """`device` read as a torch.device, without asking whether this machine has it."""
     import torch
 
     try:
-        return torch.device(device)
+        return torch.device(device)  # type: ignore[call-overload, no-any-return]  # the check
     except (RuntimeError, TypeError):
         raise ValueError(f"{name} must name a device such as 'cpu' or 'cuda', "
                          f"got {name}={device!r}") from None
 
 
-def _same_device(actual: "torch.device", wanted) -> bool:
+def _same_device(actual: "torch.device", wanted: "torch.device | str") -> bool:
     """Whether a tensor on `actual` is on `wanted`: "cuda" is the current GPU, and "cpu:0" is
     "cpu" (PyTorch has one CPU device; a CPU tensor's device has no index)."""
     import torch
@@ -219,13 +223,13 @@ def _same_device(actual: "torch.device", wanted) -> bool:
     return actual.index is None or wanted.index is None or actual.index == wanted.index
 
 
-def check_generator(name: str, generator, device) -> "torch.Generator | None":
+def check_generator(name: str, generator: object, device: object) -> "torch.Generator | None":
     """`generator`, a torch.Generator on the device of the tensors it draws: a CPU one for CPU
     tensors, a CUDA one of the same GPU for CUDA tensors. None is PyTorch's default generator."""
     import torch
 
     device = _device_named("device", device)  # named, but not asked for: tensors are there
-    if check_instance(name, generator, (torch.Generator, type(None))) is None:
+    if (generator := check_instance(name, generator, (torch.Generator, type(None)))) is None:
         return None
     if generator.device.type == "meta":  # torch makes none; a stand-in saying so draws nothing
         raise ValueError(f"{name} must draw random numbers, got {name} on the meta device")
@@ -235,7 +239,7 @@ def check_generator(name: str, generator, device) -> "torch.Generator | None":
     return generator
 
 
-def check_float_dtype(name: str, dtype) -> "torch.dtype":
+def check_float_dtype(name: str, dtype: object) -> "torch.dtype":
     """`dtype`, a floating-point torch.dtype, such as torch.float32."""
     import torch
 
@@ -244,7 +248,7 @@ def check_float_dtype(name: str, dtype) -> "torch.dtype":
     return dtype
 
 
-def check_token_ids(name: str, ids, vocab_size: int, shape: tuple[int | None, ...] | None = None,
+def check_token_ids(name: str, ids: object, vocab_size: int, shape: _Shape = None,
                     device: "torch.device | None" = None) -> "torch.Tensor":
     """`ids`, an integer tensor (unsigned dtypes included) with every id in [0, vocab_size), of
     `shape` (None entries allow any size) on `device`, as int64.
@@ -273,7 +277,8 @@ def check_token_ids(name: str, ids, vocab_size: int, shape: tuple[int | None, ..
 _INT64_MAX = 2**63 - 1  # the largest id an int64 tensor holds, so the largest vocab_size checked
 
 
-def _as_int64(name: str, ids, vocab_size: int, shape, device) -> "torch.Tensor":
+def _as_int64(name: str, ids: object, vocab_size: int, shape: _Shape,
+              device: "torch.device | None") -> "torch.Tensor":
     """Integer ids of any dtype, of `shape` on `device`, as int64; what is not a tensor, a sparse
     tensor, a float, bool or complex dtype, and a tensor with no values (on the meta device) are
     refused."""
@@ -297,24 +302,23 @@ def _as_int64(name: str, ids, vocab_size: int, shape, device) -> "torch.Tensor":
     return ids.long()  # every other integer dtype fits in int64
 
 
-def _check_shape_and_device(name: str, x: "torch.Tensor", shape, device) -> None:
+def _check_shape_and_device(name: str, x: "torch.Tensor", shape: _Shape,
+                            device: "torch.device | None") -> None:
     fits = shape is None or x.dim() == len(shape)
     for wanted_size, size in zip(shape or (), x.shape):  # a loop: no generator to resume
         fits = fits and wanted_size in (None, size)
     if not fits:
-        wanted = ", ".join("*" if s is None else str(s) for s in shape)
+        wanted = ", ".join("*" if s is None else str(s) for s in shape or ())
         raise ValueError(f"{name} must have shape ({wanted}), got shape {tuple(x.shape)}")
     if device is not None and x.device != device and not _same_device(x.device, device):
         raise ValueError(f"{name} must be on device {device}, got {name} on {x.device}")
 
 
-def check_tensor(name: str, x, ndim: int | tuple[int, ...] | None = None,
+def check_tensor(name: str, x: object, ndim: int | tuple[int, ...] | None = None,
                  size: int | None = None, dtype: "torch.dtype | None" = None,
-                 device: "torch.device | None" = None,
-                 shape: tuple[int | None, ...] | None = None) -> "torch.Tensor":
+                 device: "torch.device | None" = None, shape: _Shape = None) -> "torch.Tensor":
     """`x`, a floating-point torch.Tensor with `ndim` dimensions (one count or a tuple of them),
-    a last dimension of `size`, the given `dtype` and `device`, and `shape`, whose None entries
-    allow any size; None means any."""
+    a last dimension of `size`, the given `dtype`, `device` and `shape` (a _Shape); None: any."""
     import torch
 
     if not isinstance(x, torch.Tensor):
@@ -332,7 +336,8 @@ def check_tensor(name: str, x, ndim: int | tuple[int, ...] | None = None,
     return x
 
 
-def check_mask(name: str, mask, shape: tuple[int, ...], device: "torch.device | None" = None):
+def check_mask(name: str, mask: object, shape: tuple[int, ...],
+               device: "torch.device | None" = None) -> "torch.Tensor":
     """`mask`, a bool tensor (True = may attend) that broadcasts to `shape`, on `device`."""
     import torch
 

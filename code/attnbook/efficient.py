@@ -27,6 +27,7 @@ __all__ = [
 
 # chapters/17-efficient-attention.md, "Sparse masks: a window, global tokens, blocks"
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -99,7 +100,9 @@ def tile_layout(mask: torch.Tensor, block_size: int = 64) -> torch.Tensor:
 
 
 # chapters/17-efficient-attention.md, "Skipping the tiles a mask leaves empty"
-def _check_qkv(q, k, v, ndim=tuple(range(2, 9)), same_length=False, keys=True) -> tuple:
+def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               ndim: int | tuple[int, ...] = tuple(range(2, 9)), same_length: bool = False,
+               keys: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Chapter 17's one check of q (..., Lq, D), k (..., Lk, D) and v (..., Lk, Dv)."""
     q = check_tensor("q", q, ndim)
     d, lk = q.shape[-1], q.shape[-2] if same_length else None  # k's length: Lq, or any
@@ -137,11 +140,12 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 # chapters/17-efficient-attention.md, "Skipping the tiles a mask leaves empty"
-def _block_sparse(q, k, v, layout, b: int, mask, causal: bool) -> torch.Tensor:
+def _block_sparse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: torch.Tensor, b: int,
+                  mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
     (lq, lk), (nq, nk) = (q.shape[2], k.shape[2]), layout.shape
     rows, cols = layout.nonzero(as_tuple=True)  # (T,) each: the tiles to compute
     q = q / math.sqrt(q.shape[-1])  # the softmax's scale, once per query rather than per score
-    qt, kt, vt = (F.pad(x, (0, 0, 0, n * b - x.shape[2])).unflatten(2, (n, b))[:, :, i]
+    qt, kt, vt = (torch.unflatten(F.pad(x, (0, 0, 0, n * b - x.shape[2])), 2, (n, b))[:, :, i]
                   for x, n, i in ((q, nq, rows), (k, nk, cols), (v, nk, cols)))  # (B, H, T, b, .)
     qpos = rows[:, None, None] * b + torch.arange(b, device=q.device)[:, None]  # (T, b, 1)
     kpos = cols[:, None, None] * b + torch.arange(b, device=q.device)  # (T, 1, b)
@@ -149,8 +153,9 @@ def _block_sparse(q, k, v, layout, b: int, mask, causal: bool) -> torch.Tensor:
     if causal:
         allowed = allowed & (kpos <= qpos + lk - lq)  # bottom-right, as causal_mask
     if mask is not None:  # (B', H', Lq, Lk) -> its entries in the tiles, (B', H', T, b, b)
-        padded = F.pad(mask, (0, nk * b - lk, 0, nq * b - lq)).unflatten(3, (nk, b))
-        allowed = allowed & padded.unflatten(2, (nq, b))[:, :, rows, :, cols].permute(1, 2, 0, 3, 4)
+        padded = F.pad(mask, (0, nk * b - lk, 0, nq * b - lq))  # (B', H', nq * b, nk * b)
+        tiles = torch.unflatten(torch.unflatten(padded, 3, (nk, b)), 2, (nq, b))  # 2 x (n, b)
+        allowed = allowed & tiles[:, :, rows, :, cols].permute(1, 2, 0, 3, 4)
     s = (qt @ kt.transpose(-2, -1)).masked_fill_(~allowed, -math.inf)  # (B, H, T, b, b)
     tile_top = s.detach().amax(dim=-1)  # (B, H, T, b); below, each query's max over its tiles
     top = tile_top.new_full((*q.shape[:2], nq, b), -math.inf).scatter_reduce(
@@ -170,7 +175,8 @@ def elu_feature_map(x: torch.Tensor) -> torch.Tensor:
 
 # chapters/17-efficient-attention.md, "Linear attention"
 def linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
-                     feature_map=None, eps: float = 1e-6, chunk_size: int = 64) -> torch.Tensor:
+                     feature_map: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                     eps: float = 1e-6, chunk_size: int = 64) -> torch.Tensor:
     """Linear attention (Katharopoulos et al. 2020): output i = phi(q_i) S / (phi(q_i) . z + eps),
     S = sum_j phi(k_j) v_j^T and z = sum_j phi(k_j) over the keys i may see: all, or with
     `causal` j <= i + Lk - Lq, then in chunks of `chunk_size` keys (memory O(N D + D Dv)).
@@ -187,7 +193,8 @@ def linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: 
     return _linear_attention(fq, fk, v.to(work), causal, eps, chunk_size).to(q.dtype)
 
 
-def _linear_attention(fq, fk, v, causal: bool, eps: float, chunk: int) -> torch.Tensor:
+def _linear_attention(fq: torch.Tensor, fk: torch.Tensor, v: torch.Tensor, causal: bool, eps: float,
+                      chunk: int) -> torch.Tensor:
     """Linear attention on the features fq (..., Lq, D') and fk (..., Lk, D'), none negative."""
     if causal:
         return _causal_linear(fq, fk, v, eps, chunk)
@@ -196,7 +203,8 @@ def _linear_attention(fq, fk, v, causal: bool, eps: float, chunk: int) -> torch.
 
 
 # chapters/17-efficient-attention.md, "Linear attention"
-def _causal_linear(fq, fk, v, eps: float, chunk: int) -> torch.Tensor:
+def _causal_linear(fq: torch.Tensor, fk: torch.Tensor, v: torch.Tensor, eps: float,
+                   chunk: int) -> torch.Tensor:
     """Causal linear attention on features fq (..., Lq, D), fk (..., Lk, D), chunk by chunk."""
     (lq, lk), dv = (fq.shape[-2], fk.shape[-2]), v.shape[-1]
     blind = max(0, lq - lk)  # queries before the first key: zeros
@@ -267,7 +275,7 @@ def performer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_f
 
 
 # chapters/17-efficient-attention.md, "Retention: one model, three ways to compute it"
-def _check_gamma(gamma, heads: int, device) -> torch.Tensor:
+def _check_gamma(gamma: float | torch.Tensor, heads: int, device: torch.device) -> torch.Tensor:
     """`gamma`, a float or a tensor of shape (heads,), in (0, 1], as (heads,) float64."""
     if isinstance(gamma, torch.Tensor):
         gamma = check_tensor("gamma", gamma, 1, shape=(heads,))
@@ -279,7 +287,8 @@ def _check_gamma(gamma, heads: int, device) -> torch.Tensor:
 
 
 # chapters/17-efficient-attention.md, "Retention: one model, three ways to compute it"
-def _retention_parallel(q, k, v, g) -> torch.Tensor:
+def _retention_parallel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        g: torch.Tensor) -> torch.Tensor:
     """(Q K^T * D) V over one stretch of positions, D[n, m] = g^(n - m) where n >= m."""
     n = torch.arange(q.shape[2], device=q.device)
     gap = n[:, None] - n[None, :]  # (L, L): n - m
@@ -287,14 +296,15 @@ def _retention_parallel(q, k, v, g) -> torch.Tensor:
     return torch.where(gap >= 0, (q @ k.transpose(-2, -1)) * decay, 0.0) @ v  # (B, H, L, Dv)
 
 
-def _retention_step(q, k, v, g, state) -> tuple[torch.Tensor, torch.Tensor]:
+def _retention_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                    state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """S_n = g S_(n-1) + k_n^T v_n and o_n = q_n S_n, for q, k (B, H, D) and v (B, H, Dv)."""
     state = g * state + k[..., :, None] * v[..., None, :]  # (B, H, D, Dv)
     return (q[..., None, :] @ state).squeeze(-2), state  # (B, H, Dv)
 
 
 # chapters/17-efficient-attention.md, "Retention: one model, three ways to compute it"
-def retention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gamma,
+def retention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gamma: float | torch.Tensor,
               mode: str = "parallel", chunk_size: int = 64) -> torch.Tensor:
     """Retention (Sun et al. 2023): (Q K^T * D) V with D[n, m] = gamma^(n - m) for n >= m, else 0;
     no softmax, scale or normalisation. q, k (B, H, L, D), v (B, H, L, Dv) -> (B, H, L, Dv);
@@ -315,17 +325,17 @@ def retention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gamma,
         return torch.stack(outs, dim=2).to(dtype)
     for c0 in range(0, q.shape[2], chunk_size):
         qc, kc, vc = (x[:, :, c0:c0 + chunk_size] for x in (q, k, v))  # (B, H, c, .)
-        n = torch.arange(qc.shape[2], device=q.device)[:, None]  # (c, 1): offsets in the chunk
+        i = torch.arange(qc.shape[2], device=q.device)[:, None]  # (c, 1): offsets in the chunk
         inside = _retention_parallel(qc, kc, vc, g)  # the chunk's own positions
-        before = (qc @ state) * g ** (n + 1)  # the earlier chunks, through the state
+        before = (qc @ state) * g ** (i + 1)  # the earlier chunks, through the state
         outs.append(inside + before)  # (B, H, c, Dv)
-        age = g ** (qc.shape[2] - 1 - n)  # (1, H, c, 1): how far each key is from the end
+        age = g ** (qc.shape[2] - 1 - i)  # (1, H, c, 1): how far each key is from the end
         state = g ** qc.shape[2] * state + (kc * age).transpose(-2, -1) @ vc  # (B, H, D, Dv)
     return torch.cat(outs, dim=2).to(dtype)
 
 
 # chapters/17-efficient-attention.md, "Generation: a state of fixed size against a growing cache"
-def retention_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gamma,
+def retention_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gamma: float | torch.Tensor,
                    state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One step of retention: q, k (B, H, D) and v (B, H, Dv) of a new position and the state
     (B, H, D, Dv) of those before (None: none) -> (output (B, H, Dv), the new state), whose size
@@ -347,7 +357,10 @@ class Mixer(nn.Module):
     """Chapter 17's causal token mixers with multi-head attention's projections, (B, T, d_model)
     -> (B, T, d_model): `kind` one of MIXERS, "window" seeing the last `window` positions."""
 
-    def __init__(self, d_model: int, num_heads: int, kind: str = "softmax", window: int = 8):
+    gamma: torch.Tensor  # (num_heads,) retention's decays, a buffer
+
+    def __init__(self, d_model: int, num_heads: int, kind: str = "softmax",
+                 window: int = 8) -> None:
         super().__init__()
         self.h, self.kind = check_int("num_heads", num_heads, 1), check_choice("kind", kind, MIXERS)
         self.window = check_int("window", window, 1)
@@ -368,7 +381,9 @@ class Mixer(nn.Module):
             y = _causal_linear(F.elu(q) + 1, F.elu(k) + 1, v, 1e-6, 64)
         else:  # retention in its parallel form, as RetNet trains
             y = _retention_parallel(q * (C // self.h) ** -0.5, k, v, self.gamma[:, None, None])
-        return self.out(self.norm(y.transpose(1, 2).reshape(B * T, C)).view(B, T, C))
+        y = self.norm(y.transpose(1, 2).reshape(B * T, C)).view(B, T, C)
+        out: torch.Tensor = self.out(y)
+        return out
 
 
 class TinyLM(nn.Module):
@@ -390,7 +405,8 @@ class TinyLM(nn.Module):
         T = check_int("idx.shape[1]", idx.shape[1], 1, self.pos.num_embeddings)  # <= length
         x = self.tok(idx) + self.pos(torch.arange(T, device=idx.device))
         x = x + self.mix(self.norm1(x))
-        return self.head(self.norm_f(x + self.mlp(self.norm2(x))))
+        logits: torch.Tensor = self.head(self.norm_f(x + self.mlp(self.norm2(x))))
+        return logits
 
 
 # chapters/17-efficient-attention.md, "Recall at a distance"

@@ -27,7 +27,8 @@ def padding_mask(lengths: Sequence[int] | torch.Tensor, max_len: int | None = No
                  device: torch.device | str | None = None) -> torch.Tensor:
     """Boolean mask (B, max_len), True at the lengths[b] real tokens of sequence b: first for
     side="right", last for "left". max_len defaults to max(lengths), device to that of lengths."""
-    counts, side = _check_lengths(lengths), check_choice("side", side, ("right", "left"))
+    counts = _check_lengths(lengths)
+    check_choice("side", side, ("right", "left"))
     if max_len is None and not counts:
         raise ValueError("lengths is empty, so max_len cannot default to max(lengths)")
     longest = max(counts, default=0)
@@ -39,9 +40,9 @@ def padding_mask(lengths: Sequence[int] | torch.Tensor, max_len: int | None = No
     return positions < lengths if side == "right" else positions >= max_len - lengths
 
 
-def _check_lengths(lengths) -> list[int]:
+def _check_lengths(lengths: object) -> list[int]:
     if getattr(lengths, "ndim", 1) != 1:  # a tensor or an array
-        raise ValueError(f"lengths must be 1-D, got shape {tuple(lengths.shape)}")
+        raise ValueError(f"lengths must be 1-D, got shape {tuple(getattr(lengths, 'shape', ()))}")
     if getattr(lengths, "is_meta", False):  # a shape but no values
         raise ValueError("lengths must hold values, got a tensor on the meta device")
     lengths = lengths.tolist() if isinstance(lengths, torch.Tensor) else lengths
@@ -69,7 +70,7 @@ def attention_mask(key_padding: torch.Tensor | None = None, causal: bool = False
     return mask.clone()
 
 
-def _check_key_padding(key_padding, k_len, q_len) -> torch.Tensor:
+def _check_key_padding(key_padding: object, k_len: int | None, q_len: int | None) -> torch.Tensor:
     if key_padding is None:
         if k_len is None and q_len is None:
             raise ValueError("attention_mask needs key_padding, k_len or q_len; got none")

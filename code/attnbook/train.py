@@ -42,11 +42,12 @@ import sys
 import time
 import warnings
 from pathlib import Path  # noqa: F811 (notebook)
+from typing import Any, Callable, Iterator, TextIO, cast
 
 try:
     import fcntl  # POSIX: the lock on a run's folder
 except ImportError:  # Windows
-    fcntl = None
+    fcntl = None  # type: ignore[assignment]  # None: no lock on this platform
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -103,7 +104,7 @@ def batch_share(ids: torch.Tensor, step: int, options: argparse.Namespace, rank:
 
 
 # chapters/a2-training-at-scale.md, "What FSDP shards, and when it gathers"
-def distribute(model: nn.Module, strategy: str) -> nn.Module:
+def distribute(model: GPT, strategy: str) -> nn.Module:
     """`model` for the process group: replicated by DDP, or sharded by FSDP2, one block at a
     time and then the rest (embeddings, final norm). Unchanged without a process group."""
     if not dist.is_initialized():
@@ -112,7 +113,7 @@ def distribute(model: nn.Module, strategy: str) -> nn.Module:
         return DistributedDataParallel(model)
     for block in model.blocks:
         fully_shard(block)  # gathered just before the block runs, freed just after
-    return fully_shard(model)
+    return cast(nn.Module, fully_shard(model))  # the same model, its class made FSDP's
 
 
 def memory_per_process(config: GPTConfig, processes: int, strategy: str) -> int:
@@ -129,7 +130,7 @@ def memory_per_process(config: GPTConfig, processes: int, strategy: str) -> int:
 
 
 # chapters/a2-training-at-scale.md, "The training loop"
-def train(options: argparse.Namespace, on_step=None) -> None:
+def train(options: argparse.Namespace, on_step: Callable[[int], object] | None = None) -> None:
     """Train as `options` say (see parse_options); `on_step(step)` is called after each step.
 
     Writes, in options.out: model.pt (what `sample` needs, see load_model), log.jsonl (one line
@@ -153,7 +154,8 @@ def train(options: argparse.Namespace, on_step=None) -> None:
     _leave_processes(orderly=True)
 
 
-def _train(options, on_step, rank: int, processes: int, device: torch.device) -> None:
+def _train(options: argparse.Namespace, on_step: Callable[[int], object] | None, rank: int,
+           processes: int, device: torch.device) -> None:
     text = _corpus_text()
     tokenizer = CharTokenizer(text)
     ids = tokenizer.encode(text)
@@ -179,9 +181,8 @@ def _train(options, on_step, rank: int, processes: int, device: torch.device) ->
             began = time.perf_counter()
             x, y = (t.to(device) for t in batch_share(train_ids, step, options, rank, processes))
             lr = learning_rate(recipe, step, options.steps)
-            # DDP all-reduces, FSDP reduce-scatters the gradients in the step's backward
-            loss, norm = train_step(model, optimizer, x, y, lr, recipe.clip)
-            loss, norm = _read_step(loss, norm)  # the loop's one read of the device a step
+            # gradients all-reduced (DDP) or reduce-scattered (FSDP), then the loop's one read
+            loss, norm = _read_step(*train_step(model, optimizer, x, y, lr, recipe.clip))
             if not (math.isfinite(loss) and math.isfinite(norm)):  # stop before saving it
                 raise ValueError(_diverged(options.out, step, loss, norm))
             seconds = time.perf_counter() - began
@@ -308,8 +309,8 @@ def _read_step(loss: torch.Tensor, norm: torch.Tensor) -> tuple[float, float]:
         loss = loss / dist.get_world_size()
     if isinstance(norm, DTensor):  # FSDP's norm: the same value, as a plain tensor
         norm = norm.full_tensor()
-    loss, norm = torch.stack([loss.double(), norm.double()]).tolist()  # exact for every dtype
-    return loss, norm
+    loss_read, norm_read = torch.stack([loss.double(), norm.double()]).tolist()  # exact, any dtype
+    return loss_read, norm_read
 
 
 def _random_states(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -322,14 +323,14 @@ def _random_states(model: nn.Module) -> dict[str, torch.Tensor]:
     return states
 
 
-def _only_saved(state: dict, metadata) -> None:
+def _only_saved(state: dict[str, Any], metadata: Metadata) -> None:
     """Leave out of `state` a GPU's random state that a checkpoint written on a CPU lacks."""
     for name in [name for name in state if name.startswith("cuda_rng_state_")]:
         if name not in metadata.state_dict_metadata:
             del state[name]  # the GPU's generator keeps its own state
 
 
-def _set_random_states(state: dict, model: nn.Module) -> None:
+def _set_random_states(state: dict[str, Any], model: nn.Module) -> None:
     torch.set_rng_state(state[f"rng_state_{_rank()}"])
     if f"cuda_rng_state_{_rank()}" in state:
         torch.cuda.set_rng_state(state[f"cuda_rng_state_{_rank()}"],
@@ -340,7 +341,7 @@ def _set_random_states(state: dict, model: nn.Module) -> None:
 RUN_FILES = ("model.pt", "log.jsonl", "checkpoints", "run.json")  # what a run writes in --out
 
 
-def _lock(out: Path, rank: int):
+def _lock(out: Path, rank: int) -> TextIO | None:
     """Rank 0 takes an advisory lock on out/.lock, which it holds until the file it returns is
     closed or its process ends, however it ends; a run into a folder that another run holds is
     refused, by every process, naming the process that holds it. (No lock where the platform
@@ -354,8 +355,9 @@ def _lock(out: Path, rank: int):
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            lock.seek(0)
-            held_by, lock = lock.read().strip() or "unknown", lock.close()
+            with lock:  # closed: another run holds it
+                lock.seek(0)
+                held_by, lock = lock.read().strip() or "unknown", None
         else:
             lock.truncate(0)
             lock.write(f"{os.getpid()}\n")
@@ -425,10 +427,10 @@ def _check_resumable(path: Path, options: argparse.Namespace, processes: int) ->
                          f"{manifest['step']} or more, or start afresh with another --out")
 
 
-def _take_run_options(recorded: dict, where: Path, options: argparse.Namespace) -> None:
+def _take_run_options(recorded: dict[str, Any], where: Path, options: argparse.Namespace) -> None:
     """Set each option that the command line did not give (options.given) to the run's own, as
     `where` records them; refuse options given that differ, and records that are not sound."""
-    flag = lambda name: "--" + name.replace("_", "-")  # noqa: E731
+    flag: Callable[[str], str] = lambda name: "--" + name.replace("_", "-")  # noqa: E731
     if wrong := check_run_options(recorded):
         raise ValueError(f"--resume: {where} records no sound {', '.join(map(flag, wrong))} "
                          f"(damaged, or written by an older attnbook-train): start afresh with "
@@ -444,16 +446,16 @@ def _take_run_options(recorded: dict, where: Path, options: argparse.Namespace) 
         setattr(options, name, getattr(options, name) if name in given else recorded[name])
 
 
-def _run_options(options: argparse.Namespace) -> dict:
+def _run_options(options: argparse.Namespace) -> dict[str, Any]:
     """What a checkpoint and run.json record of a run: RUN_OPTIONS and RESUMABLE."""
     return {name: getattr(options, name) for name in RUN_OPTIONS + RESUMABLE}
 
 
-def _read_run_json(out: Path) -> dict:
+def _read_run_json(out: Path) -> dict[str, Any]:
     """The options in out/run.json, once it matches the SHA-256 it records."""
     path = out / "run.json"
     try:
-        recorded = json.loads(path.read_text())
+        recorded: dict[str, Any] = json.loads(path.read_text())
         if recorded.pop("sha256") != _manifest_digest(recorded):
             raise ValueError("it does not match its own SHA-256")
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
@@ -479,7 +481,7 @@ def _in_every_process(ok: bool) -> bool:
 
 
 # chapters/a5-training-command.md, "The run's folder"
-def _open_log(out: Path, start: int, rank: int):
+def _open_log(out: Path, start: int, rank: int) -> contextlib.AbstractContextManager[TextIO | None]:
     """Rank 0's log.jsonl, open for appending, with the old log's steps 1 to `start` (a resumed
     run's) written to a new file, flushed and renamed over the old one before training goes on:
     a process killed at any moment leaves one log or the other, whole. None in other processes."""
@@ -487,10 +489,7 @@ def _open_log(out: Path, start: int, rank: int):
         return contextlib.nullcontext()
     path, partial = out / "log.jsonl", out / "log.jsonl.partial"
     lines = _log_lines(path, start) if start else []  # refused here, before anything is written
-    with partial.open("w") as kept:
-        kept.writelines(lines)
-        kept.flush()
-        os.fsync(kept.fileno())
+    _write_durably(partial, "".join(lines))  # flushed to the disk before it replaces the log
     os.replace(partial, path)
     return path.open("a")
 
@@ -526,9 +525,9 @@ class _Progress:
         self.quiet, self.start, self.steps = rank != 0, start, options.steps
         self.every, self.tokens = options.print_every, options.global_batch * options.context
         self.began = self.shown = time.perf_counter()
-        self.since, self.seconds, self.total, self.last = 0, 0.0, 0.0, {}
+        self.since, self.seconds, self.total, self.last = 0, 0.0, 0.0, dict[str, float]()
 
-    def step(self, line: dict, seconds: float) -> None:
+    def step(self, line: dict[str, float], seconds: float) -> None:
         """Count a step's seconds; print its log `line` if it is time to."""
         self.since, self.seconds, self.total, self.last = (
             self.since + 1, self.seconds + seconds, self.total + seconds, line)
@@ -556,7 +555,7 @@ class _Progress:
 
 
 # chapters/a5-training-command.md, "Checkpoints, and what they trust"
-def save_checkpoint(out: Path, step: int, model: nn.Module, optimizer,
+def save_checkpoint(out: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
                     options: argparse.Namespace | None = None) -> Path:
     """Save everything a resumed run needs as out/checkpoints/step-<step>/, by every process,
     with a manifest.json (by rank 0) of the step, the run's `options` and every file's SHA-256."""
@@ -585,7 +584,7 @@ def save_checkpoint(out: Path, step: int, model: nn.Module, optimizer,
     return path
 
 
-def load_checkpoint(path: Path, model: nn.Module, optimizer) -> int:
+def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
     """Load a checkpoint of save_checkpoint into `model` and `optimizer`; the step it was at.
 
     Its files are checked against its manifest first (read_manifest), and nothing in it is
@@ -626,7 +625,8 @@ def _prune_checkpoints(out: Path, keep: int) -> None:
         shutil.rmtree(old)
 
 
-def _checkpoint_state(model: nn.Module, optimizer, step: int) -> dict:
+def _checkpoint_state(model: nn.Module, optimizer: torch.optim.Optimizer,
+                      step: int) -> dict[str, Any]:
     """Tensors only, so that no value of a checkpoint is a pickle. The optimizer's
     hyperparameters (its param_groups) are not saved: they follow from the options, which the
     manifest records and a resumed run must repeat."""
@@ -639,7 +639,7 @@ def _checkpoint_state(model: nn.Module, optimizer, step: int) -> dict:
 MANIFEST = "manifest.json"
 
 
-def read_manifest(path: Path) -> dict:
+def read_manifest(path: Path) -> dict[str, Any]:
     """The manifest.json of checkpoint `path`, once every file of the folder has been checked
     against the SHA-256 it lists; a ValueError names the folder and what is wrong."""
     try:
@@ -649,8 +649,8 @@ def read_manifest(path: Path) -> dict:
                          f"version of attnbook.train, and is not read") from None
     except (OSError, ValueError) as error:  # a JSONDecodeError or a UnicodeDecodeError
         raise ValueError(f"checkpoint {path}: its {MANIFEST} is damaged ({error})") from None
-    fields = {"written_by": str, "step": int, "processes": int, "options": (dict, type(None)),
-              "files": dict, "sha256": str}
+    fields: dict[str, type | tuple[type, ...]] = {"written_by": str, "step": int, "processes": int,
+              "options": (dict, type(None)), "files": dict, "sha256": str}
     if not (isinstance(manifest, dict) and manifest.get("written_by") == "attnbook.train" and
             all(isinstance(manifest.get(k), kind) for k, kind in fields.items())):
         raise ValueError(f"checkpoint {path}: its {MANIFEST} is not attnbook.train's")
@@ -679,7 +679,7 @@ class _MetadataUnpickler(pickle.Unpickler):
                 *((module, p) for module in ("pathlib", "pathlib._local")  # 3.13: _local
                   for p in ("PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"))}
 
-    def find_class(self, module: str, name: str):
+    def find_class(self, module: str, name: str) -> Any:
         found = getattr(sys.modules.get(module), name, None)
         if ((module, name) in self.ADMITTED or isinstance(found, torch.dtype) and module == "torch"
                 or module == Metadata.__module__ and isinstance(found, type)
@@ -698,18 +698,17 @@ def _read_metadata(path: Path, name: str = ".metadata") -> Metadata:
 
 
 class _TrustedReader(dcp.FileSystemReader):
-    def read_metadata(self, *args, **kwargs) -> Metadata:
+    def read_metadata(self, *args: object, **kwargs: object) -> Metadata:
         rank = kwargs.get("rank")
         metadata = _read_metadata(Path(self.path),
                                   ".metadata" if rank is None else f"__{rank}.metadata")
-        if getattr(metadata, "storage_meta", None) is None:  # as FileSystemReader does
-            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta = getattr(metadata, "storage_meta", None) or StorageMeta()  # as DCP
         metadata.storage_meta.load_id = self.load_id
         return metadata
 
 
 class _TrustedPlanner(dcp.DefaultLoadPlanner):
-    def load_bytes(self, read_item, value) -> None:  # DCP would unpickle it, whatever it holds
+    def load_bytes(self, read_item: dcp.ReadItem, value: object) -> None:  # DCP unpickles these
         raise ValueError(f"it stores {read_item.dest_index.fqn} as a pickle, where "
                          f"attnbook.train stores tensors only: not read")
 
@@ -729,7 +728,7 @@ def _reraise_interrupt(error: BaseException) -> None:
         raise KeyboardInterrupt from None
 
 
-def _manifest_digest(manifest: dict) -> str:
+def _manifest_digest(manifest: dict[str, Any]) -> str:
     """The SHA-256 of a manifest's fields, which the manifest records beside them."""
     return hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()
 
@@ -750,7 +749,7 @@ def _write_durably(path: Path, text: str) -> None:
 
 
 @contextlib.contextmanager
-def _single_process_quiet():
+def _single_process_quiet() -> Iterator[None]:
     """DCP warns that it assumes one process when there is no process group: we know."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -784,17 +783,17 @@ def _save_model(options: argparse.Namespace, model: nn.Module, tokenizer: CharTo
         return
     config = dataclasses.asdict(_unwrapped(model).config)
     saved = {"format": MODEL_FORMAT, "config": config, "vocabulary": "".join(tokenizer.itos),
-             "model": weights, "step": options.steps,
-             "options": {name: getattr(options, name) for name in RUN_OPTIONS + RESUMABLE}}
+             "model": weights, "step": options.steps, "options": _run_options(options)}
     partial = options.out / "model.pt.partial"
     torch.save(saved, partial)
     os.replace(partial, options.out / "model.pt")
 
 
-def load_model(run) -> tuple[GPT, CharTokenizer]:
+def load_model(run: str | os.PathLike[str]) -> tuple[GPT, CharTokenizer]:
     """The model and tokenizer of a run's model.pt (`run` is the folder or the file), in eval
     mode; read with torch.load(weights_only=True), so that it holds data and no code."""
-    run = Path(check_instance("run", run, (str, os.PathLike)))
+    check_instance("run", run, (str, os.PathLike))
+    run = Path(run)
     path = run / "model.pt" if run.is_dir() else run
     if not path.is_file():
         started = run.is_dir() and any((run / name).exists() for name in RUN_FILES)
@@ -814,8 +813,8 @@ def load_model(run) -> tuple[GPT, CharTokenizer]:
     return model.eval(), tokenizer
 
 
-def sample(run, prompt: str, tokens: int = 200, temperature: float = 0.8, seed: int = 0,
-           top_k: int | None = 10) -> str:
+def sample(run: str | os.PathLike[str], prompt: str, tokens: int = 200,
+           temperature: float = 0.8, seed: int = 0, top_k: int | None = 10) -> str:
     """`prompt` and `tokens` characters more, written by the model of a run (load_model), as
     chapter 10 samples: drawn at `temperature` among the `top_k` likeliest (None: among all),
     seeded by `seed`; the likeliest each time at temperature 0."""
@@ -831,8 +830,8 @@ def sample(run, prompt: str, tokens: int = 200, temperature: float = 0.8, seed: 
     return tokenizer.decode(out[0])
 
 
-def _unwrapped(model: nn.Module) -> nn.Module:
-    return model.module if isinstance(model, DistributedDataParallel) else model
+def _unwrapped(model: nn.Module) -> GPT:  # the book's GPT, DDP's or not
+    return cast(GPT, model.module if isinstance(model, DistributedDataParallel) else model)
 
 
 if __name__ == "__main__":  # python -m attnbook.train

@@ -22,6 +22,7 @@ import os
 import sys
 from importlib import metadata
 from pathlib import Path
+from typing import Any, Callable
 
 PROGRAM = "attnbook-train"
 # What fixes the model and the course of training (a step's data, its dropout, its update): a
@@ -71,16 +72,16 @@ def parse_options(argv: list[str] | None = None) -> argparse.Namespace:
     processes = os.environ.get("WORLD_SIZE", "1")
     if not processes.isdigit() or int(processes) < 1:
         gpt.error(f"WORLD_SIZE={processes!r} (set by torchrun) must be a positive integer")
-    if options.global_batch % (processes := int(processes)):
+    if options.global_batch % (count := int(processes)):
         gpt.error(f"argument --global-batch: {options.global_batch} sequences cannot be shared "
-                  f"equally by {processes} processes")
+                  f"equally by {count} processes")
     if options.d_model % options.heads:
         gpt.error(f"argument --heads: {options.heads} heads do not divide "
                   f"--d-model {options.d_model}")
     return options
 
 
-def check_run_options(recorded: dict) -> list[str]:
+def check_run_options(recorded: dict[str, Any]) -> list[str]:
     """What is wrong with a run's recorded options (RUN_OPTIONS and RESUMABLE, read back from a
     checkpoint or run.json), judged by the command line's own rules: [] if nothing."""
     wrong = [name for name in RUN_OPTIONS + RESUMABLE if name not in recorded]
@@ -92,7 +93,7 @@ def check_run_options(recorded: dict) -> list[str]:
     return sorted(set(wrong) | ({"model"} if recorded.get("model") != "gpt" else set()))
 
 
-def _read(rule, value) -> bool:
+def _read(rule: Callable[[str], object], value: object) -> bool:
     try:
         return rule(repr(value)) == value
     except argparse.ArgumentTypeError:
@@ -114,8 +115,8 @@ DEFAULTS = {"steps": 500, "global_batch": 32, "context": 64, "d_model": 128, "la
 MAX_SEED, MAX_STEPS = 2**12 - 1, 2**20  # recipe.batch's streams: 12 bits of seed, 20 of step
 
 
-def _training_options(add) -> None:
-    def option(flag: str, text: str, **kwargs) -> None:  # default None: we know what was given
+def _training_options(add: Callable[..., object]) -> None:
+    def option(flag: str, text: str, **kwargs: Any) -> None:  # default None: we know what was given
         name = flag[2:].replace("-", "_")
         _RULES[name] = kwargs.get("choices") or kwargs["type"]  # also for check_run_options
         add(flag, default=None, help=f"{text} (default {DEFAULTS[name]})", **kwargs)
@@ -151,7 +152,7 @@ def _training_options(add) -> None:
              "run, unless --resume or --overwrite is given")
 
 
-def _sample_options(add) -> None:
+def _sample_options(add: Callable[..., object]) -> None:
     add("--run", type=_folder, required=True, help="a run's folder (the --out of `gpt`)")
     add("--prompt", required=True, help="the text to continue")
     add("--tokens", type=_number(int, 0), default=200, help="characters to add (default 200)")
@@ -162,7 +163,7 @@ def _sample_options(add) -> None:
     add("--seed", type=_number(int, 0), default=0, help="the draws' seed (default 0)")
 
 
-_RULES: dict = {}  # each training option's reader (or its choices), filled by _training_options
+_RULES: dict[str, list[str] | Callable[[str], object]] = {}  # filled by _training_options
 
 
 def _folder(text: str) -> Path:
@@ -171,9 +172,10 @@ def _folder(text: str) -> Path:
     return Path(text)
 
 
-def _number(kind: type, low: float, high: float = math.inf, open_low: bool = False):
+def _number(kind: type[int] | type[float], low: float, high: float = math.inf,
+            open_low: bool = False) -> Callable[[str], float]:
     """An argparse `type` that reads a `kind` in [low, high] (open at low if open_low)."""
-    def parse(text: str):
+    def parse(text: str) -> float:
         try:
             value = kind(text)
         except ValueError:

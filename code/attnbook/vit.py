@@ -109,7 +109,8 @@ class ViT(nn.Module):
         self.norm = nn.LayerNorm(c.d_model, eps=c.eps)
         self.head = nn.Linear(c.d_model, c.num_classes)
 
-    def forward(self, images: torch.Tensor, return_weights: bool = False):
+    def forward(self, images: torch.Tensor, return_weights: bool = False
+                ) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
         """Logits (B, num_classes), and with `return_weights` the list of each block's attention
         weights (B, num_heads, 1 + N, 1 + N), the class token first."""
         c, weight = self.config, self.patch_embed.weight

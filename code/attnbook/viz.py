@@ -20,12 +20,14 @@ import json
 import re
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
 from attnbook.checks import check_array, check_instance, check_int, check_real, check_text
 
 
-def explorer_weights(tokens, weights, atol: float | None = None) -> np.ndarray:
+def explorer_weights(tokens: list[str] | tuple[str, ...], weights: npt.ArrayLike | torch.Tensor,
+                     atol: float | None = None) -> np.ndarray:
     """`weights` of shape (T, T), (heads, T, T) or (layers, heads, T, T) as a float64 array of
     shape (layers, heads, T, T) (appendix C), checked against `tokens`, T strings: finite,
     non-negative, every row summing to 1 within `atol` or all zero (no allowed key). `atol`
@@ -52,7 +54,7 @@ def explorer_weights(tokens, weights, atol: float | None = None) -> np.ndarray:
     return w.reshape((1,) * (4 - w.ndim) + w.shape)
 
 
-def _rounding_atol(weights) -> float:
+def _rounding_atol(weights: object) -> float:
     """How far from 1 a row of `weights` may sum: each weight rounded to their dtype moves the
     sum by up to half an epsilon of itself, so eps / 2 in all; 4 eps leaves room for a softmax
     summed in that dtype (bfloat16: 0.03; float16: 0.004), and 1e-3 for the wider dtypes."""
@@ -136,7 +138,7 @@ def _as_text(text: str) -> str:
     return html.escape(text.translate(_PICTURES))
 
 
-def _json_for_script(data) -> str:
+def _json_for_script(data: object) -> str:
     """JSON that an HTML <script> element holds safely: no `<`, `>` or `&` left to parse, and no
     DEL (JSON escapes the other control characters itself)."""
     text = json.dumps(data, separators=(",", ":"), ensure_ascii=False)
@@ -145,7 +147,8 @@ def _json_for_script(data) -> str:
     return text
 
 
-def explorer_html(tokens, weights: np.ndarray, uid: str, title: str = "", digits: int = 3) -> str:
+def explorer_html(tokens: list[str] | tuple[str, ...], weights: np.ndarray, uid: str,
+                  title: str = "", digits: int = 3) -> str:
     """The explorer's HTML for `weights` over `tokens`, checked by explorer_weights (appendix C),
     its element ids all starting with `uid`: letters, digits, `-` and `_` only, since it goes
     into attributes and into the script. Tokens and title are escaped, shown as text."""
@@ -181,7 +184,8 @@ class AttentionExplorer:
     """Attention weights over `tokens` that Jupyter, Colab and the book's site display as an
     interactive explorer (appendix C); make one with attention_explorer."""
 
-    def __init__(self, tokens, weights, title: str = "", digits: int = 3):
+    def __init__(self, tokens: list[str] | tuple[str, ...], weights: npt.ArrayLike | torch.Tensor,
+                 title: str = "", digits: int = 3) -> None:
         self.weights = explorer_weights(tokens, weights)  # (L, H, T, T)
         self.tokens = list(tokens)
         self.title = check_text("title", title)
@@ -198,7 +202,8 @@ class AttentionExplorer:
         return explorer_html(self.tokens, self.weights, uid, self.title, self.digits)
 
 
-def attention_explorer(tokens, weights, title: str = "", digits: int = 3) -> AttentionExplorer:
+def attention_explorer(tokens: list[str] | tuple[str, ...], weights: npt.ArrayLike | torch.Tensor,
+                       title: str = "", digits: int = 3) -> AttentionExplorer:
     """An explorer of `weights` (T, T), (heads, T, T) or (layers, heads, T, T) over `tokens`, a
     list of T strings (appendix C): hovering over or focusing a token shades the others by its
     weights; selectors choose the layer and the head, or the average over heads."""
