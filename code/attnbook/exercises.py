@@ -20,8 +20,10 @@ import copy
 import gc
 import math
 import multiprocessing
+import os
 import pickle
 import signal
+import sys
 import textwrap
 import threading
 import time
@@ -86,6 +88,9 @@ def _difference(got, expected, tolerance, name="output",
     if isinstance(got, torch.Tensor) and got.dtype != expected.dtype:  # NumPy answers may widen
         return (f"{name} has dtype {got.dtype}, expected {expected.dtype}: return the inputs' "
                 f"dtype (compute wider if you like, then .to({expected.dtype}))", None, None)
+    if isinstance(got, np.ndarray) and _narrower(got.dtype, expected.dtype):
+        return (f"{name} has dtype {got.dtype}, expected {expected.dtype} or wider: a narrower "
+                f"answer has lost digits", None, None)
     if isinstance(got, torch.Tensor) and (got.is_meta or got.layout != torch.strided):
         what = "on the meta device, with no numbers" if got.is_meta else f"of layout {got.layout}"
         return f"{name} is a tensor {what}, expected a dense tensor of numbers", None, None
@@ -110,6 +115,12 @@ def _difference(got, expected, tolerance, name="output",
             f"{e[where]:.{digits}g} (allowed: {atol:g} + {rtol:g} |expected|)"
             + _rounding_note(diff[where] / max(1.0, abs(float(e[where]))), narrowest),
             float(diff[where]), where)
+
+
+def _narrower(got: np.dtype, expected: np.dtype) -> bool:
+    """True when both are floating and `got` has fewer bits than `expected`."""
+    floating = np.issubdtype(got, np.floating) and np.issubdtype(expected, np.floating)
+    return floating and np.finfo(got).bits < np.finfo(expected).bits
 
 
 def _rounding_note(relative: float, narrowest: str) -> str:
@@ -179,40 +190,79 @@ def _change(before, after) -> str | None:
 # chapters/a6-checking-exercises.md, "Running a candidate"
 def _call_in_child(candidate, args: tuple, timeout: float) -> dict:
     """candidate(*args) in a forked child: _call's answer plus 'inputs' as the call left them,
-    {'stopped': True} after `timeout`, or {'crashed': the signal's name}."""
+    {'stopped': True} after `timeout`, {'crashed': a signal's name} or {'exited': its code}."""
     fork = multiprocessing.get_context("fork")
     receive, send = fork.Pipe(duplex=False)
     child = fork.Process(target=_answer_from_child, args=(candidate, args, send), daemon=True)
     child.start()
     send.close()  # the child holds the only writing end: its death ends the pipe
     try:
-        box = pickle.loads(receive.recv_bytes()) if receive.poll(
-            min(timeout, threading.TIMEOUT_MAX)) else {"stopped": True}
-    except EOFError:  # the pipe closed with nothing in it: the child died
-        box = None
-    if box is not None and box.get("stopped"):  # a process, unlike a thread, can be stopped
-        child.kill()
-    child.join()  # after an answer or a crash the child ends by itself
-    if box is None or (child.exitcode < 0 and not box.get("stopped")):
-        code = child.exitcode
-        return {"crashed": signal.Signals(-code).name if code < 0 else f"exit code {code}"}
-    return box
+        box = _receive(receive, timeout)
+    finally:  # a process, unlike a thread, can be stopped: one still running after its answer
+        child.join(1.0)  # (a thread the candidate left, a huge send) is killed, never waited for
+        if child.exitcode is None:
+            child.kill()
+            child.join()
+        receive.close()
+    if box is not None:
+        return box
+    code = child.exitcode  # the pipe closed with no answer: the child ended
+    if code >= 0:
+        return {"exited": code}
+    try:
+        return {"crashed": signal.Signals(-code).name}
+    except ValueError:
+        return {"crashed": f"signal {-code}"}
+
+
+def _receive(receive, timeout: float) -> dict | None:
+    """The child's answer: first the call's own seconds, then the answer, each within `timeout`;
+    None when the child ended without one."""
+    wait = min(timeout, threading.TIMEOUT_MAX)
+    try:
+        if not receive.poll(wait):
+            return {"stopped": True}
+        seconds = pickle.loads(receive.recv_bytes())
+        if not receive.poll(wait):  # the call ended in time; pickling and sending did not
+            return {"too_large": seconds}
+        return pickle.loads(receive.recv_bytes())
+    except EOFError:
+        return None
+    except Exception:  # noqa: BLE001 (an answer whose class cannot be rebuilt here)
+        return {"unsendable": "an object that cannot be rebuilt outside its child process"}
 
 
 def _answer_from_child(candidate, args: tuple, send) -> None:
-    """In the child: call, free what the call made, send the pickled answer."""
+    """In the child: call, send the call's seconds, free what the call made, send the pickled
+    answer (an exception as text, which needs no unpickling), and end without waiting for
+    threads the candidate left running."""
     torch.set_num_threads(1)  # a forked OpenMP pool is not safe to use
     box = _call(candidate, args, math.inf)
-    if "value" in box:
+    send.send_bytes(pickle.dumps(box["seconds"]))
+    if "error" in box:
+        box["error"] = _raised(box["error"])
+    else:
         box["inputs"] = args
     try:
         payload = pickle.dumps(box)
     except Exception:  # noqa: BLE001 (a generator, a lock: anything pickle refuses)
-        payload = pickle.dumps({"unsendable": _kind(box.get("value", box.get("error")))})
+        payload = pickle.dumps({"unsendable": _kind(box.get("value"))})
     del box
-    gc.collect()  # a write out of bounds often aborts here, when its memory is freed
+    gc.collect()  # a write out of bounds may abort here, when its memory is freed
     send.send_bytes(payload)
     send.close()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(0)  # not sys.exit: that would wait for the candidate's non-daemon threads
+
+
+def _raised(error) -> str:
+    """'ShapeError: its message' for an exception, even one whose str() fails."""
+    try:
+        text = str(error)
+    except Exception:  # noqa: BLE001 (a reader's __str__ that raises)
+        text = "(its message cannot be shown)"
+    return f"{type(error).__name__}: {text}"
 
 
 # chapters/a6-checking-exercises.md, "The exercises"
@@ -514,11 +564,8 @@ def _run_cases(exercise_id: str, exercise: Exercise, candidate, timeout: float) 
         done = (_call_in_child if in_child else _call)(candidate, tuple(inputs.values()), timeout)
         inputs = dict(zip(inputs, done.pop("inputs", inputs.values())))
         if found := _judge(done, inputs, kept, expected, timeout, exercise.tolerance):
-            # the case's hint names a mistake in the numbers: shown only when the numbers differ
-            hint = case.hint if found[1] is not None else None
-            hint = exercise.crash_hint if "crashed" in done else hint
             return CheckResult(exercise_id, False, number, count, case.name, _describe(kept),
-                               *found, hint, exercise.title)
+                               *found, _hint(found, done, case, exercise), exercise.title)
     return CheckResult(exercise_id, True, count, count, title=exercise.title)
 
 
@@ -531,11 +578,18 @@ def _judge(done: dict, inputs: dict, kept: dict, expected, timeout: float, toler
     if "unsendable" in done:
         return (f"output is {done['unsendable']}, which cannot leave its child process: return "
                 f"a tensor", None, None)
+    if "too_large" in done:
+        return (f"answered in {done['too_large']:.3g} s, but the answer was too large to send "
+                f"back from its child process within {timeout:g} s", None, None)
     if "crashed" in done:
         return (f"its process crashed ({done['crashed']}) on this case, with no answer; your "
                 f"notebook goes on", None, None)
-    if "error" in done:
-        return f"raised {type(done['error']).__name__}: {done['error']}", None, None
+    if "exited" in done:
+        return (f"its process exited with code {done['exited']} (os._exit or sys.exit) before "
+                f"answering; your notebook goes on", None, None)
+    if "error" in done:  # from a child process, the exception comes as text
+        error = done["error"]
+        return f"raised {error if isinstance(error, str) else _raised(error)}", None, None
     if done["seconds"] > timeout:  # one long call that holds the GIL cannot be interrupted
         return (f"took {done['seconds']:.3g} s, more than the {timeout:g} s allowed", None, None)
     for name in inputs:
@@ -545,6 +599,21 @@ def _judge(done: dict, inputs: dict, kept: dict, expected, timeout: float, toler
     narrowest = _narrowest(kept)
     return _difference(done["value"], expected, tolerance or TOLERANCES[narrowest],
                        narrowest=narrowest)
+
+
+def _hint(found: tuple, done: dict, case: Case, exercise: Exercise) -> str | None:
+    """The case's hint names a mistake in the numbers, or one that makes the function raise on
+    this case's inputs (an index of -100): shown for those; a crash gets the exercise's crash
+    hint, a wrong dtype the dtype's; anything else (no return, a changed input) none."""
+    if "crashed" in done:
+        return exercise.crash_hint
+    if found[1] is not None or found[0].startswith("raised "):
+        return case.hint
+    return _DTYPE_HINT if " has dtype " in found[0] else None
+
+
+_DTYPE_HINT = ("return the dtype the reference returns: compute wider if you like (x.double(), "
+               "x.astype(np.float64)), then convert the answer back")
 
 
 def _narrowest(inputs: dict) -> str:
