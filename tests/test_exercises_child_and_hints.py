@@ -10,6 +10,7 @@ import time
 import numpy as np
 import pytest
 import torch
+from test_exercises_parts_1_2 import heads_numpy, softmax_backward
 
 from attnbook import exercises
 from attnbook.exercises import EXERCISES, Case, Exercise, check
@@ -114,3 +115,38 @@ def test_a_float32_numpy_answer_for_float64_inputs_gets_a_dtype_hint():
     result = check("1.2", in_float32, show=False)
     assert "has dtype float32, expected float64 or wider" in result.problem, result.problem
     assert result.hint == exercises._DTYPE_HINT
+
+
+# ---- the cases of appendix G that the findings named ---------------------------------------------
+
+def test_a_masked_multiply_fails_on_a_nan_logit_at_an_ignored_position():
+    def masked_multiply(logits, labels):  # every position's loss, times a 0/1 mask
+        chosen = labels != -100
+        losses = logits.logsumexp(-1) - logits.gather(-1, labels.clamp(min=0)[..., None])[..., 0]
+        return (losses * chosen).sum() / chosen.sum()
+
+    result = check("9.3", masked_multiply, show=False)
+    assert result.case == "a NaN and an inf logit at positions labelled -100", result
+    assert "an unchosen position's logits are never read" in result.hint
+
+
+def test_the_roofline_nan_hint_names_the_argument_order():
+    def python_min(intensity, gpu):
+        from attnbook.tiling import GPUS
+        spec = GPUS[gpu]
+        return np.array([min(spec.peak_flops(2), i * spec.bandwidth)
+                         for i in intensity.ravel()]).reshape(intensity.shape)
+
+    result = check("14.2", python_min, show=False)
+    assert result.case == "a NaN among the intensities" and "min(peak, x)" in result.hint
+
+
+def test_a_float16_case_claims_only_what_it_checks():
+    # measured: answers in their inputs' float16 arithmetic throughout (NumPy rounds once per
+    # operation) pass 2.3's and 3.3's float16 cases, so their hints may not name it as the mistake
+    assert check("2.3", softmax_backward, show=False).passed
+    assert check("3.3", heads_numpy, show=False).passed
+    for exercise_id in ("2.3", "3.3", "4.2", "11.1", "16.1"):
+        hint = next(c.hint for c in EXERCISES[exercise_id].cases if c.name.startswith("float16"))
+        assert "float16 arithmetic rounding once per operation may reach" in hint, exercise_id
+        assert "11 bits" not in hint and "lose" not in hint, exercise_id

@@ -644,6 +644,9 @@ def _ch2_backward_case(shape, dtype=np.float64, spread=1.0, masked=None, nan_row
 
 
 _CH2 = 'chapter 2, "What saturation does to gradients"'
+_F16 = ("return float16 or wider, within a few float16 roundings of the exact answer (this case "
+        "checks that much, which float16 arithmetic rounding once per operation may reach here; "
+        "an overflow or a lost term does not)")
 EXERCISES["2.3"] = Exercise("the gradient through the softmax", (
     Case("one key", _ch2_backward_case((1,)),
          "with one key p = 1 whatever the score, so no gradient reaches it: p * (g - p . g) is 0"),
@@ -663,8 +666,8 @@ EXERCISES["2.3"] = Exercise("the gradient through the softmax", (
     Case("float32", _ch2_backward_case((5, 9), np.float32),
          "float32 input: compute in float32 or wider, never in float16"),
     Case("float16, 300 keys", _ch2_backward_case((4, 300), np.float16, spread=4.0),
-         "float16 input: compute the softmax and p . g in float32 (a float16 sum over hundreds "
-         "of keys keeps 11 bits) and return float16 or wider"),
+         "float16 input: " + _F16 + "; computing the softmax and p . g in float32, then "
+         "rounding once, keeps it there"),
     Case("a NaN score in row 1", _ch2_backward_case((3, 5), nan_row=1),
          "a NaN score makes its row's weights, and so its row's gradient, NaN; the other rows "
          "stay as they are: never replace a NaN (np.nan_to_num)"),
@@ -710,8 +713,8 @@ EXERCISES["3.3"] = Exercise("multi-head self-attention in NumPy", (
     Case("float32", _ch3_heads_case(2, 9, 16, 4, np.float32),
          "float32 input: compute in float32 or wider, never in float16"),
     Case("float16", _ch3_heads_case(2, 33, 32, 4, np.float16),
-         "float16 input: compute in float32 (x.astype(np.float32)) and return float16 or wider: "
-         "float16 products and sums over 33 keys and 32 features lose the 11 bits float16 keeps"),
+         "float16 input: " + _F16 + "; computing in float32 (x.astype(np.float32)), then "
+         "rounding once, keeps it there"),
     Case("a NaN in sequence 0, position 2", _ch3_heads_case(2, 5, 8, 2, nan_at=(0, 2)),
          "every position reads position 2's key and value, so sequence 0's outputs are all NaN "
          "and sequence 1's are not: never replace a NaN (np.nan_to_num)"),
@@ -749,8 +752,9 @@ EXERCISES["4.2"] = Exercise("causal grouped-query attention", (
     Case("float32", _ch4_grouped_case(2, 6, 2, 9, 8, torch.float32),
          "float32 input: compute in float32 or wider, never in float16"),
     Case("float16", _ch4_grouped_case(2, 8, 2, 40, 16, torch.float16),
-         "float16 input: compute the scores, softmax and sums in float32 (q.float()), then return "
-         "float16: float16 keeps 11 bits"),
+         "float16 input: return float16, " + _F16.removeprefix("return float16 or wider, ")
+         + "; computing the scores, softmax and sums in float32 (q.float()), then rounding "
+         "once, keeps it there"),
     Case("a NaN in key/value head 1's key at position 3", _ch4_grouped_case(
         2, 6, 2, 7, 4, nan_key=(1, 3)),
          "a NaN key reaches the outputs that read it, group 1's query heads at positions 3 and "
@@ -848,13 +852,17 @@ EXERCISES["8.2"] = Exercise("BERT's input layer", (
 
 
 # chapters/a7-exercise-cases.md, "Chapter 9"
-def _ch9_mlm_case(chosen, vocab=11, dtype=torch.float64, spread=1.0, nan_chosen=False):
+def _ch9_mlm_case(chosen, vocab=11, dtype=torch.float64, spread=1.0, nan_chosen=False,
+                  nan_ignored=False):
     """`chosen`: one list per sequence, True where the position carries a label."""
     def build(rng):
         keep = torch.tensor(chosen)  # (B, L) bool
         logits = torch.from_numpy(rng.standard_normal((*keep.shape, vocab)) * spread)
         if nan_chosen:  # a NaN logit at the first chosen position
             logits[tuple(keep.nonzero()[0].tolist()) + (0,)] = float("nan")
+        if nan_ignored:  # a NaN and an inf logit at the first two positions whose label is -100
+            first, second = (tuple(at.tolist()) for at in (~keep).nonzero()[:2])
+            logits[first + (0,)], logits[second + (1,)] = float("nan"), float("inf")
         labels = torch.where(keep, torch.from_numpy(rng.integers(0, vocab, keep.shape)), -100)
         expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(),
                                                      ignore_index=-100)
@@ -890,6 +898,11 @@ EXERCISES["9.3"] = Exercise("the masked-language-model loss", (
         [[False, True, True], [True, False, False]], nan_chosen=True),
          "a NaN logit at a chosen position makes its loss, and so the mean, NaN: never replace "
          "a NaN (torch.nan_to_num)"),
+    Case("a NaN and an inf logit at positions labelled -100", _ch9_mlm_case(
+        [[True, False, True], [False, True, True]], nan_ignored=True),
+         "select the chosen positions (logits[labels != -100]): an unchosen position's logits "
+         "are never read, while a loss multiplied by a 0/1 mask keeps NaN * 0 = NaN: "
+         + _CH9.format("Masked language modelling")),
 ))
 
 
@@ -960,7 +973,9 @@ EXERCISES["11.1"] = Exercise("cross-attention over a padded source", (
     Case("float32", _ch11_cross_case([9, 4], 5, dtype=torch.float32),
          "float32 input: compute in float32 or wider, never in float16, and return float32"),
     Case("float16", _ch11_cross_case([40, 17], 6, heads=2, d=16, dtype=torch.float16),
-         "float16 input: compute the scores, softmax and sums in float32, then return float16"),
+         "float16 input: return float16, " + _F16.removeprefix("return float16 or wider, ")
+         + "; computing the scores, softmax and sums in float32, then rounding once, keeps it "
+         "there"),
     Case("a NaN in a source key", _ch11_cross_case([4, 3], 3, nan_key=True),
          "a NaN in a real source token's key makes that head's scores, and so its outputs for "
          "that sequence, NaN: never replace a NaN (torch.nan_to_num)"),
@@ -1027,8 +1042,9 @@ EXERCISES["14.2"] = Exercise("the roofline: attainable FLOP/s against arithmetic
          _ch14_roofline_case([0.0, 2e3], "A100", ridge=True),
          "at intensity 0 a kernel does no arithmetic: 0 FLOP/s; at the ridge both roofs meet"),
     Case("a NaN among the intensities", _ch14_roofline_case([[2.0, np.nan], [np.nan, 900.0]], "H100"),
-         "a NaN intensity gives NaN, not a roof: np.minimum keeps a NaN, while np.fmin, Python's "
-         "min and np.where(a < b, a, b) all turn it into the peak"),
+         "a NaN intensity gives NaN, not a roof: np.minimum keeps a NaN, while np.fmin (in either "
+         "order), Python's min(peak, x) and np.where(x < peak, x, peak) turn it into the peak "
+         "(min(x, peak) and np.where(peak < x, peak, x) happen to keep it)"),
 ))
 
 
@@ -1130,8 +1146,9 @@ EXERCISES["16.1"] = Exercise("the backward pass of attention", (
     Case("float32", _ch16_backward_case((1, 2, 16), 33, 40, True, np.float32),
          "float32 input: compute in float32 or wider, and return float32 gradients"),
     Case("float16", _ch16_backward_case((1, 2, 16), 33, 40, True, np.float16),
-         "float16 input: compute P, delta and the products in float32, then return float16 "
-         "gradients: dS = P * (dP - delta) subtracts nearly equal numbers"),
+         "float16 input: return float16 gradients, " + _F16.removeprefix("return float16 or "
+         "wider, ") + "; computing P, delta and the products in float32, then rounding once, "
+         "keeps them there"),
     Case("a NaN in query 2", _ch16_backward_case((1, 1, 4), 4, 5, nan_query=2),
          "a NaN in query 2 makes its row of P NaN: dq's row 2 and every dk and dv are NaN, the "
          "other rows of dq are not: never replace a NaN (torch.nan_to_num)"),
