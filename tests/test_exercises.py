@@ -293,7 +293,7 @@ def test_a_wrong_dtype_is_reported_with_a_dtype_hint_not_a_numeric_one():
 
 def test_a_difference_of_rounding_size_says_so_with_the_digits_that_differ():
     def loop_in_float32(X, W_Q, W_K, W_V):
-        return causal_loop_torch(*(a.astype(np.float32) for a in (X, W_Q, W_K, W_V)))
+        return causal_loop_torch(*(a.astype(np.float32) for a in (X, W_Q, W_K, W_V))).astype(np.float64)
     result = check("1.2", loop_in_float32, show=False)
     assert result.case == "one position" and "rounding size" in result.problem
     yours, expected = result.problem.split("yours ")[1].split(" (allowed")[0].split(", expected ")

@@ -53,7 +53,7 @@ WRONG_NAN = [
     ("4.2", lambda q, k, v: grouped(q, k, v, nan_to_num=True), NAN_42, "never replace a NaN"),
     ("4.2", lambda q, k, v: grouped(q, k, v, added_mask=True), NAN_42, "masked_fill"),
     ("14.2", roofline_fmin, NAN_142, "np.fmin"),
-    ("14.2", roofline_where, NAN_142, "np.where(a < b, a, b)"),
+    ("14.2", roofline_where, NAN_142, "np.where(x < peak, x, peak)"),
 ]
 
 
