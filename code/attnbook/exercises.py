@@ -20,8 +20,10 @@ import copy
 import gc
 import math
 import multiprocessing
+import os
 import pickle
 import signal
+import sys
 import textwrap
 import threading
 import time
@@ -86,6 +88,9 @@ def _difference(got, expected, tolerance, name="output",
     if isinstance(got, torch.Tensor) and got.dtype != expected.dtype:  # NumPy answers may widen
         return (f"{name} has dtype {got.dtype}, expected {expected.dtype}: return the inputs' "
                 f"dtype (compute wider if you like, then .to({expected.dtype}))", None, None)
+    if isinstance(got, np.ndarray) and _narrower(got.dtype, expected.dtype):
+        return (f"{name} has dtype {got.dtype}, expected {expected.dtype} or wider: a narrower "
+                f"answer has lost digits", None, None)
     if isinstance(got, torch.Tensor) and (got.is_meta or got.layout != torch.strided):
         what = "on the meta device, with no numbers" if got.is_meta else f"of layout {got.layout}"
         return f"{name} is a tensor {what}, expected a dense tensor of numbers", None, None
@@ -110,6 +115,12 @@ def _difference(got, expected, tolerance, name="output",
             f"{e[where]:.{digits}g} (allowed: {atol:g} + {rtol:g} |expected|)"
             + _rounding_note(diff[where] / max(1.0, abs(float(e[where]))), narrowest),
             float(diff[where]), where)
+
+
+def _narrower(got: np.dtype, expected: np.dtype) -> bool:
+    """True when both are floating and `got` has fewer bits than `expected`."""
+    floating = np.issubdtype(got, np.floating) and np.issubdtype(expected, np.floating)
+    return floating and np.finfo(got).bits < np.finfo(expected).bits
 
 
 def _rounding_note(relative: float, narrowest: str) -> str:
@@ -179,40 +190,79 @@ def _change(before, after) -> str | None:
 # chapters/a6-checking-exercises.md, "Running a candidate"
 def _call_in_child(candidate, args: tuple, timeout: float) -> dict:
     """candidate(*args) in a forked child: _call's answer plus 'inputs' as the call left them,
-    {'stopped': True} after `timeout`, or {'crashed': the signal's name}."""
+    {'stopped': True} after `timeout`, {'crashed': a signal's name} or {'exited': its code}."""
     fork = multiprocessing.get_context("fork")
     receive, send = fork.Pipe(duplex=False)
     child = fork.Process(target=_answer_from_child, args=(candidate, args, send), daemon=True)
     child.start()
     send.close()  # the child holds the only writing end: its death ends the pipe
     try:
-        box = pickle.loads(receive.recv_bytes()) if receive.poll(
-            min(timeout, threading.TIMEOUT_MAX)) else {"stopped": True}
-    except EOFError:  # the pipe closed with nothing in it: the child died
-        box = None
-    if box is not None and box.get("stopped"):  # a process, unlike a thread, can be stopped
-        child.kill()
-    child.join()  # after an answer or a crash the child ends by itself
-    if box is None or (child.exitcode < 0 and not box.get("stopped")):
-        code = child.exitcode
-        return {"crashed": signal.Signals(-code).name if code < 0 else f"exit code {code}"}
-    return box
+        box = _receive(receive, timeout)
+    finally:  # a process, unlike a thread, can be stopped: one still running after its answer
+        child.join(1.0)  # (a thread the candidate left, a huge send) is killed, never waited for
+        if child.exitcode is None:
+            child.kill()
+            child.join()
+        receive.close()
+    if box is not None:
+        return box
+    code = child.exitcode  # the pipe closed with no answer: the child ended
+    if code >= 0:
+        return {"exited": code}
+    try:
+        return {"crashed": signal.Signals(-code).name}
+    except ValueError:
+        return {"crashed": f"signal {-code}"}
+
+
+def _receive(receive, timeout: float) -> dict | None:
+    """The child's answer: first the call's own seconds, then the answer, each within `timeout`;
+    None when the child ended without one."""
+    wait = min(timeout, threading.TIMEOUT_MAX)
+    try:
+        if not receive.poll(wait):
+            return {"stopped": True}
+        seconds = pickle.loads(receive.recv_bytes())
+        if not receive.poll(wait):  # the call ended in time; pickling and sending did not
+            return {"too_large": seconds}
+        return pickle.loads(receive.recv_bytes())
+    except EOFError:
+        return None
+    except Exception:  # noqa: BLE001 (an answer whose class cannot be rebuilt here)
+        return {"unsendable": "an object that cannot be rebuilt outside its child process"}
 
 
 def _answer_from_child(candidate, args: tuple, send) -> None:
-    """In the child: call, free what the call made, send the pickled answer."""
+    """In the child: call, send the call's seconds, free what the call made, send the pickled
+    answer (an exception as text, which needs no unpickling), and end without waiting for
+    threads the candidate left running."""
     torch.set_num_threads(1)  # a forked OpenMP pool is not safe to use
     box = _call(candidate, args, math.inf)
-    if "value" in box:
+    send.send_bytes(pickle.dumps(box["seconds"]))
+    if "error" in box:
+        box["error"] = _raised(box["error"])
+    else:
         box["inputs"] = args
     try:
         payload = pickle.dumps(box)
     except Exception:  # noqa: BLE001 (a generator, a lock: anything pickle refuses)
-        payload = pickle.dumps({"unsendable": _kind(box.get("value", box.get("error")))})
+        payload = pickle.dumps({"unsendable": _kind(box.get("value"))})
     del box
-    gc.collect()  # a write out of bounds often aborts here, when its memory is freed
+    gc.collect()  # a write out of bounds may abort here, when its memory is freed
     send.send_bytes(payload)
     send.close()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(0)  # not sys.exit: that would wait for the candidate's non-daemon threads
+
+
+def _raised(error) -> str:
+    """'ShapeError: its message' for an exception, even one whose str() fails."""
+    try:
+        text = str(error)
+    except Exception:  # noqa: BLE001 (a reader's __str__ that raises)
+        text = "(its message cannot be shown)"
+    return f"{type(error).__name__}: {text}"
 
 
 # chapters/a6-checking-exercises.md, "The exercises"
@@ -514,11 +564,8 @@ def _run_cases(exercise_id: str, exercise: Exercise, candidate, timeout: float) 
         done = (_call_in_child if in_child else _call)(candidate, tuple(inputs.values()), timeout)
         inputs = dict(zip(inputs, done.pop("inputs", inputs.values())))
         if found := _judge(done, inputs, kept, expected, timeout, exercise.tolerance):
-            # the case's hint names a mistake in the numbers: shown only when the numbers differ
-            hint = case.hint if found[1] is not None else None
-            hint = exercise.crash_hint if "crashed" in done else hint
             return CheckResult(exercise_id, False, number, count, case.name, _describe(kept),
-                               *found, hint, exercise.title)
+                               *found, _hint(found, done, case, exercise), exercise.title)
     return CheckResult(exercise_id, True, count, count, title=exercise.title)
 
 
@@ -531,11 +578,18 @@ def _judge(done: dict, inputs: dict, kept: dict, expected, timeout: float, toler
     if "unsendable" in done:
         return (f"output is {done['unsendable']}, which cannot leave its child process: return "
                 f"a tensor", None, None)
+    if "too_large" in done:
+        return (f"answered in {done['too_large']:.3g} s, but the answer was too large to send "
+                f"back from its child process within {timeout:g} s", None, None)
     if "crashed" in done:
         return (f"its process crashed ({done['crashed']}) on this case, with no answer; your "
                 f"notebook goes on", None, None)
-    if "error" in done:
-        return f"raised {type(done['error']).__name__}: {done['error']}", None, None
+    if "exited" in done:
+        return (f"its process exited with code {done['exited']} (os._exit or sys.exit) before "
+                f"answering; your notebook goes on", None, None)
+    if "error" in done:  # from a child process, the exception comes as text
+        error = done["error"]
+        return f"raised {error if isinstance(error, str) else _raised(error)}", None, None
     if done["seconds"] > timeout:  # one long call that holds the GIL cannot be interrupted
         return (f"took {done['seconds']:.3g} s, more than the {timeout:g} s allowed", None, None)
     for name in inputs:
@@ -545,6 +599,21 @@ def _judge(done: dict, inputs: dict, kept: dict, expected, timeout: float, toler
     narrowest = _narrowest(kept)
     return _difference(done["value"], expected, tolerance or TOLERANCES[narrowest],
                        narrowest=narrowest)
+
+
+def _hint(found: tuple, done: dict, case: Case, exercise: Exercise) -> str | None:
+    """The case's hint names a mistake in the numbers, or one that makes the function raise on
+    this case's inputs (an index of -100): shown for those; a crash gets the exercise's crash
+    hint, a wrong dtype the dtype's; anything else (no return, a changed input) none."""
+    if "crashed" in done:
+        return exercise.crash_hint
+    if found[1] is not None or found[0].startswith("raised "):
+        return case.hint
+    return _DTYPE_HINT if " has dtype " in found[0] else None
+
+
+_DTYPE_HINT = ("return the dtype the reference returns: compute wider if you like (x.double(), "
+               "x.astype(np.float64)), then convert the answer back")
 
 
 def _narrowest(inputs: dict) -> str:
@@ -575,6 +644,9 @@ def _ch2_backward_case(shape, dtype=np.float64, spread=1.0, masked=None, nan_row
 
 
 _CH2 = 'chapter 2, "What saturation does to gradients"'
+_F16 = ("return float16 or wider, within a few float16 roundings of the exact answer (this case "
+        "checks that much, which float16 arithmetic rounding once per operation may reach here; "
+        "an overflow or a lost term does not)")
 EXERCISES["2.3"] = Exercise("the gradient through the softmax", (
     Case("one key", _ch2_backward_case((1,)),
          "with one key p = 1 whatever the score, so no gradient reaches it: p * (g - p . g) is 0"),
@@ -594,8 +666,8 @@ EXERCISES["2.3"] = Exercise("the gradient through the softmax", (
     Case("float32", _ch2_backward_case((5, 9), np.float32),
          "float32 input: compute in float32 or wider, never in float16"),
     Case("float16, 300 keys", _ch2_backward_case((4, 300), np.float16, spread=4.0),
-         "float16 input: compute the softmax and p . g in float32 (a float16 sum over hundreds "
-         "of keys keeps 11 bits) and return float16 or wider"),
+         "float16 input: " + _F16 + "; computing the softmax and p . g in float32, then "
+         "rounding once, keeps it there"),
     Case("a NaN score in row 1", _ch2_backward_case((3, 5), nan_row=1),
          "a NaN score makes its row's weights, and so its row's gradient, NaN; the other rows "
          "stay as they are: never replace a NaN (np.nan_to_num)"),
@@ -641,8 +713,8 @@ EXERCISES["3.3"] = Exercise("multi-head self-attention in NumPy", (
     Case("float32", _ch3_heads_case(2, 9, 16, 4, np.float32),
          "float32 input: compute in float32 or wider, never in float16"),
     Case("float16", _ch3_heads_case(2, 33, 32, 4, np.float16),
-         "float16 input: compute in float32 (x.astype(np.float32)) and return float16 or wider: "
-         "float16 products and sums over 33 keys and 32 features lose the 11 bits float16 keeps"),
+         "float16 input: " + _F16 + "; computing in float32 (x.astype(np.float32)), then "
+         "rounding once, keeps it there"),
     Case("a NaN in sequence 0, position 2", _ch3_heads_case(2, 5, 8, 2, nan_at=(0, 2)),
          "every position reads position 2's key and value, so sequence 0's outputs are all NaN "
          "and sequence 1's are not: never replace a NaN (np.nan_to_num)"),
@@ -680,8 +752,9 @@ EXERCISES["4.2"] = Exercise("causal grouped-query attention", (
     Case("float32", _ch4_grouped_case(2, 6, 2, 9, 8, torch.float32),
          "float32 input: compute in float32 or wider, never in float16"),
     Case("float16", _ch4_grouped_case(2, 8, 2, 40, 16, torch.float16),
-         "float16 input: compute the scores, softmax and sums in float32 (q.float()), then return "
-         "float16: float16 keeps 11 bits"),
+         "float16 input: return float16, " + _F16.removeprefix("return float16 or wider, ")
+         + "; computing the scores, softmax and sums in float32 (q.float()), then rounding "
+         "once, keeps it there"),
     Case("a NaN in key/value head 1's key at position 3", _ch4_grouped_case(
         2, 6, 2, 7, 4, nan_key=(1, 3)),
          "a NaN key reaches the outputs that read it, group 1's query heads at positions 3 and "
@@ -779,13 +852,17 @@ EXERCISES["8.2"] = Exercise("BERT's input layer", (
 
 
 # chapters/a7-exercise-cases.md, "Chapter 9"
-def _ch9_mlm_case(chosen, vocab=11, dtype=torch.float64, spread=1.0, nan_chosen=False):
+def _ch9_mlm_case(chosen, vocab=11, dtype=torch.float64, spread=1.0, nan_chosen=False,
+                  nan_ignored=False):
     """`chosen`: one list per sequence, True where the position carries a label."""
     def build(rng):
         keep = torch.tensor(chosen)  # (B, L) bool
         logits = torch.from_numpy(rng.standard_normal((*keep.shape, vocab)) * spread)
         if nan_chosen:  # a NaN logit at the first chosen position
             logits[tuple(keep.nonzero()[0].tolist()) + (0,)] = float("nan")
+        if nan_ignored:  # a NaN and an inf logit at the first two positions whose label is -100
+            first, second = (tuple(at.tolist()) for at in (~keep).nonzero()[:2])
+            logits[first + (0,)], logits[second + (1,)] = float("nan"), float("inf")
         labels = torch.where(keep, torch.from_numpy(rng.integers(0, vocab, keep.shape)), -100)
         expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(),
                                                      ignore_index=-100)
@@ -821,6 +898,11 @@ EXERCISES["9.3"] = Exercise("the masked-language-model loss", (
         [[False, True, True], [True, False, False]], nan_chosen=True),
          "a NaN logit at a chosen position makes its loss, and so the mean, NaN: never replace "
          "a NaN (torch.nan_to_num)"),
+    Case("a NaN and an inf logit at positions labelled -100", _ch9_mlm_case(
+        [[True, False, True], [False, True, True]], nan_ignored=True),
+         "select the chosen positions (logits[labels != -100]): an unchosen position's logits "
+         "are never read, while a loss multiplied by a 0/1 mask keeps NaN * 0 = NaN: "
+         + _CH9.format("Masked language modelling")),
 ))
 
 
@@ -891,7 +973,9 @@ EXERCISES["11.1"] = Exercise("cross-attention over a padded source", (
     Case("float32", _ch11_cross_case([9, 4], 5, dtype=torch.float32),
          "float32 input: compute in float32 or wider, never in float16, and return float32"),
     Case("float16", _ch11_cross_case([40, 17], 6, heads=2, d=16, dtype=torch.float16),
-         "float16 input: compute the scores, softmax and sums in float32, then return float16"),
+         "float16 input: return float16, " + _F16.removeprefix("return float16 or wider, ")
+         + "; computing the scores, softmax and sums in float32, then rounding once, keeps it "
+         "there"),
     Case("a NaN in a source key", _ch11_cross_case([4, 3], 3, nan_key=True),
          "a NaN in a real source token's key makes that head's scores, and so its outputs for "
          "that sequence, NaN: never replace a NaN (torch.nan_to_num)"),
@@ -958,8 +1042,9 @@ EXERCISES["14.2"] = Exercise("the roofline: attainable FLOP/s against arithmetic
          _ch14_roofline_case([0.0, 2e3], "A100", ridge=True),
          "at intensity 0 a kernel does no arithmetic: 0 FLOP/s; at the ridge both roofs meet"),
     Case("a NaN among the intensities", _ch14_roofline_case([[2.0, np.nan], [np.nan, 900.0]], "H100"),
-         "a NaN intensity gives NaN, not a roof: np.minimum keeps a NaN, while np.fmin, Python's "
-         "min and np.where(a < b, a, b) all turn it into the peak"),
+         "a NaN intensity gives NaN, not a roof: np.minimum keeps a NaN, while np.fmin (in either "
+         "order), Python's min(peak, x) and np.where(x < peak, x, peak) turn it into the peak "
+         "(min(x, peak) and np.where(peak < x, peak, x) happen to keep it)"),
 ))
 
 
@@ -1061,8 +1146,9 @@ EXERCISES["16.1"] = Exercise("the backward pass of attention", (
     Case("float32", _ch16_backward_case((1, 2, 16), 33, 40, True, np.float32),
          "float32 input: compute in float32 or wider, and return float32 gradients"),
     Case("float16", _ch16_backward_case((1, 2, 16), 33, 40, True, np.float16),
-         "float16 input: compute P, delta and the products in float32, then return float16 "
-         "gradients: dS = P * (dP - delta) subtracts nearly equal numbers"),
+         "float16 input: return float16 gradients, " + _F16.removeprefix("return float16 or "
+         "wider, ") + "; computing P, delta and the products in float32, then rounding once, "
+         "keeps them there"),
     Case("a NaN in query 2", _ch16_backward_case((1, 1, 4), 4, 5, nan_query=2),
          "a NaN in query 2 makes its row of P NaN: dq's row 2 and every dk and dv are NaN, the "
          "other rows of dq are not: never replace a NaN (torch.nan_to_num)"),
