@@ -37,6 +37,16 @@ def test_alibi_slopes_are_blooms(num_heads):
     torch.testing.assert_close(alibi_slopes(num_heads), theirs, rtol=1e-6, atol=0)
 
 
+@pytest.mark.parametrize("num_heads", [3, 5, 6, 7, 12])
+def test_alibi_slopes_rule_in_the_text(num_heads):
+    # chapter 19's sentence: all slopes of the largest power of two m below n, then every
+    # other slope of 2m for the remaining n - m heads (BLOOM's _get_alibi_slopes as reference)
+    m = 2 ** (num_heads.bit_length() - 1)
+    rule = torch.cat([alibi_slopes(m), alibi_slopes(2 * m)[::2][: num_heads - m]])
+    theirs = bloom._get_alibi_slopes(num_heads, torch.device("cpu"))
+    torch.testing.assert_close(rule, theirs, rtol=1e-6, atol=0)
+
+
 CONFIGS = [dict(n_head=1, n_layer=1, hidden_size=8), dict(n_head=2, n_layer=2, hidden_size=16),
            dict(n_head=4, n_layer=3), dict(n_head=6, n_layer=2), dict(n_head=6, n_layer=1,
            tie_word_embeddings=False), dict(n_head=3, n_layer=2, layer_norm_epsilon=1e-3)]

@@ -31,6 +31,7 @@ VARIANTS = {
     "grouped-query": dict(positions="rope", num_kv_heads=2),
     "multi-query-alibi": dict(positions="alibi", num_kv_heads=1),
     "untied-no-bias": dict(tied=False, bias=False),
+    "bloom": dict(positions="alibi", embed_norm=True),
     "llama": None,  # GPTConfig.llama
 }
 
