@@ -535,6 +535,9 @@ def test_a_module_exports_what_it_defines_and_what_it_explicitly_re_exports():
     # a module that only imports names exports none of them: the special case for a module that
     # gathered others' names (the old attnbook.models) is gone with that module
     assert tangler.public_names("from attnbook.layers import attend, LayerCache\n") == []
+    overloaded = ("@overload\ndef f(x: int) -> int: ...\n@overload\ndef f(x: str) -> str: ...\n"
+                  "def f(x):\n    return x\n")
+    assert tangler.public_names(overloaded) == ["f"]  # not once per @overload stub
 
 
 def _figure_cells(notebook: Path):

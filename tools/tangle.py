@@ -213,7 +213,8 @@ def public_names(source: str) -> list[str]:
             defined.extend(t.id for t in targets if isinstance(t, ast.Name) and t.id.isupper())
         elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("attnbook."):
             defined.extend(alias.name for alias in node.names if alias.asname == alias.name)
-    return [name for name in defined if not name.startswith("_")]
+    public = [name for name in defined if not name.startswith("_")]
+    return list(dict.fromkeys(public))  # once each: @overload stubs repeat a function's name
 
 
 def marker(chapter: Chapter, cell: ExportCell, source: str | None = None) -> str:

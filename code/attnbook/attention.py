@@ -7,8 +7,6 @@ Built and explained in the book's chapter chapters/01-queries-keys-values.md.
 
 __all__ = [
     "compute_dtype",
-    "compute_dtype",
-    "compute_dtype",
     "softmax",
     "divide_or_zero",
     "scaled_dot_product_attention",
