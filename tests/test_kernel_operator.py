@@ -3,6 +3,8 @@ passes torch.library.opcheck, and a GPT and a MultiHeadAttention on the Triton b
 with fullgraph=True and no graph break, with eager's outputs and gradients. Run in Triton's
 interpreter on the CPU, as the other kernel tests are."""
 
+import math
+
 import pytest
 import torch
 import torch._dynamo as dynamo
@@ -130,3 +132,74 @@ def test_the_operators_pass_opcheck(lq, lk, d, causal, dtype):
     do = torch.randn_like(o)
     torch.library.opcheck(torch.ops.attnbook.flash_attention_backward.default,
                           (q.detach(), k.detach(), v.detach(), o, lse, do, causal, scale))
+
+
+def qkv(lq=5, lk=7, d=16, requires_grad=False):
+    torch.manual_seed(3)
+    return [torch.randn(1, 2, n, d, device=DEVICE, dtype=DTYPE, requires_grad=requires_grad)
+            for n in (lq, lk, lk)]
+
+
+def bad_operator_calls():
+    # (arguments of torch.ops.attnbook.flash_attention, error, words of its message); AT52-K F1
+    q, k, v = qkv()
+    return [
+        ((q, k, v[:, :, :3], False, 0.25), ValueError, "v must have shape"),  # read past v
+        ((q.expand(2, -1, -1, -1), k, v, False, 0.25), ValueError, "k must have shape"),
+        ((q, k, torch.randn(1, 2, 7, 32, device=DEVICE), False, 0.25), ValueError, "v must"),
+        ((*(torch.randn(1, 1, 4, 48, device=DEVICE),) * 3, False, 0.25), ValueError, "head_dim"),
+        ((*(t.double() for t in (q, k, v)), False, 0.25), TypeError, "q has dtype"),
+        ((q, k.half(), v, False, 0.25), TypeError, "k"),
+        ((q[0], k[0], v[0], False, 0.25), ValueError, "q"),
+        ((q, k, v, False, float("inf")), ValueError, "scale"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(8))
+def test_the_operator_checks_its_arguments_as_flash_attention_does(case):
+    args, error, words = bad_operator_calls()[case]
+    with pytest.raises(error, match=words):
+        torch.ops.attnbook.flash_attention(*args)
+
+
+def test_the_logsumexp_output_has_no_gradient():
+    # AT52-K F2: a loss on the logsumexp raised nothing and gave zero gradients
+    q, k, v = qkv(requires_grad=True)
+    out, lse = torch.ops.attnbook.flash_attention(q, k, v, False, 0.25)
+    expected = torch.logsumexp(0.25 * q.double() @ k.double().mT, dim=-1) * math.log2(math.e)
+    torch.testing.assert_close(lse.double(), expected.detach(), rtol=1e-5, atol=1e-5)
+    assert out.requires_grad and not lse.requires_grad
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        lse.sum().backward()
+
+
+def test_forward_mode_ad_is_refused_by_name():
+    # AT52-K F3: jvp and forward_ad gave zero or no tangents, silently
+    q, k, v = qkv()
+    with pytest.raises(RuntimeError, match="flash_attention supports first-order"):
+        torch.func.jvp(lambda a: kernels.flash_attention(a, k, v), (q,), (torch.ones_like(q),))
+    with torch.autograd.forward_ad.dual_level():
+        dual = torch.autograd.forward_ad.make_dual(q, torch.ones_like(q))
+        with pytest.raises(RuntimeError, match="flash_attention supports first-order"):
+            kernels.flash_attention(dual, k, v)
+
+
+def test_higher_order_gradients_are_refused_by_name():
+    # AT52-K F4: torch.func.grad and create_graph=True failed with PyTorch's own words
+    q, k, v = qkv(requires_grad=True)
+    with pytest.raises(RuntimeError, match="flash_attention supports first-order"):
+        torch.func.grad(lambda a: kernels.flash_attention(a, k, v).sum())(q.detach())
+    with pytest.raises(RuntimeError, match="flash_attention supports first-order"):
+        torch.autograd.grad(kernels.flash_attention(q, k, v).square().sum(), q,
+                            create_graph=True)
+
+
+def test_the_default_scale_compiles_whole_with_dynamic_shapes():
+    # AT52-K F5: the symbolic default scale broke the graph in check_real
+    compiled = torch.compile(lambda a: kernels.flash_attention(a, a, a), fullgraph=True,
+                             dynamic=True, backend="aot_eager")
+    for lq in (7, 9):
+        q = qkv(lq, lq, 32)[0]
+        expected = torch.nn.functional.scaled_dot_product_attention(q.double(), q.double(),
+                                                                    q.double())
+        torch.testing.assert_close(compiled(q).double(), expected, **TOLERANCE)

@@ -121,6 +121,17 @@ def test_rectangular_tiles_split_the_causal_loops_correctly(tiles, lq, lk, monke
     # which the launcher does not call: the square tiles ran
 
 
+def test_launch_settings_returns_a_copy_of_the_tables():
+    # AT52-K F6: launch_settings returned LAUNCH's and WIDE_LAUNCH's own lists
+    from attnbook.kernels import launch_settings
+
+    for wide in (False, True):
+        before = launch_settings("forward", 2, 128, 80, wide=wide)
+        launch_settings("forward", 2, 128, 80, wide=wide).append((1, 1, 1, 1))
+        launch_settings("forward", 2, 128, 80, wide=wide).clear()
+        assert launch_settings("forward", 2, 128, 80, wide=wide) == before != []
+
+
 def test_launch_settings_choose_by_gpu_and_dtype():
     from attnbook.kernels import (
         LAUNCH,

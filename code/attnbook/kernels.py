@@ -258,7 +258,9 @@ def launch_settings(kernel: str, element_size: int, head_dim: int,
         if check_int(name, value) not in known:
             raise ValueError(f"{name} must be one of {list(known)}, got {name}={value!r}")
     capability = None if capability is None else check_int("capability", capability, 0)
-    return _launch_settings(kernel, element_size, head_dim, capability, check_bool("wide", wide))
+    # a copy: a caller's edit must not change the tables
+    return list(_launch_settings(kernel, element_size, head_dim, capability,
+                                 check_bool("wide", wide)))
 
 
 def _launch_settings(kernel: str, element_size: int, head_dim: int, capability: int | None,
@@ -295,6 +297,22 @@ def _unit_stride_d(*tensors: torch.Tensor) -> list[torch.Tensor]:
 def _device_guard(device: torch.device):
     # Triton launches on the current CUDA device: make it the inputs' one (on the CPU, nothing).
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def _check_mode(device: torch.device) -> None:
+    """Refuse a device the kernels cannot run on, in the mode Triton was imported in."""
+    if not INTERPRETED and device.type != "cuda":
+        raise ValueError(f"q is on device {device}, but the kernels were compiled for the GPU: "
+                         "use 'cuda', or call attnbook.triton_mode.use_triton_interpreter() "
+                         "(or set TRITON_INTERPRET=1) before anything imports triton")
+    if device.type == "meta":  # shapes without data: the interpreter has nothing to read
+        raise ValueError(f"q is on device {device}, which holds no data: use 'cpu' in the "
+                         "interpreter")
+    if _MIXED:
+        raise RuntimeError("triton was imported in compiled mode before TRITON_INTERPRET=1 was "
+                           "set, so the interpreted kernels cannot call its library: call "
+                           "attnbook.triton_mode.use_triton_interpreter() before anything "
+                           "imports triton")
 
 
 def _launch(kernel, name: str, q, k, causal: bool, *args) -> None:
@@ -546,11 +564,16 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     """Exact, differentiable attention softmax(scale * q k^T) v by tiled Triton kernels: q is
     (B, H, Lq, D), k and v (B, H, Lk, D), D in {16, 32, 64, 128}, any strides (a last dimension
     that is not contiguous is copied first). causal=True lets query i see key j iff
-    j <= i + Lk - Lq; a query that sees no key gets zero output."""
+    j <= i + Lk - Lq; a query that sees no key gets zero output. Differentiable once."""
+    return _attention(q, k, v, *_check_arguments(q, k, v, causal, scale))
+
+
+def _check_arguments(q, k, v, causal, scale) -> tuple[bool, float]:  # the operator's too
     _check_inputs(q, k, v)
-    causal = check_bool("causal", causal)
-    scale = check_real("scale", check_scale(scale, q.shape[-1]), -_LARGEST_SCALE, _LARGEST_SCALE)
-    return _attention(q, k, v, causal, scale)
+    if scale is None:  # 1/sqrt(D), in range: symbolic under torch.compile(dynamic=True)
+        return check_bool("causal", causal), check_scale(None, q.shape[-1])
+    return check_bool("causal", causal), check_real("scale", scale, -_LARGEST_SCALE,
+                                                    _LARGEST_SCALE)
 
 
 def _flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
@@ -564,23 +587,40 @@ def _flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: 
 def _attention(q, k, v, causal: bool, scale: float) -> torch.Tensor:
     # O by the operator below; inputs strided along D copied once, not again for the backward
     q, k, v = _unit_stride_d(q, k, v)
+    _refuse_transforms(q, k, v)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         _check_backward_lengths(q, k)
     return torch.ops.attnbook.flash_attention(q, k, v, causal, scale)[0]
 
 
+def _refuse_transforms(*tensors) -> None:  # only loss.backward() reaches the backward kernels
+    if not torch.compiler.is_compiling() and any(  # the compiler's tensors are neither
+            torch._C._functorch.is_functorch_wrapped_tensor(t)
+            or torch.autograd.forward_ad.unpack_dual(t).tangent is not None for t in tensors):
+        raise RuntimeError("flash_attention supports first-order gradients by loss.backward() "
+                           "only: not forward-mode AD (jvp, forward_ad) nor torch.func")
+
+
+def _checked_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                     scale: float) -> tuple[torch.Tensor, torch.Tensor]:  # O, logsumexp
+    return _forward(q, k, v, *_check_arguments(q, k, v, causal, scale))
+
+
 def _save(ctx, inputs, output) -> None:  # for the backward: O and one float per row, no matrix
     ctx.save_for_backward(*inputs[:3], *output)  # q, k, v, O, the logsumexp
     ctx.causal, ctx.scale = inputs[3:]
+    ctx.mark_non_differentiable(output[1])  # the logsumexp: a loss using it gets an error
 
 
-def _gradients(ctx, do, _dlse):  # dQ, dK, dV; none for causal and scale (nor by the logsumexp)
+def _gradients(ctx, do, _dlse):  # dQ, dK, dV; none for causal and scale
+    if torch.is_grad_enabled():  # create_graph=True: a gradient of the gradient
+        raise RuntimeError("flash_attention supports first-order gradients only, not create_graph")
     return (*torch.ops.attnbook.flash_attention_backward(*ctx.saved_tensors, do, ctx.causal,
                                                          ctx.scale), None, None)
 
 
 if not hasattr(torch.ops.attnbook, "flash_attention"):  # once a process: see below
-    op = torch.library.custom_op("attnbook::flash_attention", _forward, mutates_args=())
+    op = torch.library.custom_op("attnbook::flash_attention", _checked_forward, mutates_args=())
     op.register_fake(lambda q, *rest: (q.new_empty(q.shape), q.new_empty(q.shape[:3]).float()))
     op.register_autograd(_gradients, setup_context=_save)
     op = torch.library.custom_op("attnbook::flash_attention_backward", _backward, mutates_args=())
@@ -614,19 +654,3 @@ def _check_inputs(q, k, v) -> None:
         raise ValueError(f"head_dim = q.shape[-1] must be 16, 32, 64 or 128, got {D}")
     check_tensor("k", k, dtype=q.dtype, device=q.device, shape=(B, H, None, D))
     check_tensor("v", v, dtype=q.dtype, device=q.device, shape=tuple(k.shape))
-
-
-def _check_mode(device: torch.device) -> None:
-    """Refuse a device the kernels cannot run on, in the mode Triton was imported in."""
-    if not INTERPRETED and device.type != "cuda":
-        raise ValueError(f"q is on device {device}, but the kernels were compiled for the GPU: "
-                         "use 'cuda', or call attnbook.triton_mode.use_triton_interpreter() "
-                         "(or set TRITON_INTERPRET=1) before anything imports triton")
-    if device.type == "meta":  # shapes without data: the interpreter has nothing to read
-        raise ValueError(f"q is on device {device}, which holds no data: use 'cpu' in the "
-                         "interpreter")
-    if _MIXED:
-        raise RuntimeError("triton was imported in compiled mode before TRITON_INTERPRET=1 was "
-                           "set, so the interpreted kernels cannot call its library: call "
-                           "attnbook.triton_mode.use_triton_interpreter() before anything "
-                           "imports triton")
