@@ -266,17 +266,18 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, context: torch.Tensor | None = None,
                 mask: torch.Tensor | None = None, is_causal: bool = False,
-                return_weights: bool = False, cache=None, positions: torch.Tensor | None = None
+                return_weights: bool = False, cache=None,
+                position_ids: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Attend from x (B, Lq, d_model) to context (B, Lk, d_model; default x): the outputs
         (B, Lq, d_model) and, with `return_weights`, the weights (B, nh, Lq, Lk), else None.
         `is_causal` aligns bottom-right; `cache` (self-attention only; chapter 4's LayerCache)
         keeps earlier keys and values, which x's join first; a mask has two dimensions at least.
-        `positions` (B, Lq), x's positions for a `rotary` hook, replace the cache's count."""
+        `position_ids` (B, Lq), x's positions for a `rotary` hook, replace the cache's count."""
         q = _split_heads(self.q_proj(x), self.num_heads)  # (B, nh, Lq, hs)
         source = x if context is None else context
         k, v = (_split_heads(p(source), self.num_kv_heads) for p in (self.k_proj, self.v_proj))
-        q, k = self.rotary(q, k, 0 if cache is None else cache.length, positions)  # x's first
+        q, k = self.rotary(q, k, 0 if cache is None else cache.length, position_ids)  # x's first
         if cache is not None:
             k, v = cache._append(k, v)  # this chunk's and every earlier position: (B, nkv, Lk, hs)
         dropout_p = self.config.dropout if self.training else 0.0
@@ -293,7 +294,7 @@ class Attention(nn.Module):
         return self.out_proj(out.transpose(1, 2).flatten(2)), weights  # (B, Lq, d_model), ...
 
 
-def _unturned(q: torch.Tensor, k: torch.Tensor, start: int, positions=None
+def _unturned(q: torch.Tensor, k: torch.Tensor, start: int, position_ids=None
               ) -> tuple[torch.Tensor, torch.Tensor]:
     return q, k  # no positions inside attention: GPT-2's and BERT's are added to the inputs
 
@@ -665,12 +666,12 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None,
                 is_causal: bool = False, context: torch.Tensor | None = None,
                 context_mask: torch.Tensor | None = None, return_weights: bool = False,
-                cache: LayerCache | None = None, positions: torch.Tensor | None = None):
+                cache: LayerCache | None = None, position_ids: torch.Tensor | None = None):
         """(B, L, d_model) -> (B, L, d_model), and with `return_weights` the self- and cross-
-        attention weights (or None). `mask`, `is_causal`, `cache` and `positions` go to the
+        attention weights (or None). `mask`, `is_causal`, `cache` and `position_ids` go to the
         self-attention, `context` (B, Lc, d_model) and `context_mask` to the cross-attention, if
         the block has it."""
-        own = (return_weights, cache, positions)  # the self-attention's last arguments
+        own = (return_weights, cache, position_ids)  # the self-attention's last arguments
         if not self.config.norm_first:
             return self._post_norm(x, mask, is_causal, context, context_mask, own)
         h, self_w = self.self_attn(self.attn_norm(x), None, mask, is_causal, *own)
@@ -684,7 +685,8 @@ class Block(nn.Module):
 
     def _post_norm(self, x, mask, is_causal, context, context_mask, own):
         """forward with norm_first=False: norm(x + f(x)) for each sublayer f."""
-        (h, self_w), return_weights = self.self_attn(x, None, mask, is_causal, *own), own[0]
+        h, self_w = self.self_attn(x, None, mask, is_causal, *own)
+        return_weights = own[0]
         x, cross_w = self.attn_norm(x + self.dropout(h)), None
         if self.cross_attn is not None:
             h, cross_w = self.cross_attn(x, context, context_mask, False, return_weights)

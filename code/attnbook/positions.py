@@ -130,7 +130,7 @@ def _alibi_bias(slopes: torch.Tensor, q_len: int, k_len: int) -> torch.Tensor:
 # chapters/05-positions.md, "Inside a model's attention"
 class Rotary(nn.Module):
     """RoPE inside attention: q and k (B, H, L, head_dim) at positions start..start+L-1, or at
-    `positions` (B, L), each row's own (a padded batch, chapter 19), turned as apply_rope turns
+    `position_ids` (B, L), each row's own (a padded batch, chapter 19), turned as apply_rope turns
     them. Settings checked when made; calls not checked (chapter 7)."""
 
     def __init__(self, head_dim: int, base: float = 10000.0) -> None:
@@ -139,10 +139,10 @@ class Rotary(nn.Module):
         self.base = check_positive("base", base)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, start: int,
-                positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        if positions is None:
-            positions = torch.arange(start, start + q.shape[2], device=q.device)[None]  # (1, L)
-        at = positions.to(_wide(q.device))[:, None]  # (B or 1, 1, L): every head's the same
+                position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        if position_ids is None:
+            position_ids = torch.arange(start, start + q.shape[2], device=q.device)[None]  # (1, L)
+        at = position_ids.to(_wide(q.device))[:, None]  # (B or 1, 1, L): every head's the same
         return _rope(q, at, self.base), _rope(k, at, self.base)
 
 
