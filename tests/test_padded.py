@@ -256,3 +256,16 @@ def test_a_mask_that_disagrees_with_the_cache_is_refused_by_name():
         gpt(idx, cache)  # no padding cached
         with pytest.raises(ValueError, match="attention_mask must agree with kv_cache's mask"):
             gpt(one, cache, torch.cat([mask, one], 1))
+
+
+@pytest.mark.parametrize("backend", ["explicit", "sdpa", "triton"])
+@pytest.mark.parametrize("name", ["gpt2", "rope", "alibi", "multi-query-alibi"])
+def test_padding_inside_a_row_gives_the_prompts_logits_alone(name, backend):
+    gpt = model(name, backend=backend)  # ALiBi's distances, as BLOOM's, skip the padding too
+    idx = torch.tensor([[3, 4, 5, 6, 7, 8], [1, 0, 0, 2, 3, 4]])
+    mask = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 0, 0, 1, 1, 1]])
+    with torch.no_grad():
+        alone = gpt(torch.tensor([[1, 2, 3, 4]]))[0]
+        assert alone.std() > 0.5
+        torch.testing.assert_close(gpt(idx, attention_mask=mask)[1, [0, 3, 4, 5]], alone,
+                                   atol=2e-5, rtol=1e-5)
