@@ -229,3 +229,43 @@ def test_with_a_cache_the_mask_covers_the_cached_positions_too():
         gpt(idx, cache, mask)
         with pytest.raises(ValueError, match=r"of shape \(4, 8\)"):
             gpt(idx[:, :1], cache, mask[:, :1])  # the new token's alone: the cached are missing
+
+
+@pytest.mark.parametrize("name", ["gpt2", "rope", "alibi"])
+def test_a_cached_call_without_a_mask_keeps_the_padding_the_cache_holds(name):
+    gpt, (idx, mask) = model(name), left_padded(prompts())
+    more = torch.randint(1, 40, (4, 3), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        cache = gpt.make_kv_cache(4)
+        gpt(idx, cache, mask)
+        wanted = gpt(more, cache, torch.cat([mask, torch.ones_like(more)], 1))
+        cache.reset()
+        gpt(idx, cache, mask)
+        torch.testing.assert_close(gpt(more, cache), wanted, rtol=0, atol=0)  # no mask: the same
+
+
+def test_a_mask_that_disagrees_with_the_cache_is_refused_by_name():
+    gpt, (idx, mask) = model("rope"), left_padded(prompts())
+    one, other = torch.ones(4, 1, dtype=torch.long), torch.ones_like(mask)
+    with torch.no_grad():
+        cache = gpt.make_kv_cache(4)
+        gpt(idx, cache, mask)
+        with pytest.raises(ValueError, match="attention_mask must agree with kv_cache's mask"):
+            gpt(one, cache, torch.cat([other, one], 1))  # the cached padding called real
+        cache.reset()
+        gpt(idx, cache)  # no padding cached
+        with pytest.raises(ValueError, match="attention_mask must agree with kv_cache's mask"):
+            gpt(one, cache, torch.cat([mask, one], 1))
+
+
+@pytest.mark.parametrize("backend", ["explicit", "sdpa", "triton"])
+@pytest.mark.parametrize("name", ["gpt2", "rope", "alibi", "multi-query-alibi"])
+def test_padding_inside_a_row_gives_the_prompts_logits_alone(name, backend):
+    gpt = model(name, backend=backend)  # ALiBi's distances, as BLOOM's, skip the padding too
+    idx = torch.tensor([[3, 4, 5, 6, 7, 8], [1, 0, 0, 2, 3, 4]])
+    mask = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 0, 0, 1, 1, 1]])
+    with torch.no_grad():
+        alone = gpt(torch.tensor([[1, 2, 3, 4]]))[0]
+        assert alone.std() > 0.5
+        torch.testing.assert_close(gpt(idx, attention_mask=mask)[1, [0, 3, 4, 5]], alone,
+                                   atol=2e-5, rtol=1e-5)

@@ -235,6 +235,24 @@ def test_rotary_and_alibi_continue_the_positions():
     torch.testing.assert_close(ALiBi(4)(3, 13), alibi_bias(4, 3, 13), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("shape", [(2,), (1, 2), (3, 2)])
+def test_rotary_takes_position_ids_of_every_row_or_each_rows_own(shape):
+    q, k = torch.randn(3, 2, 2, 8), torch.randn(3, 2, 2, 8)  # H = L = 2: heads must not be rows
+    rows = torch.arange(5, 7) + torch.arange(3)[:, None] * 4  # (3, 2): 5 6, 9 10, 13 14
+    rows = rows if shape[0] == 3 else rows[:1].expand(3, 2)  # or every row at 5 6
+    turned = Rotary(8)(q, k, 0, rows[:1].reshape(shape) if shape[0] != 3 else rows)
+    for b in range(3):
+        for mine, x in zip(turned, (q, k)):
+            torch.testing.assert_close(mine[b], apply_rope(x[b], rows[b]), rtol=0, atol=0)
+
+
+def test_alibi_with_the_keys_positions_measures_each_rows_distances():
+    key_at = torch.tensor([[0, 1, 2, 3, 4], [0, 1, 1, 1, 2]])  # row 1: keys 1-2 a padding gap
+    bias = ALiBi(4)(2, 5, key_at)  # (B, nh, Lq, Lk)
+    torch.testing.assert_close(bias[0], alibi_bias(4, 2, 5), rtol=0, atol=0)
+    torch.testing.assert_close(bias[1][..., [0, 3, 4]], alibi_bias(4, 2, 3), rtol=0, atol=0)
+
+
 def test_swiglu_is_the_gated_formula():
     layer, x = SwiGLU(6, 10), torch.randn(4, 6)
     gate, up = layer.gate(x), layer.fc1(x)

@@ -137,7 +137,8 @@ class GPT(nn.Module):
         `attention_mask` (B, cached + T): 1 at a real token, 0 at padding (chapter 19)."""
         idx = _check_idx(self, idx, self.config.context_length if kv_cache is None else math.inf)
         cached = 0 if kv_cache is None else _check_kv_cache(self, kv_cache, idx)
-        real = None if attention_mask is None else _check_padding(attention_mask, idx, cached)  # noqa: F821
+        real = None if attention_mask is None and getattr(kv_cache, "attention_mask", None) is None \
+            else _check_padding(attention_mask, idx, cached, kv_cache=kv_cache)  # noqa: F821
         with torch.set_grad_enabled(torch.is_grad_enabled() and kv_cache is None):  # cache: none
             return self._logits(idx, kv_cache, real)
 
@@ -146,13 +147,13 @@ class GPT(nn.Module):
         # forward's computation, on arguments already checked (generate checks them once a call)
         start, caches = (0, [None] * len(self.blocks)) if kv_cache is None else \
             (kv_cache.length, kv_cache.layers)
-        positions, mask = torch.arange(start, start + idx.shape[1], device=idx.device)[None], None
+        position_ids, mask = torch.arange(start, start + idx.shape[1], device=idx.device)[None], None
         if real is not None:  # a padded batch: each row's own positions, padding masked
-            positions, mask = _padded(real, start, idx.shape[1])  # noqa: F821 (chapter 19's, as above)
-        x = self.emb_norm(self.tok_emb(idx)) + (0 if self.pos_emb is None else self.pos_emb(positions))
+            position_ids, mask = _padded(real, start, idx.shape[1], kv_cache)  # noqa: F821 (ch. 19)
+        x = self.emb_norm(self.tok_emb(idx)) + (0 if self.pos_emb is None else self.pos_emb(position_ids))
         x = self.drop(x)  # (B, T, d_model)
         for block, cache in zip(self.blocks, caches):
-            x = block(x, mask, True, cache=cache, positions=positions)  # (B, T, d_model)
+            x = block(x, mask, True, cache=cache, position_ids=position_ids)  # (B, T, d_model)
         head = self.tok_emb.weight if self.lm_head is None else self.lm_head.weight  # tied?
         return F.linear(self.norm_f(x), head)  # (B, T, vocab_size)
 
@@ -380,6 +381,7 @@ class KVCache:
         self.keys, self.values = (torch.zeros(shape, dtype=dtype, device=device) for _ in range(2))
         self.layers = [LayerCache._over(k, v) for k, v in zip(self.keys, self.values)]  # views
         self.capacity = shape[3]
+        self.attention_mask = None  # once a call had padding: (B, capacity), False at padding
 
     @property
     def length(self) -> int:
@@ -396,6 +398,7 @@ class KVCache:
         """Forget every position; the memory is kept and overwritten by the next calls."""
         for layer in self.layers:
             layer.reset()
+        self.attention_mask = None
 
     def __repr__(self) -> str:
         layers, b, h, c, hd = self.keys.shape
@@ -442,9 +445,18 @@ class CharTokenizer:
 
 
 # chapters/19-gpt-variants.md, "Prompts of different lengths"
-def _check_padding(mask, idx: torch.Tensor, cached: int, left: bool = False) -> torch.Tensor:
-    """GPT's attention_mask (B, cached + T), bool or 0/1, as bool: a real token in every row and,
-    with `left` (generate), padding only before it (chapter 19). One read, none when compiled."""
+def _check_padding(mask, idx: torch.Tensor, cached: int, left: bool = False,
+                   kv_cache=None) -> torch.Tensor | None:
+    """GPT's attention_mask (B, cached + T), bool or 0/1, as bool: a real token in every row,
+    its first `cached` entries the padding `kv_cache` holds and, with `left` (generate), padding
+    only before a real token (chapter 19). One read, none when compiled. Without a mask: None if
+    the cache holds no padding, else its padding and T real tokens."""
+    held = None if kv_cache is None or kv_cache.attention_mask is None else \
+        kv_cache.attention_mask[:, :cached]  # (B, cached): the padding it holds
+    if mask is None and held is not None:  # a cached call without a mask keeps the padding
+        mask = torch.cat([held, held.new_ones(len(idx), idx.shape[1])], dim=1)
+    if mask is None:
+        return None
     shape = (len(idx), cached + idx.shape[1])
     wanted = f"attention_mask must be a bool or integer tensor of shape {shape} on {idx.device}"
     if not isinstance(mask, torch.Tensor) or mask.is_floating_point() or mask.is_complex():
@@ -454,7 +466,9 @@ def _check_padding(mask, idx: torch.Tensor, cached: int, left: bool = False) -> 
     real = mask != 0
     faults = {"hold only 0 and 1": (real & (mask != 1)).any(),  # (B, L) -> ()
               "have a real token (a 1) in every row": ~real.any(dim=-1).all(),
-              "pad on the left only: no 0 after a 1": left & (real[:, :-1] > real[:, 1:]).any()}
+              "pad on the left only: no 0 after a 1": left & (real[:, :-1] > real[:, 1:]).any(),
+              "agree with kv_cache's mask over the positions it holds":
+                  (real[:, :cached] != (True if held is None else held)).any()}
     if torch.compiler.is_compiling():  # a RuntimeError when the graph runs (appendix A)
         for fact, fault in faults.items():
             torch._assert_async(~fault, f"attention_mask must {fact}")
@@ -463,8 +477,14 @@ def _check_padding(mask, idx: torch.Tensor, cached: int, left: bool = False) -> 
     return real
 
 
-def _padded(real: torch.Tensor, start: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _padded(real: torch.Tensor, start: int, t: int,
+            kv_cache=None) -> tuple[torch.Tensor, torch.Tensor]:
     """The positions (B, t) of t tokens after `start` cached ones, counted from each row's first
-    real token, and the keys' mask (B, 1, 1, start + t), from `real` (B, >= start + t)."""
+    real token, and the keys' mask (B, 1, 1, start + t), from `real` (B, >= start + t); a
+    `kv_cache` keeps the mask for the calls that follow."""
     real = real[:, -(start + t):]  # generate's grows past the window that the cache holds
+    if kv_cache is not None and kv_cache.attention_mask is None:  # (B, capacity), one shape
+        kv_cache.attention_mask = real.new_ones(len(real), kv_cache.capacity)
+    if kv_cache is not None:
+        kv_cache.attention_mask[:, :start + t] = real  # the padding its positions hold
     return (real.cumsum(-1) - 1).clamp(min=0)[:, -t:], real[:, None, None, :]  # padding: 0

@@ -239,8 +239,9 @@ class Attention(nn.Module):
                  fast: nn.Module | None = None) -> None:
         super().__init__()
         config = check_instance("config", config, AttentionConfig)
-        # chapter 7's variants: RoPE turns q and k (rotary); ALiBi attends with a bias (fast,
-        # whose `with_weights` computes the weights too)
+        # chapter 7's variants: RoPE turns q and k, rotary(q, k, start, position_ids) -> (q, k),
+        # position_ids None or (B, Lq); ALiBi attends with a bias, fast(q, k, v, mask, is_causal,
+        # dropout_p) -> out, whose `with_weights` gives (out, weights) too
         for name, hook in (("rotary", rotary), ("fast", fast)):
             if hook is not None and not callable(hook):
                 raise type_error(name, hook, "callable or None")
@@ -266,17 +267,18 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, context: torch.Tensor | None = None,
                 mask: torch.Tensor | None = None, is_causal: bool = False,
-                return_weights: bool = False, cache=None, positions: torch.Tensor | None = None
+                return_weights: bool = False, cache=None,
+                position_ids: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Attend from x (B, Lq, d_model) to context (B, Lk, d_model; default x): the outputs
         (B, Lq, d_model) and, with `return_weights`, the weights (B, nh, Lq, Lk), else None.
         `is_causal` aligns bottom-right; `cache` (self-attention only; chapter 4's LayerCache)
         keeps earlier keys and values, which x's join first; a mask has two dimensions at least.
-        `positions` (B, Lq), x's positions for a `rotary` hook, replace the cache's count."""
+        `position_ids` (B, Lq), x's positions for a `rotary` hook, replace the cache's count."""
         q = _split_heads(self.q_proj(x), self.num_heads)  # (B, nh, Lq, hs)
         source = x if context is None else context
         k, v = (_split_heads(p(source), self.num_kv_heads) for p in (self.k_proj, self.v_proj))
-        q, k = self.rotary(q, k, 0 if cache is None else cache.length, positions)  # x's first
+        q, k = self.rotary(q, k, 0 if cache is None else cache.length, position_ids)  # x's first
         if cache is not None:
             k, v = cache._append(k, v)  # this chunk's and every earlier position: (B, nkv, Lk, hs)
         dropout_p = self.config.dropout if self.training else 0.0
@@ -293,7 +295,7 @@ class Attention(nn.Module):
         return self.out_proj(out.transpose(1, 2).flatten(2)), weights  # (B, Lq, d_model), ...
 
 
-def _unturned(q: torch.Tensor, k: torch.Tensor, start: int, positions=None
+def _unturned(q: torch.Tensor, k: torch.Tensor, start: int, position_ids=None
               ) -> tuple[torch.Tensor, torch.Tensor]:
     return q, k  # no positions inside attention: GPT-2's and BERT's are added to the inputs
 
@@ -317,8 +319,8 @@ class MultiHeadAttention(Attention):
                 mask: torch.Tensor | None = None, is_causal: bool = False,
                 return_weights: bool = False, cache=None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Attention.forward, after checking the call: the outputs, and the weights only with
-        `return_weights`."""
+        """Attention.forward, after checking the call, without `position_ids` (positions count
+        from the cache's length): the outputs, and the weights only with `return_weights`."""
         mask = _check_attention_call(self, x, context, mask, is_causal, return_weights, cache)
         out, weights = super().forward(x, context, mask, is_causal, return_weights, cache)
         return (out, weights) if return_weights else out
@@ -665,12 +667,12 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None,
                 is_causal: bool = False, context: torch.Tensor | None = None,
                 context_mask: torch.Tensor | None = None, return_weights: bool = False,
-                cache: LayerCache | None = None, positions: torch.Tensor | None = None):
+                cache: LayerCache | None = None, position_ids: torch.Tensor | None = None):
         """(B, L, d_model) -> (B, L, d_model), and with `return_weights` the self- and cross-
-        attention weights (or None). `mask`, `is_causal`, `cache` and `positions` go to the
+        attention weights (or None). `mask`, `is_causal`, `cache` and `position_ids` go to the
         self-attention, `context` (B, Lc, d_model) and `context_mask` to the cross-attention, if
         the block has it."""
-        own = (return_weights, cache, positions)  # the self-attention's last arguments
+        own = (return_weights, cache, position_ids)  # the self-attention's last arguments
         if not self.config.norm_first:
             return self._post_norm(x, mask, is_causal, context, context_mask, own)
         h, self_w = self.self_attn(self.attn_norm(x), None, mask, is_causal, *own)
@@ -684,7 +686,8 @@ class Block(nn.Module):
 
     def _post_norm(self, x, mask, is_causal, context, context_mask, own):
         """forward with norm_first=False: norm(x + f(x)) for each sublayer f."""
-        (h, self_w), return_weights = self.self_attn(x, None, mask, is_causal, *own), own[0]
+        h, self_w = self.self_attn(x, None, mask, is_causal, *own)
+        return_weights = own[0]
         x, cross_w = self.attn_norm(x + self.dropout(h)), None
         if self.cross_attn is not None:
             h, cross_w = self.cross_attn(x, context, context_mask, False, return_weights)
@@ -704,7 +707,9 @@ def _inside_attention(c: BlockConfig) -> tuple[nn.Module | None, nn.Module | Non
 class _ALiBiAttention(nn.Module):
     """Attention with chapter 5's bias added to the scores, where `mask` (with is_causal, the
     causal mask too) allows a key: written out for the weights and the explicit backend, else by
-    SDPA (Triton's kernel takes no bias). A query with no allowed key gets zeros."""
+    SDPA (Triton's kernel takes no bias). A query with no allowed key gets zeros. A bool mask of
+    the keys (B, 1, 1, Lk), a padded batch's (chapter 19), counts the distances over each row's
+    allowed keys alone, as BLOOM does, so padding inside a row changes nothing."""
 
     def __init__(self, num_heads: int, backend: str) -> None:
         super().__init__()
@@ -713,7 +718,7 @@ class _ALiBiAttention(nn.Module):
     def forward(self, q, k, v, mask, is_causal, dropout_p):
         if self.backend == "explicit" or (q.device.type == "cpu" and q.element_size() == 2):
             return self.with_weights(q, k, v, mask, is_causal, dropout_p)[0]
-        bias = self.alibi(q.shape[2], k.shape[2]).to(q.dtype)  # (nh, Lq, Lk)
+        bias = self.alibi(q.shape[2], k.shape[2], _key_at(mask)).to(q.dtype)  # ([B,] nh, Lq, Lk)
         allowed = _with_causal(mask, is_causal, q, k)
         if allowed is not None:  # a row of -inf would be NaN: it attends to all, then zeros
             seen = allowed.any(dim=-1, keepdim=True)
@@ -728,11 +733,19 @@ class _ALiBiAttention(nn.Module):
         group = q.shape[1] // k.shape[1]  # key/value heads repeated for their query heads
         k, v = (t.repeat_interleave(group, dim=1).to(work) for t in (k, v))
         scores = q.to(work) @ k.transpose(-2, -1) * q.shape[-1] ** -0.5
-        weights = _masked_softmax(scores + self.alibi(q.shape[2], k.shape[2]).to(work), allowed)
+        bias = self.alibi(q.shape[2], k.shape[2], _key_at(mask)).to(work)  # ([B,] nh, Lq, Lk)
+        weights = _masked_softmax(scores + bias, allowed)
         out = F.dropout(weights, p=dropout_p) @ v if dropout_p > 0.0 else weights @ v
         if allowed is not None:  # a query with no key: zeros, even by a NaN value
             out = out.masked_fill(~allowed.any(dim=-1, keepdim=True), 0.0)
         return out.to(q.dtype), weights.to(q.dtype)
+
+
+def _key_at(mask: torch.Tensor | None) -> torch.Tensor | None:
+    """Each key's position (B, Lk) among its row's allowed ones, for a keys' mask (B, 1, 1, Lk)."""
+    if mask is None or mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1:3] != (1, 1):
+        return None
+    return mask[:, 0, 0].cumsum(-1)  # a masked key's is its allowed neighbour's: it is never read
 
 
 def _make_norm(c: BlockConfig) -> nn.Module:
@@ -760,7 +773,8 @@ class TransformerBlock(Block):
                 is_causal: bool = False, context: torch.Tensor | None = None,
                 context_mask: torch.Tensor | None = None, return_weights: bool = False,
                 cache: LayerCache | None = None):
-        """Block.forward, after checking the call."""
+        """Block.forward, after checking the call, without `position_ids`: positions count from
+        the cache's length (GPT passes a padded batch's own to its unchecked Blocks)."""
         check_tensor("x", x, 3, size=self.config.d_model)
         mask = _check_attention_call(self.self_attn, x, None, mask, is_causal, return_weights,
                                      cache)

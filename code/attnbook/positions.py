@@ -120,18 +120,24 @@ def alibi_bias(num_heads: int, q_len: int, k_len: int | None = None, *,
     return _alibi_bias(slopes, q_len, k_len).to(dtype)
 
 
-def _alibi_bias(slopes: torch.Tensor, q_len: int, k_len: int) -> torch.Tensor:
-    """alibi_bias's computation, in the dtype of `slopes` (nh,), for checked sizes."""
-    query_at = torch.arange(q_len, device=slopes.device) + (k_len - q_len)
-    distance = (query_at[:, None] - torch.arange(k_len, device=slopes.device)).abs()  # (Lq, Lk)
-    return 0.0 - slopes[:, None, None] * distance.to(slopes.dtype)  # 0.0 - : no -0.0
+def _alibi_bias(slopes: torch.Tensor, q_len: int, k_len: int,
+                key_at: torch.Tensor | None = None) -> torch.Tensor:
+    """alibi_bias's computation, in the dtype of `slopes` (nh,), for checked sizes: (nh, Lq, Lk),
+    or (B, nh, Lq, Lk) from `key_at` (B, Lk), each key's own position, the queries the last q_len."""
+    if key_at is None:
+        query_at = torch.arange(q_len, device=slopes.device) + (k_len - q_len)
+        key_at = torch.arange(k_len, device=slopes.device)
+    else:
+        query_at = key_at[:, -q_len:]
+    distance = (query_at[..., :, None] - key_at[..., None, :]).abs()  # (B or none, Lq, Lk)
+    return 0.0 - slopes[:, None, None] * distance.unsqueeze(-3).to(slopes.dtype)  # no -0.0
 
 
 # chapters/05-positions.md, "Inside a model's attention"
 class Rotary(nn.Module):
     """RoPE inside attention: q and k (B, H, L, head_dim) at positions start..start+L-1, or at
-    `positions` (B, L), each row's own (a padded batch, chapter 19), turned as apply_rope turns
-    them. Settings checked when made; calls not checked (chapter 7)."""
+    `position_ids` (B, L), each row's own (a padded batch, chapter 19), or (L,), every row's,
+    turned as apply_rope turns them. Settings checked when made; calls not checked (chapter 7)."""
 
     def __init__(self, head_dim: int, base: float = 10000.0) -> None:
         super().__init__()
@@ -139,10 +145,10 @@ class Rotary(nn.Module):
         self.base = check_positive("base", base)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, start: int,
-                positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        if positions is None:
-            positions = torch.arange(start, start + q.shape[2], device=q.device)[None]  # (1, L)
-        at = positions.to(_wide(q.device))[:, None]  # (B or 1, 1, L): every head's the same
+                position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        if position_ids is None:
+            position_ids = torch.arange(start, start + q.shape[2], device=q.device)[None]  # (1, L)
+        at = position_ids.to(_wide(q.device)).reshape(-1, 1, q.shape[2])  # (B or 1, 1, L): all heads
         return _rope(q, at, self.base), _rope(k, at, self.base)
 
 
@@ -154,5 +160,6 @@ class ALiBi(nn.Module):
         super().__init__()
         self.register_buffer("slopes", alibi_slopes(num_heads), persistent=False)  # (nh,)
 
-    def forward(self, q_len: int, k_len: int) -> torch.Tensor:
-        return _alibi_bias(self.slopes.float(), q_len, k_len)  # (nh, Lq, Lk)
+    def forward(self, q_len: int, k_len: int, key_at: torch.Tensor | None = None) -> torch.Tensor:
+        """(nh, Lq, Lk); with `key_at` (B, Lk), the keys' own positions, (B, nh, Lq, Lk)."""
+        return _alibi_bias(self.slopes.float(), q_len, k_len, key_at)
