@@ -67,7 +67,7 @@ def test_a_model_on_the_triton_backend_has_no_graph_break(name, forward_calls):
         explained.break_reasons
     ops = [str(node.target).removesuffix(".default") for graph in explained.graphs
            for node in graph.graph.nodes]
-    assert ops.count("attnbook.flash_attention") == (2 if name == "gpt" else 1)  # one per layer
+    assert ops.count("attnbook._flash_attention") == (2 if name == "gpt" else 1)  # one per layer
     assert forward_calls  # the kernels ran, not SDPA
 
 
@@ -126,7 +126,8 @@ def test_the_operators_pass_opcheck(lq, lk, d, causal, dtype):
     operator with gradients required, and for the backward operator."""
     q, k, v = (t.requires_grad_() for t in operator_inputs(lq, lk, d, dtype, seed=lq))
     scale = d ** -0.5
-    torch.library.opcheck(torch.ops.attnbook.flash_attention.default, (q, k, v, causal, scale))
+    for op in (torch.ops.attnbook.flash_attention, torch.ops.attnbook._flash_attention):
+        torch.library.opcheck(op.default, (q, k, v, causal, scale))  # checked, and its twin
     with torch.no_grad():
         o, lse = torch.ops.attnbook.flash_attention.default(q, k, v, causal, scale)
     do = torch.randn_like(o)

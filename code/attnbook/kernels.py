@@ -584,13 +584,12 @@ def _flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: 
     return _attention(q, k, v, causal, scale)
 
 
-def _attention(q, k, v, causal: bool, scale: float) -> torch.Tensor:
-    # O by the operator below; inputs strided along D copied once, not again for the backward
-    q, k, v = _unit_stride_d(q, k, v)
+def _attention(q, k, v, causal: bool, scale: float) -> torch.Tensor:  # checked arguments
+    q, k, v = _unit_stride_d(q, k, v)  # copied once if strided along D, not again for dQ...
     _refuse_transforms(q, k, v)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         _check_backward_lengths(q, k)
-    return torch.ops.attnbook.flash_attention(q, k, v, causal, scale)[0]
+    return torch.ops.attnbook._flash_attention(q, k, v, causal, scale)[0]  # the unchecked twin
 
 
 def _refuse_transforms(*tensors) -> None:  # only loss.backward() reaches the backward kernels
@@ -620,9 +619,10 @@ def _gradients(ctx, do, _dlse):  # dQ, dK, dV; none for causal and scale
 
 
 if not hasattr(torch.ops.attnbook, "flash_attention"):  # once a process: see below
-    op = torch.library.custom_op("attnbook::flash_attention", _checked_forward, mutates_args=())
-    op.register_fake(lambda q, *rest: (q.new_empty(q.shape), q.new_empty(q.shape[:3]).float()))
-    op.register_autograd(_gradients, setup_context=_save)
+    for name, body in (("flash_attention", _checked_forward), ("_flash_attention", _forward)):
+        op = torch.library.custom_op(f"attnbook::{name}", body, mutates_args=())
+        op.register_fake(lambda q, *rest: (q.new_empty(q.shape), q.new_empty(q.shape[:3]).float()))
+        op.register_autograd(_gradients, setup_context=_save)
     op = torch.library.custom_op("attnbook::flash_attention_backward", _backward, mutates_args=())
     op.register_fake(lambda q, k, v, *rest: tuple(t.new_empty(t.shape) for t in (q, k, v)))
 
