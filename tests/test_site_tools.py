@@ -179,6 +179,11 @@ def test_entries_are_python_objects_linked_to_their_section_and_from_code(tmp_pa
     assert "dict() -&gt; new empty dictionary" not in page  # not dict's docstring as GPUS's
     code = (html / "chapters" / "01-queries-keys-values.html").read_text()
     assert "attnbook.attention.softmax" in api_reference.code_links(code)
+    overloaded = ('<dt class="sig sig-object py" id="m.f">f(x: int)</dt>'
+                  '<dt class="sig sig-object py">f(x: str)</dt>'  # an @overload: no id
+                  '<dd><p class="api-built-in"><a href="../chapters/c.html">c</a></p></dd>'
+                  '<dt class="sig sig-object py" id="m.g">g()</dt><dd></dd>')
+    assert api_reference.entry_links(overloaded) == {"m.f": ["../chapters/c.html"], "m.g": []}
     assert 'href="../book/api.html#attnbook.attention.softmax"' in code.split("<pre>")[0]  # prose
 
 

@@ -243,9 +243,10 @@ def inventory(site: Path) -> dict[str, str]:
 def entry_links(html: str) -> dict[str, list[str]]:
     """{object id: the hrefs of its `built-in` paragraph} on the API page."""
     links: dict[str, list[str]] = {}
-    for match in re.finditer(r'<dt class="sig sig-object py" id="([^"]+)"', html):
-        end = html.find('<dt class="sig sig-object py"', match.end())
-        block = html[match.end(): end if end >= 0 else len(html)]
+    starts = list(re.finditer(r'<dt class="sig sig-object py" id="([^"]+)"', html))
+    for match, after in zip(starts, starts[1:] + [None]):
+        # up to the next entry with an id: an @overload's other signatures are <dt>s without one
+        block = html[match.end(): after.start() if after else len(html)]
         para = re.search(r'<p class="api-built-in">(.*?)</p>', block, re.DOTALL)
         # a class's own paragraph comes before the entries of its methods
         links[match.group(1)] = re.findall(r'href="([^"]+)"', para.group(1)) if para else []
