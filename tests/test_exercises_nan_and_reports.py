@@ -31,10 +31,12 @@ def bert_input(ids, segments, word, position, token_type, gamma, beta):
     return F.layer_norm(x, x.shape[-1:], gamma, beta, eps=1e-12)
 
 
-def cross_attention_nan_to_num(q, k, v, src_keep):  # the attacker's F1 answer
+def cross_attention_nan_to_num(q, k, v, src_keep):  # the attacker's F1 answer, in float32
+    dtype = q.dtype
+    q, k, v = (x.to(torch.promote_types(dtype, torch.float32)) for x in (q, k, v))
     s = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
     s = s.masked_fill(~src_keep[:, None, None, :], -math.inf)
-    return torch.nan_to_num(s.softmax(-1)) @ v
+    return (torch.nan_to_num(s.softmax(-1)) @ v).to(dtype)
 
 
 def cross_attention_minus_inf(q, k, v, src_keep):  # NaN where a source is all padding

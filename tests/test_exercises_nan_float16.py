@@ -79,8 +79,11 @@ def test_the_right_answers_keep_the_nan_where_the_chapters_say():
 
 # ---- float16 ----------------------------------------------------------------------------------
 
-FLOAT16 = {"2.3": "float16, 300 keys", "3.3": "float16", "4.2": "float16", "8.2": "float16 tables",
-           "11.1": "float16", "16.1": "float16"}
+FLOAT16 = {"2.3": "float16, 300 keys, gradients near 1000",
+           "3.3": "float16, tokens with a large common part",
+           "4.2": "float16, keys with a large common part", "8.2": "float16 tables",
+           "11.1": "float16, keys with a large common part",
+           "16.1": "float16, keys and values with large common parts"}
 
 
 @pytest.mark.parametrize("exercise", FLOAT16)

@@ -16,17 +16,24 @@ from attnbook.exercises import EXERCISES, check
 # ---- right answers, each written without the package's reference ---------------------------
 
 
-def softmax_backward(scores, grad):
-    """2.3: J^T g = p * (g - p . g), the softmax written out (a row with no key: p = 0)."""
+def softmax_backward(scores, grad, work=None):
+    """2.3: J^T g = p * (g - p . g), the softmax written out (a row with no key: p = 0), in
+    float32 or wider (`work`: the dtype to compute in instead)."""
+    dtype = scores.dtype
+    work = np.promote_types(dtype, np.float32) if work is None else work
+    scores, grad = scores.astype(work), grad.astype(work)
     top = scores.max(axis=-1, keepdims=True)
     e = np.exp(scores - np.where(np.isneginf(top), 0.0, top))
     total = e.sum(axis=-1, keepdims=True)
     p = e / np.where(total == 0, 1.0, total)
-    return p * (grad - (p * grad).sum(axis=-1, keepdims=True))
+    return (p * (grad - (p * grad).sum(axis=-1, keepdims=True))).astype(dtype)
 
 
-def heads_numpy(x, W_Q, W_K, W_V, W_O, num_heads):
-    """3.3 with a loop over heads and a stable softmax."""
+def heads_numpy(x, W_Q, W_K, W_V, W_O, num_heads, work=None):
+    """3.3 with a loop over heads and a stable softmax, in float32 or wider (or `work`)."""
+    dtype = x.dtype
+    work = np.promote_types(dtype, np.float32) if work is None else work
+    x, W_Q, W_K, W_V, W_O = (a.astype(work) for a in (x, W_Q, W_K, W_V, W_O))
     d_head = x.shape[-1] // num_heads
     outputs = []
     for h in range(num_heads):
@@ -35,7 +42,7 @@ def heads_numpy(x, W_Q, W_K, W_V, W_O, num_heads):
         s = q @ np.swapaxes(k, -1, -2) / np.sqrt(d_head)
         e = np.exp(s - s.max(axis=-1, keepdims=True))
         outputs.append(e / e.sum(axis=-1, keepdims=True) @ v)
-    return np.concatenate(outputs, axis=-1) @ W_O
+    return (np.concatenate(outputs, axis=-1) @ W_O).astype(dtype)
 
 
 def grouped_sdpa(q, k, v):

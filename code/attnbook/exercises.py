@@ -627,11 +627,13 @@ def _narrowest(inputs: dict) -> str:
 
 
 # chapters/a7-exercise-cases.md, "Chapter 2"
-def _ch2_backward_case(shape, dtype=np.float64, spread=1.0, masked=None, nan_row=None):
+def _ch2_backward_case(shape, dtype=np.float64, spread=1.0, masked=None, nan_row=None,
+                       grad_offset=0.0):
     def build(rng):
         from attnbook.scaling import softmax_jacobian
 
-        scores, grad = rng.standard_normal(shape) * spread, rng.standard_normal(shape)
+        scores = rng.standard_normal(shape) * spread
+        grad = rng.standard_normal(shape) + grad_offset  # J g ignores a constant added to g
         if masked is not None:  # a key index, or slice(None) for a row with every key masked
             scores[..., masked] = -np.inf
         if nan_row is not None:
@@ -644,9 +646,9 @@ def _ch2_backward_case(shape, dtype=np.float64, spread=1.0, masked=None, nan_row
 
 
 _CH2 = 'chapter 2, "What saturation does to gradients"'
-_F16 = ("return float16 or wider, within a few float16 roundings of the exact answer (this case "
-        "checks that much, which float16 arithmetic rounding once per operation may reach here; "
-        "an overflow or a lost term does not)")
+_F16 = ("float16 input: compute in float32 and round to float16 once, at the end: float16 "
+        "arithmetic rounds every intermediate result to 11 bits, and here that moves the answer "
+        "by more than a few float16 roundings")
 EXERCISES["2.3"] = Exercise("the gradient through the softmax", (
     Case("one key", _ch2_backward_case((1,)),
          "with one key p = 1 whatever the score, so no gradient reaches it: p * (g - p . g) is 0"),
@@ -665,9 +667,10 @@ EXERCISES["2.3"] = Exercise("the gradient through the softmax", (
          "NaN: a stable softmax subtracts a maximum of -inf; subtract 0 there: " + _CH2),
     Case("float32", _ch2_backward_case((5, 9), np.float32),
          "float32 input: compute in float32 or wider, never in float16"),
-    Case("float16, 300 keys", _ch2_backward_case((4, 300), np.float16, spread=4.0),
-         "float16 input: " + _F16 + "; computing the softmax and p . g in float32, then "
-         "rounding once, keeps it there"),
+    Case("float16, 300 keys, gradients near 1000", _ch2_backward_case(
+        (4, 300), np.float16, spread=4.0, grad_offset=1000.0),
+         _F16 + ": p . g and g - p . g near 1000 keep float16's steps of 0.5, while their "
+         "difference, times p, is a few units; compute the softmax and p . g in float32"),
     Case("a NaN score in row 1", _ch2_backward_case((3, 5), nan_row=1),
          "a NaN score makes its row's weights, and so its row's gradient, NaN; the other rows "
          "stay as they are: never replace a NaN (np.nan_to_num)"),
@@ -675,14 +678,20 @@ EXERCISES["2.3"] = Exercise("the gradient through the softmax", (
 
 
 # chapters/a7-exercise-cases.md, "Chapter 3"
-def _ch3_heads_case(batch, length, d_model, heads, dtype=np.float64, nan_at=None):
+def _ch3_heads_case(batch, length, d_model, heads, dtype=np.float64, nan_at=None, common=0.0,
+                    qk_scale=1.0):
+    """`common`: the size of a part every token shares (scores far from 0 that differ by a
+    few units); `qk_scale` multiplies W_Q and W_K."""
     def build(rng):
         from attnbook.layers import MultiHeadAttention
 
         x = rng.standard_normal((batch, length, d_model))
+        if common:
+            x = x + common * rng.standard_normal(d_model)  # (d_model,): the same in every token
         if nan_at is not None:  # (sequence, position)
             x[nan_at + (0,)] = np.nan
         weights = rng.standard_normal((4, d_model, d_model)) / np.sqrt(d_model)
+        weights[:2] *= qk_scale
         x, weights = x.astype(dtype).astype(np.float64), weights.astype(dtype).astype(np.float64)
         W_Q, W_K, W_V, W_O = weights  # the inputs' numbers, rounded to dtype, in float64
         layer = MultiHeadAttention(d_model, heads, bias=False).double()
@@ -712,9 +721,11 @@ EXERCISES["3.3"] = Exercise("multi-head self-attention in NumPy", (
          "a batch in front: split and join the heads of every sequence the same way"),
     Case("float32", _ch3_heads_case(2, 9, 16, 4, np.float32),
          "float32 input: compute in float32 or wider, never in float16"),
-    Case("float16", _ch3_heads_case(2, 33, 32, 4, np.float16),
-         "float16 input: " + _F16 + "; computing in float32 (x.astype(np.float32)), then "
-         "rounding once, keeps it there"),
+    Case("float16, tokens with a large common part", _ch3_heads_case(
+        2, 33, 32, 4, np.float16, common=3.0, qk_scale=2.0),
+         _F16 + ": the tokens share a large part, so the scores are large and close together, "
+         "and a score rounded to float16 moves its weight by percents; x.astype(np.float32) "
+         "and the weights likewise, then .astype(np.float16) at the end"),
     Case("a NaN in sequence 0, position 2", _ch3_heads_case(2, 5, 8, 2, nan_at=(0, 2)),
          "every position reads position 2's key and value, so sequence 0's outputs are all NaN "
          "and sequence 1's are not: never replace a NaN (np.nan_to_num)"),
@@ -722,12 +733,15 @@ EXERCISES["3.3"] = Exercise("multi-head self-attention in NumPy", (
 
 
 # chapters/a7-exercise-cases.md, "Chapter 4"
-def _ch4_grouped_case(batch, heads, kv_heads, length, d, dtype=torch.float64, nan_key=None):
+def _ch4_grouped_case(batch, heads, kv_heads, length, d, dtype=torch.float64, nan_key=None,
+                      key_common=0.0):
     def build(rng):
         from attnbook.layers import attend, causal_mask
 
         q = rng.standard_normal((batch, heads, length, d))
         k, v = rng.standard_normal((2, batch, kv_heads, length, d))
+        if key_common:  # a part every key of a head shares: large scores, close together
+            k = k + key_common * rng.standard_normal((batch, kv_heads, 1, d))
         if nan_key is not None:  # (key/value head, position) of sequence 0
             k[(0, *nan_key, 0)] = np.nan
         q, k, v = (torch.from_numpy(a).to(dtype).double() for a in (q, k, v))  # dtype's numbers
@@ -751,10 +765,11 @@ EXERCISES["4.2"] = Exercise("causal grouped-query attention", (
          "a batch in front: group the heads of every sequence the same way"),
     Case("float32", _ch4_grouped_case(2, 6, 2, 9, 8, torch.float32),
          "float32 input: compute in float32 or wider, never in float16"),
-    Case("float16", _ch4_grouped_case(2, 8, 2, 40, 16, torch.float16),
-         "float16 input: return float16, " + _F16.removeprefix("return float16 or wider, ")
-         + "; computing the scores, softmax and sums in float32 (q.float()), then rounding "
-         "once, keeps it there"),
+    Case("float16, keys with a large common part", _ch4_grouped_case(
+        2, 8, 2, 40, 16, torch.float16, key_common=8.0),
+         _F16 + ": the keys share a large part, so the scores are large and close together, "
+         "and a score rounded to float16 moves its weight by percents; compute the scores, "
+         "softmax and sums in float32 (q.float()), then .half()"),
     Case("a NaN in key/value head 1's key at position 3", _ch4_grouped_case(
         2, 6, 2, 7, 4, nan_key=(1, 3)),
          "a NaN key reaches the outputs that read it, group 1's query heads at positions 3 and "
@@ -942,13 +957,17 @@ EXERCISES["10.2"] = Exercise("the warm-up and cosine learning-rate schedule", (
 
 
 # chapters/a7-exercise-cases.md, "Chapter 11"
-def _ch11_cross_case(lengths, lt, heads=2, d=4, dtype=torch.float64, nan_key=False):
+def _ch11_cross_case(lengths, lt, heads=2, d=4, dtype=torch.float64, nan_key=False,
+                     key_common=0.0):
     def build(rng):
         from attnbook.layers import attend
 
         batch, ls = len(lengths), max(lengths)
         q = torch.from_numpy(rng.standard_normal((batch, heads, lt, d))).to(dtype)
-        k, v = torch.from_numpy(rng.standard_normal((2, batch, heads, ls, d))).to(dtype)
+        k, v = rng.standard_normal((2, batch, heads, ls, d))
+        if key_common:  # a part every key of a head shares: large scores, close together
+            k = k + key_common * rng.standard_normal((batch, heads, 1, d))
+        k, v = torch.from_numpy(k).to(dtype), torch.from_numpy(v).to(dtype)
         if nan_key:  # a NaN in sequence 0's first key of head 0, a real source token
             k[0, 0, 0, 0] = float("nan")
         src_keep = torch.arange(ls)[None, :] < torch.tensor(lengths)[:, None]  # (B, Ls)
@@ -972,10 +991,11 @@ EXERCISES["11.1"] = Exercise("cross-attention over a padded source", (
          "NaN from masking with -inf nor the mean of v from masking with -1e9: " + _CH11),
     Case("float32", _ch11_cross_case([9, 4], 5, dtype=torch.float32),
          "float32 input: compute in float32 or wider, never in float16, and return float32"),
-    Case("float16", _ch11_cross_case([40, 17], 6, heads=2, d=16, dtype=torch.float16),
-         "float16 input: return float16, " + _F16.removeprefix("return float16 or wider, ")
-         + "; computing the scores, softmax and sums in float32, then rounding once, keeps it "
-         "there"),
+    Case("float16, keys with a large common part", _ch11_cross_case(
+        [40, 17], 6, heads=2, d=16, dtype=torch.float16, key_common=8.0),
+         _F16 + ": the keys share a large part, so the scores are large and close together, "
+         "and a score rounded to float16 moves its weight by percents; compute the scores, "
+         "softmax and sums in float32 (q.float()), then .half()"),
     Case("a NaN in a source key", _ch11_cross_case([4, 3], 3, nan_key=True),
          "a NaN in a real source token's key makes that head's scores, and so its outputs for "
          "that sequence, NaN: never replace a NaN (torch.nan_to_num)"),
@@ -1104,13 +1124,17 @@ EXERCISES["15.3"] = Exercise("the logsumexp of each query row, in Triton", (
 
 
 # chapters/a7-exercise-cases.md, "Chapter 16"
-def _ch16_backward_case(shape, lq, lk, causal=False, dtype=np.float64, nan_query=None):
-    """(B, H) batch and heads, lq queries and lk keys of width d = shape[-1]."""
+def _ch16_backward_case(shape, lq, lk, causal=False, dtype=np.float64, nan_query=None,
+                        common=(0.0, 0.0)):
+    """(B, H) batch and heads, lq queries and lk keys of width d = shape[-1]; `common`: the
+    sizes of a part every key, and every value, of a head shares."""
     def build(rng):
         from attnbook.layers import attend, causal_mask
         *lead, d = shape
-        q, k, v, dout = (torch.from_numpy(rng.standard_normal((*lead, n, d)).astype(dtype))
-                         for n in (lq, lk, lk, lq))
+        q, k, v, dout = (rng.standard_normal((*lead, n, d)) for n in (lq, lk, lk, lq))
+        if any(common):
+            k, v = (x + size * rng.standard_normal((*lead, 1, d)) for x, size in zip((k, v), common))
+        q, k, v, dout = (torch.from_numpy(x.astype(dtype)) for x in (q, k, v, dout))
         if nan_query is not None:
             q[..., nan_query, 0] = float("nan")
         wide = [x.double().requires_grad_() for x in (q, k, v)]
@@ -1145,10 +1169,11 @@ EXERCISES["16.1"] = Exercise("the backward pass of attention", (
          "a batch and heads in front: transpose the last two axes only (k.transpose(-2, -1))"),
     Case("float32", _ch16_backward_case((1, 2, 16), 33, 40, True, np.float32),
          "float32 input: compute in float32 or wider, and return float32 gradients"),
-    Case("float16", _ch16_backward_case((1, 2, 16), 33, 40, True, np.float16),
-         "float16 input: return float16 gradients, " + _F16.removeprefix("return float16 or "
-         "wider, ") + "; computing P, delta and the products in float32, then rounding once, "
-         "keeps them there"),
+    Case("float16, keys and values with large common parts", _ch16_backward_case(
+        (1, 2, 16), 33, 40, True, np.float16, common=(4.0, 30.0)),
+         _F16 + ": with values far from 0, dP = dout v^T is large and dP - delta nearly cancels, "
+         "and float16 keeps steps of 1/16 or more there; compute P, delta and the products in "
+         "float32, then return float16 gradients"),
     Case("a NaN in query 2", _ch16_backward_case((1, 1, 4), 4, 5, nan_query=2),
          "a NaN in query 2 makes its row of P NaN: dq's row 2 and every dk and dv are NaN, the "
          "other rows of dq are not: never replace a NaN (torch.nan_to_num)"),
