@@ -15,7 +15,7 @@ from test_exercises_parts_1_2 import heads_numpy, softmax_backward
 
 from attnbook.attention import scaled_dot_product_attention as numpy_attention
 from attnbook.attention import softmax
-from attnbook.exercises import EXERCISES, TOLERANCES, _F16, check
+from attnbook.exercises import _F16, EXERCISES, TOLERANCES, check
 
 CASES = {"2.3": "float16, 300 keys, gradients near 1000",
          "3.3": "float16, tokens with a large common part",

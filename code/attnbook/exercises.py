@@ -29,8 +29,11 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
 from attnbook.attention import scaled_dot_product_attention
@@ -49,9 +52,12 @@ NARROWER = {  # an input dtype: (the rounding of a narrower dtype, relative diff
     "float32": (("float16 or bfloat16 rounding size", 1e-5, 5e-2),),
     "float16": (("float16 arithmetic or bfloat16 rounding size", 2e-3, 5e-2),),
 }
+_Built = tuple[dict[str, Any], Any]  # a case's inputs by name, and the answer it expects
+_Builder = Callable[[np.random.Generator], _Built]  # a case's inputs from a seeded generator
+_Found = tuple[str, float | None, tuple[int, ...] | None]  # problem, largest difference, where
 
 
-def _kind(x) -> str:
+def _kind(x: object) -> str:
     """What `x` is, in words: 'a torch.Tensor', 'a tuple of 2', 'None'."""
     if x is None:
         return "None"
@@ -60,7 +66,7 @@ def _kind(x) -> str:
     return f"a {type(x).__module__.split('.')[0]}.{type(x).__name__}".replace("a builtins.", "a ")
 
 
-def _numbers(x) -> np.ndarray:
+def _numbers(x: Any) -> np.ndarray:
     """An array or tensor of real numbers as float64 NumPy numbers (booleans become 0 and 1)."""
     if x.is_complex() if isinstance(x, torch.Tensor) else np.iscomplexobj(x):
         raise TypeError("complex numbers")
@@ -70,8 +76,8 @@ def _numbers(x) -> np.ndarray:
 
 
 # chapters/a6-checking-exercises.md, "Comparing an answer"
-def _difference(got, expected, tolerance, name="output",
-                narrowest="float64") -> tuple[str, float, tuple] | None:
+def _difference(got: Any, expected: Any, tolerance: tuple[float, float], name: str = "output",
+                narrowest: str = "float64") -> _Found | None:
     """(problem, largest difference, its index) where `got` is not `expected`, else None;
     `narrowest` is the least precise input's dtype, for the note on rounding."""
     if isinstance(expected, tuple):  # several outputs: compare them one by one
@@ -104,7 +110,7 @@ def _difference(got, expected, tolerance, name="output",
     diff = np.where(np.isnan(g) != np.isnan(e), np.inf, np.nan_to_num(diff, nan=0.0))
     if diff.size == 0 or np.all(diff <= atol + rtol * np.abs(np.nan_to_num(e))):
         return None
-    where = np.unravel_index(int(np.argmax(diff)), diff.shape)
+    where = tuple(map(int, np.unravel_index(int(np.argmax(diff)), diff.shape)))
     at = f"{name}[{', '.join(map(str, where))}]"
     if str(expected.dtype) in ("bool", "torch.bool"):  # a mask: count entries
         wrong = int(np.count_nonzero(g != e))
@@ -133,12 +139,13 @@ def _rounding_note(relative: float, narrowest: str) -> str:
 
 
 # chapters/a6-checking-exercises.md, "Running a candidate"
-def _call(candidate, args: tuple, timeout: float) -> dict:
+def _call(candidate: Callable[..., object], args: tuple[object, ...],
+          timeout: float) -> dict[str, Any]:
     """candidate(*args) in a daemon thread: {'value' or 'error', 'seconds'}, or {} after `timeout`."""
-    box = {}
+    box: dict[str, Any] = {}
     state = _global_state()
 
-    def run():
+    def run() -> None:
         start = time.perf_counter()
         try:
             with np.errstate(all="ignore"):  # a NaN the reader's code makes is reported, not warned
@@ -155,14 +162,14 @@ def _call(candidate, args: tuple, timeout: float) -> dict:
     return {} if thread.is_alive() else box
 
 
-def _global_state() -> tuple:
+def _global_state() -> tuple[Any, ...]:
     """What a candidate may change for everything after it: torch's default dtype, its number of
     threads, and the random states of torch and NumPy (gradient mode is the thread's own)."""
     return (torch.get_default_dtype(), torch.get_num_threads(), torch.get_rng_state(),
             np.random.get_state())
 
 
-def _restore(state: tuple) -> None:
+def _restore(state: tuple[Any, ...]) -> None:
     dtype, threads, torch_rng, numpy_rng = state
     torch.set_default_dtype(dtype)
     if torch.get_num_threads() != threads:
@@ -171,7 +178,7 @@ def _restore(state: tuple) -> None:
     np.random.set_state(numpy_rng)
 
 
-def _change(before, after) -> str | None:
+def _change(before: Any, after: Any) -> str | None:
     """How `after` differs from what `before` held (NaN equals NaN), through tuples, or None."""
     if isinstance(before, (tuple, list)):
         if len(before) != len(after):
@@ -188,7 +195,8 @@ def _change(before, after) -> str | None:
 
 
 # chapters/a6-checking-exercises.md, "Running a candidate"
-def _call_in_child(candidate, args: tuple, timeout: float) -> dict:
+def _call_in_child(candidate: Callable[..., object], args: tuple[object, ...],
+                   timeout: float) -> dict[str, Any]:
     """candidate(*args) in a forked child: _call's answer plus 'inputs' as the call left them,
     {'stopped': True} after `timeout`, {'crashed': a signal's name} or {'exited': its code}."""
     fork = multiprocessing.get_context("fork")
@@ -207,6 +215,7 @@ def _call_in_child(candidate, args: tuple, timeout: float) -> dict:
     if box is not None:
         return box
     code = child.exitcode  # the pipe closed with no answer: the child ended
+    assert code is not None  # joined or killed above: it has an exit code
     if code >= 0:
         return {"exited": code}
     try:
@@ -215,7 +224,7 @@ def _call_in_child(candidate, args: tuple, timeout: float) -> dict:
         return {"crashed": f"signal {-code}"}
 
 
-def _receive(receive, timeout: float) -> dict | None:
+def _receive(receive: Connection, timeout: float) -> dict[str, Any] | None:
     """The child's answer: first the call's own seconds, then the answer, each within `timeout`;
     None when the child ended without one."""
     wait = min(timeout, threading.TIMEOUT_MAX)
@@ -225,14 +234,16 @@ def _receive(receive, timeout: float) -> dict | None:
         seconds = pickle.loads(receive.recv_bytes())
         if not receive.poll(wait):  # the call ended in time; pickling and sending did not
             return {"too_large": seconds}
-        return pickle.loads(receive.recv_bytes())
+        answer: dict[str, Any] = pickle.loads(receive.recv_bytes())
+        return answer
     except EOFError:
         return None
     except Exception:  # noqa: BLE001 (an answer whose class cannot be rebuilt here)
         return {"unsendable": "an object that cannot be rebuilt outside its child process"}
 
 
-def _answer_from_child(candidate, args: tuple, send) -> None:
+def _answer_from_child(candidate: Callable[..., object], args: tuple[object, ...],
+                       send: Connection) -> None:
     """In the child: call, send the call's seconds, free what the call made, send the pickled
     answer (an exception as text, which needs no unpickling), and end without waiting for
     threads the candidate left running."""
@@ -256,7 +267,7 @@ def _answer_from_child(candidate, args: tuple, send) -> None:
     os._exit(0)  # not sys.exit: that would wait for the candidate's non-daemon threads
 
 
-def _raised(error) -> str:
+def _raised(error: BaseException) -> str:
     """'ShapeError: its message' for an exception, even one whose str() fails."""
     try:
         text = str(error)
@@ -272,7 +283,7 @@ class Case:
     the likely mistake when this case is the first to fail, and where the chapter explains it."""
 
     name: str
-    build: Callable[[np.random.Generator], tuple[dict, object]]
+    build: _Builder
     hint: str
 
 
@@ -303,7 +314,7 @@ class CheckResult:
     inputs: str | None = None
     problem: str | None = None
     max_diff: float | None = None
-    where: tuple | None = None
+    where: tuple[int, ...] | None = None
     hint: str | None = None
     title: str = ""
 
@@ -321,9 +332,9 @@ class CheckResult:
 
 
 # chapters/a6-checking-exercises.md, "The exercises"
-def _describe(inputs: dict) -> str:
+def _describe(inputs: dict[str, Any]) -> str:
     """'X (6, 4) float64 with NaN at [3, 0], W_Q (4, 4) float64, ...' for a report."""
-    def one(x) -> str:
+    def one(x: Any) -> str:
         if isinstance(x, (tuple, list)):
             return "(" + ", ".join(map(one, x)) + ")"
         if not isinstance(x, (np.ndarray, torch.Tensor)):
@@ -335,15 +346,16 @@ def _describe(inputs: dict) -> str:
 
 
 # chapters/a6-checking-exercises.md, "The exercises"
-def _causal_rows(X, W_Q, W_K, W_V):
+def _causal_rows(X: np.ndarray, W_Q: np.ndarray, W_K: np.ndarray, W_V: np.ndarray) -> np.ndarray:
     """Chapter 1: row i is query i's attention over positions 0..i alone."""
     Q, K, V = X @ W_Q, X @ W_K, X @ W_V
     return np.concatenate([scaled_dot_product_attention(Q[i:i + 1], K[:i + 1], V[:i + 1])[0]
                            for i in range(len(X))])  # (L, dv)
 
 
-def _tokens(length, d_model, d_k, d_v, dtype=np.float64, nan_at=None, scale=1.0):
-    def build(rng):
+def _tokens(length: int, d_model: int, d_k: int, d_v: int, dtype: npt.DTypeLike = np.float64,
+            nan_at: int | None = None, scale: float = 1.0) -> _Builder:
+    def build(rng: np.random.Generator) -> _Built:
         X = rng.standard_normal((length, d_model)) * scale
         if nan_at is not None:
             X[nan_at, 0] = np.nan
@@ -381,17 +393,17 @@ EXERCISES = {"1.2": Exercise("causal self-attention, one position at a time", (
 
 
 # chapters/a6-checking-exercises.md, "The exercises"
-def _rope_interleaved(x, positions):
+def _rope_interleaved(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """Chapter 5: pairs (x_2i, x_2i+1) are apply_rope's pairs after reordering x_0, x_2, ..., x_1, x_3, ..."""
     d = x.shape[-1]
     order = torch.cat([torch.arange(0, d, 2), torch.arange(1, d, 2)])  # (d,)
     return apply_rope(x[..., order], positions)[..., order.argsort()]
 
 
-def _rope_case(shape, first_position=0, dtype=np.float64):
-    def build(rng):
-        x = rng.standard_normal(shape)
-        x = torch.from_numpy(x.astype(dtype))
+def _rope_case(shape: tuple[int, ...], first_position: int = 0,
+               dtype: npt.DTypeLike = np.float64) -> _Builder:
+    def build(rng: np.random.Generator) -> _Built:
+        x = torch.from_numpy(rng.standard_normal(shape).astype(dtype))
         positions = torch.arange(first_position, first_position + shape[-2])
         return {"x": x, "positions": positions}, _rope_interleaved(x, positions)
     return build
@@ -415,8 +427,8 @@ EXERCISES["5.1"] = Exercise("RoPE with interleaved pairs", (
 ))
 
 
-def _window_case(q_len, k_len, window):
-    def build(rng):
+def _window_case(q_len: int, k_len: int, window: int) -> _Builder:
+    def build(rng: np.random.Generator) -> _Built:
         return ({"q_len": q_len, "k_len": k_len, "window": window},
                 sliding_window_mask(q_len, k_len, window))
     return build
@@ -441,7 +453,7 @@ EXERCISES["6.1"] = Exercise("a sliding-window mask", (
 
 
 # chapters/a6-checking-exercises.md, "The exercises"
-def _partial(Q, K, V):
+def _partial(Q: np.ndarray, K: np.ndarray, V: np.ndarray) -> tuple[np.ndarray, ...]:
     """Chapter 13: one worker's (m, l, a) over its keys: row maxima, sums of exponentials, and
     their products with V, not divided."""
     s = Q @ K.T / math.sqrt(Q.shape[-1])  # (Lq, Lk), in Q's dtype (a NumPy float64 would widen it)
@@ -450,9 +462,10 @@ def _partial(Q, K, V):
     return m, p.sum(axis=-1), p @ V
 
 
-def _workers(lq, split, lk, d, scale=1.0, dtype=np.float64, same_keys=False, nan_key=None,
-             idle=False, both_idle=False):
-    def build(rng):
+def _workers(lq: int, split: int, lk: int, d: int, scale: float = 1.0,
+             dtype: npt.DTypeLike = np.float64, same_keys: bool = False, nan_key: int | None = None,
+             idle: bool = False, both_idle: bool = False) -> _Builder:
+    def build(rng: np.random.Generator) -> _Built:
         Q = rng.standard_normal((lq, d)) * scale
         K, V = rng.standard_normal((lk, d)), rng.standard_normal((lk, 4))
         if same_keys:  # both workers hold the same keys: equal maxima
@@ -499,11 +512,12 @@ EXERCISES["13.2"] = Exercise("merging two workers' partial softmaxes", (
 ))
 
 
-def _linear_case(shape, dv, dtype=np.float64, v_mean=0.0):
-    def build(rng):
-        q, k = rng.standard_normal((2, *shape))
-        v = rng.standard_normal((*shape[:-1], dv)) + v_mean
-        q, k, v = (torch.from_numpy(x.astype(dtype)) for x in (q, k, v))
+def _linear_case(shape: tuple[int, ...], dv: int, dtype: npt.DTypeLike = np.float64,
+                 v_mean: float = 0.0) -> _Builder:
+    def build(rng: np.random.Generator) -> _Built:
+        qk = rng.standard_normal((2, *shape))
+        values = rng.standard_normal((*shape[:-1], dv)) + v_mean
+        q, k, v = (torch.from_numpy(x.astype(dtype)) for x in (*qk, values))
         return {"q": q, "k": k, "v": v}, linear_attention(q, k, v, causal=True)
     return build
 
@@ -528,7 +542,8 @@ EXERCISES["17.3"] = Exercise("causal linear attention", (
 
 
 # chapters/a6-checking-exercises.md, "The check"
-def check(exercise_id: str, candidate, *, timeout: float = 10.0, show: bool = True) -> CheckResult:
+def check(exercise_id: str, candidate: Callable[..., object], *, timeout: float = 10.0,
+          show: bool = True) -> CheckResult:
     """Appendix F: run `candidate` on exercise `exercise_id`'s cases in order, stop at the first
     that fails, print the report (unless `show` is False) and return the CheckResult. Each
     call may take `timeout` seconds (math.inf: no limit). A wrong answer never raises; a wrong
@@ -543,7 +558,7 @@ def check(exercise_id: str, candidate, *, timeout: float = 10.0, show: bool = Tr
     return result
 
 
-def _check_timeout(timeout) -> float:
+def _check_timeout(timeout: object) -> float:
     """A number of seconds above 0, or math.inf for no limit."""
     if isinstance(timeout, (float, np.floating)) and timeout == math.inf:
         return math.inf
@@ -553,7 +568,8 @@ def _check_timeout(timeout) -> float:
     return check_real("timeout", timeout, 0.0, open_low=True)
 
 
-def _run_cases(exercise_id: str, exercise: Exercise, candidate, timeout: float) -> CheckResult:
+def _run_cases(exercise_id: str, exercise: Exercise, candidate: Callable[..., object],
+               timeout: float) -> CheckResult:
     """The first case `candidate` fails, or a pass."""
     count = len(exercise.cases)
     for number, case in enumerate(exercise.cases):
@@ -569,7 +585,8 @@ def _run_cases(exercise_id: str, exercise: Exercise, candidate, timeout: float) 
     return CheckResult(exercise_id, True, count, count, title=exercise.title)
 
 
-def _judge(done: dict, inputs: dict, kept: dict, expected, timeout: float, tolerance=None):
+def _judge(done: dict[str, Any], inputs: dict[str, Any], kept: dict[str, Any], expected: Any,
+           timeout: float, tolerance: tuple[float, float] | None = None) -> _Found | None:
     """(problem, largest difference, its index) for one call, or None when it is right."""
     if not done:
         return f"no answer after {timeout:g} s (it goes on in the background until it returns)", None, None
@@ -601,7 +618,7 @@ def _judge(done: dict, inputs: dict, kept: dict, expected, timeout: float, toler
                        narrowest=narrowest)
 
 
-def _hint(found: tuple, done: dict, case: Case, exercise: Exercise) -> str | None:
+def _hint(found: _Found, done: dict[str, Any], case: Case, exercise: Exercise) -> str | None:
     """The case's hint names a mistake in the numbers, or one that makes the function raise on
     this case's inputs (an index of -100): shown for those; a crash gets the exercise's crash
     hint, a wrong dtype the dtype's; anything else (no return, a changed input) none."""
@@ -616,9 +633,9 @@ _DTYPE_HINT = ("return the dtype the reference returns: compute wider if you lik
                "x.astype(np.float64)), then convert the answer back")
 
 
-def _narrowest(inputs: dict) -> str:
+def _narrowest(inputs: dict[str, Any]) -> str:
     """The least precise floating dtype among the inputs ('float64' when none is floating)."""
-    def dtypes(x):
+    def dtypes(x: Any) -> list[str]:
         if isinstance(x, (tuple, list)):
             return [d for item in x for d in dtypes(item)]
         return [str(x.dtype).removeprefix("torch.")] if hasattr(x, "dtype") else []
@@ -627,9 +644,10 @@ def _narrowest(inputs: dict) -> str:
 
 
 # chapters/a7-exercise-cases.md, "Chapter 2"
-def _ch2_backward_case(shape, dtype=np.float64, spread=1.0, masked=None, nan_row=None,
-                       grad_offset=0.0):
-    def build(rng):
+def _ch2_backward_case(shape: tuple[int, ...], dtype: npt.DTypeLike = np.float64,
+                       spread: float = 1.0, masked: int | slice | None = None,
+                       nan_row: int | None = None, grad_offset: float = 0.0) -> _Builder:
+    def build(rng: np.random.Generator) -> _Built:
         from attnbook.scaling import softmax_jacobian
 
         scores = rng.standard_normal(shape) * spread
@@ -678,11 +696,12 @@ EXERCISES["2.3"] = Exercise("the gradient through the softmax", (
 
 
 # chapters/a7-exercise-cases.md, "Chapter 3"
-def _ch3_heads_case(batch, length, d_model, heads, dtype=np.float64, nan_at=None, common=0.0,
-                    qk_scale=1.0):
+def _ch3_heads_case(batch: int, length: int, d_model: int, heads: int,
+                    dtype: npt.DTypeLike = np.float64, nan_at: tuple[int, int] | None = None,
+                    common: float = 0.0, qk_scale: float = 1.0) -> _Builder:
     """`common`: the size of a part every token shares (scores far from 0 that differ by a
     few units); `qk_scale` multiplies W_Q and W_K."""
-    def build(rng):
+    def build(rng: np.random.Generator) -> _Built:
         from attnbook.layers import MultiHeadAttention
 
         x = rng.standard_normal((batch, length, d_model))
@@ -733,18 +752,20 @@ EXERCISES["3.3"] = Exercise("multi-head self-attention in NumPy", (
 
 
 # chapters/a7-exercise-cases.md, "Chapter 4"
-def _ch4_grouped_case(batch, heads, kv_heads, length, d, dtype=torch.float64, nan_key=None,
-                      key_common=0.0):
-    def build(rng):
+def _ch4_grouped_case(batch: int, heads: int, kv_heads: int, length: int, d: int,
+                      dtype: torch.dtype = torch.float64, nan_key: tuple[int, int] | None = None,
+                      key_common: float = 0.0) -> _Builder:
+    def build(rng: np.random.Generator) -> _Built:
         from attnbook.layers import attend, causal_mask
 
-        q = rng.standard_normal((batch, heads, length, d))
-        k, v = rng.standard_normal((2, batch, kv_heads, length, d))
+        q_draw = rng.standard_normal((batch, heads, length, d))
+        k_draw, v_draw = rng.standard_normal((2, batch, kv_heads, length, d))
         if key_common:  # a part every key of a head shares: large scores, close together
-            k = k + key_common * rng.standard_normal((batch, kv_heads, 1, d))
+            k_draw = k_draw + key_common * rng.standard_normal((batch, kv_heads, 1, d))
         if nan_key is not None:  # (key/value head, position) of sequence 0
-            k[(0, *nan_key, 0)] = np.nan
-        q, k, v = (torch.from_numpy(a).to(dtype).double() for a in (q, k, v))  # dtype's numbers
+            k_draw[(0, *nan_key, 0)] = np.nan
+        q, k, v = (torch.from_numpy(a).to(dtype).double()  # dtype's numbers
+                   for a in (q_draw, k_draw, v_draw))
         expected = attend(q, k, v, causal_mask(length))[0].to(dtype)
         return {"q": q.to(dtype), "k": k.to(dtype), "v": v.to(dtype)}, expected
     return build
@@ -779,8 +800,9 @@ EXERCISES["4.2"] = Exercise("causal grouped-query attention", (
 
 
 # chapters/a7-exercise-cases.md, "Chapter 7"
-def _ch7_rms_case(shape, dtype=torch.float64, offset=0.0, scale=1.0, nan_at=None):
-    def build(rng):
+def _ch7_rms_case(shape: tuple[int, ...], dtype: torch.dtype = torch.float64, offset: float = 0.0,
+                  scale: float = 1.0, nan_at: int | None = None) -> _Builder:
+    def build(rng: np.random.Generator) -> _Built:
         from attnbook.layers import RMSNorm
 
         x = torch.from_numpy(rng.standard_normal(shape) * scale + offset).to(dtype)
@@ -820,8 +842,9 @@ EXERCISES["7.1"] = Exercise("RMSNorm as a function", (
 
 
 # chapters/a7-exercise-cases.md, "Chapter 8"
-def _ch8_embedding_case(batch, length, vocab=20, d=8, dtype=torch.float64, nan_word=False):
-    def build(rng):
+def _ch8_embedding_case(batch: int, length: int, vocab: int = 20, d: int = 8,
+                        dtype: torch.dtype = torch.float64, nan_word: bool = False) -> _Builder:
+    def build(rng: np.random.Generator) -> _Built:
         from attnbook.bert import BERTConfig, BERTEmbeddings
 
         ids = torch.from_numpy(rng.integers(0, vocab, (batch, length)))
@@ -867,10 +890,11 @@ EXERCISES["8.2"] = Exercise("BERT's input layer", (
 
 
 # chapters/a7-exercise-cases.md, "Chapter 9"
-def _ch9_mlm_case(chosen, vocab=11, dtype=torch.float64, spread=1.0, nan_chosen=False,
-                  nan_ignored=False):
+def _ch9_mlm_case(chosen: list[list[bool]], vocab: int = 11, dtype: torch.dtype = torch.float64,
+                  spread: float = 1.0, nan_chosen: bool = False,
+                  nan_ignored: bool = False) -> _Builder:
     """`chosen`: one list per sequence, True where the position carries a label."""
-    def build(rng):
+    def build(rng: np.random.Generator) -> _Built:
         keep = torch.tensor(chosen)  # (B, L) bool
         logits = torch.from_numpy(rng.standard_normal((*keep.shape, vocab)) * spread)
         if nan_chosen:  # a NaN logit at the first chosen position
@@ -922,8 +946,8 @@ EXERCISES["9.3"] = Exercise("the masked-language-model loss", (
 
 
 # chapters/a7-exercise-cases.md, "Chapter 10"
-def _ch10_schedule_case(steps, lr, warmup, min_lr_ratio):
-    def build(rng):
+def _ch10_schedule_case(steps: int, lr: float, warmup: int, min_lr_ratio: float) -> _Builder:
+    def build(rng: np.random.Generator) -> _Built:
         from attnbook.recipe import Recipe, learning_rate
 
         recipe = Recipe(lr=lr, warmup=warmup, min_lr_ratio=min_lr_ratio)
@@ -957,9 +981,10 @@ EXERCISES["10.2"] = Exercise("the warm-up and cosine learning-rate schedule", (
 
 
 # chapters/a7-exercise-cases.md, "Chapter 11"
-def _ch11_cross_case(lengths, lt, heads=2, d=4, dtype=torch.float64, nan_key=False,
-                     key_common=0.0):
-    def build(rng):
+def _ch11_cross_case(lengths: list[int], lt: int, heads: int = 2, d: int = 4,
+                     dtype: torch.dtype = torch.float64, nan_key: bool = False,
+                     key_common: float = 0.0) -> _Builder:
+    def build(rng: np.random.Generator) -> _Built:
         from attnbook.layers import attend
 
         batch, ls = len(lengths), max(lengths)
@@ -1003,8 +1028,8 @@ EXERCISES["11.1"] = Exercise("cross-attention over a padded source", (
 
 
 # chapters/a7-exercise-cases.md, "Chapter 12"
-def _ch12_keys_case(q_len, k_len):
-    def build(rng):
+def _ch12_keys_case(q_len: int, k_len: int) -> _Builder:
+    def build(rng: np.random.Generator) -> _Built:
         from attnbook.layers import causal_mask
         return {"q_len": q_len, "k_len": k_len}, causal_mask(q_len, k_len).sum(-1)  # (Lq,) int64
     return build
@@ -1031,8 +1056,8 @@ EXERCISES["12.3"] = Exercise("the keys each query sees under a causal mask", (
 
 
 # chapters/a7-exercise-cases.md, "Chapter 14"
-def _ch14_roofline_case(intensity, gpu, ridge=False):
-    def build(rng):
+def _ch14_roofline_case(intensity: npt.ArrayLike, gpu: str, ridge: bool = False) -> _Builder:
+    def build(rng: np.random.Generator) -> _Built:
         from attnbook.tiling import GPUS, roofline_seconds
         spec = GPUS[gpu]
         values = np.asarray(intensity, dtype=np.float64)
@@ -1069,10 +1094,11 @@ EXERCISES["14.2"] = Exercise("the roofline: attainable FLOP/s against arithmetic
 
 
 # chapters/a7-exercise-cases.md, "Chapter 15"
-def _ch15_rows(shape, lq, lk, causal, spread=1.0, strided=False):
+def _ch15_rows(shape: tuple[int, int, int], lq: int, lk: int, causal: bool, spread: float = 1.0,
+               strided: bool = False) -> _Builder:
     """Chapter 15, exercise 3: q (B, H, lq, D) and k (B, H, lk, D) in float32, and the natural
     logsumexp of each row of q k^T / sqrt(D) by the package's forward kernel (-inf: no key)."""
-    def build(rng):
+    def build(rng: np.random.Generator) -> _Built:
         from attnbook import kernels  # imports Triton: only once a case is built
 
         device = "cpu" if kernels.INTERPRETED else "cuda"
@@ -1124,22 +1150,24 @@ EXERCISES["15.3"] = Exercise("the logsumexp of each query row, in Triton", (
 
 
 # chapters/a7-exercise-cases.md, "Chapter 16"
-def _ch16_backward_case(shape, lq, lk, causal=False, dtype=np.float64, nan_query=None,
-                        common=(0.0, 0.0)):
+def _ch16_backward_case(shape: tuple[int, ...], lq: int, lk: int, causal: bool = False,
+                        dtype: npt.DTypeLike = np.float64, nan_query: int | None = None,
+                        common: tuple[float, float] = (0.0, 0.0)) -> _Builder:
     """(B, H) batch and heads, lq queries and lk keys of width d = shape[-1]; `common`: the
     sizes of a part every key, and every value, of a head shares."""
-    def build(rng):
+    def build(rng: np.random.Generator) -> _Built:
         from attnbook.layers import attend, causal_mask
         *lead, d = shape
-        q, k, v, dout = (rng.standard_normal((*lead, n, d)) for n in (lq, lk, lk, lq))
-        if any(common):
-            k, v = (x + size * rng.standard_normal((*lead, 1, d)) for x, size in zip((k, v), common))
-        q, k, v, dout = (torch.from_numpy(x.astype(dtype)) for x in (q, k, v, dout))
+        draws = [rng.standard_normal((*lead, n, d)) for n in (lq, lk, lk, lq)]  # q, k, v, dout
+        if any(common):  # a part shared by every key, and every value, of a head
+            draws[1:3] = (x + size * rng.standard_normal((*lead, 1, d))
+                          for x, size in zip(draws[1:3], common))
+        q, k, v, dout = (torch.from_numpy(x.astype(dtype)) for x in draws)
         if nan_query is not None:
             q[..., nan_query, 0] = float("nan")
         wide = [x.double().requires_grad_() for x in (q, k, v)]
         mask = causal_mask(lq, lk) if causal else None
-        out = attend(*wide, mask=mask)[0]
+        out = attend(wide[0], wide[1], wide[2], mask=mask)[0]
         grads = torch.autograd.grad(out, wide, dout.double())
         return ({"q": q, "k": k, "v": v, "dout": dout, "causal": causal},
                 tuple(g.to(q.dtype) for g in grads))
@@ -1181,8 +1209,9 @@ EXERCISES["16.1"] = Exercise("the backward pass of attention", (
 
 
 # chapters/a7-exercise-cases.md, "Chapter 18"
-def _ch18_patches_case(batch, channels, size, p, dtype=np.float64, nan_pixel=False):
-    def build(rng):
+def _ch18_patches_case(batch: int, channels: int, size: int, p: int,
+                       dtype: npt.DTypeLike = np.float64, nan_pixel: bool = False) -> _Builder:
+    def build(rng: np.random.Generator) -> _Built:
         from attnbook.vit import patchify
         images = torch.from_numpy(rng.standard_normal((batch, channels, size, size)).astype(dtype))
         if nan_pixel:  # one pixel of the last image
