@@ -333,16 +333,28 @@ class CheckResult:
 
 # chapters/a6-checking-exercises.md, "The exercises"
 def _describe(inputs: dict[str, Any]) -> str:
-    """'X (6, 4) float64 with NaN at [3, 0], W_Q (4, 4) float64, ...' for a report."""
+    """'X (6, 4) float64 with NaN at [3, 0], W_Q (4, 4) float64, ...' for a report; a mask
+    (booleans) says how many entries are True and which rows have none."""
     def one(x: Any) -> str:
         if isinstance(x, (tuple, list)):
             return "(" + ", ".join(map(one, x)) + ")"
         if not isinstance(x, (np.ndarray, torch.Tensor)):
             return repr(x)
         text = f"{tuple(x.shape)} {str(x.dtype).removeprefix('torch.')}"
+        if text.endswith(" bool"):
+            return text + _mask_rows(_numbers(x) != 0)
         nans = np.argwhere(np.isnan(_numbers(x)))
         return text + (f" with NaN at {nans[0].tolist()}" if len(nans) else "")
     return ", ".join(f"{name} {one(x)}" for name, x in inputs.items())
+
+
+def _mask_rows(keep: np.ndarray) -> str:
+    """' with 3 of 6 True, none in row [0]' for a mask: its rows are along the last axis."""
+    text = f" with {int(keep.sum())} of {keep.size} True"
+    if keep.ndim < 2 or keep.shape[-1] == 0:
+        return text
+    empty = np.argwhere(~keep.any(axis=-1))  # (rows with no True, ndim - 1)
+    return text + (f", none in row {empty[0].tolist()}" if len(empty) else "")
 
 
 # chapters/a6-checking-exercises.md, "The exercises"
