@@ -1029,7 +1029,7 @@ EXERCISES["11.1"] = Exercise("cross-attention over a padded source", (
     Case("float32", _ch11_cross_case([9, 4], 5, dtype=torch.float32),
          "float32 input: compute in float32 or wider, never in float16, and return float32"),
     Case("float16, keys with a large common part", _ch11_cross_case(
-        [40, 17], 6, heads=2, d=16, dtype=torch.float16, key_common=8.0),
+        [40, 17], 16, heads=2, d=16, dtype=torch.float16, key_common=16.0),
          _F16 + ": the keys share a large part, so the scores are large and close together, "
          "and a score rounded to float16 moves its weight by percents; compute the scores, "
          "softmax and sums in float32 (q.float()), then .half()"),
