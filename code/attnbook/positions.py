@@ -15,6 +15,8 @@ __all__ = [
 
 # chapters/05-positions.md, "Sinusoidal encodings"
 import math
+from collections.abc import Callable
+from typing import Self
 
 import numpy as np
 import torch
@@ -101,8 +103,7 @@ def alibi_slopes(num_heads: int, *, dtype: torch.dtype = torch.float32,
 
 
 def _geometric_slopes(n: int) -> list[float]:
-    start = 2.0 ** (-8.0 / n)
-    return [start ** (h + 1) for h in range(n)]
+    return [2.0 ** (-8.0 * (h + 1) / n) for h in range(n)]  # each rounded once, not a power's
 
 
 # chapters/05-positions.md, "ALiBi: a penalty for distance"
@@ -153,13 +154,22 @@ class Rotary(nn.Module):
 
 
 class ALiBi(nn.Module):
-    """ALiBi inside attention: the bias (num_heads, q_len, k_len) of alibi_bias, in float32,
-    from slopes computed once (a buffer, so it follows the model's device)."""
+    """ALiBi inside attention: the bias (num_heads, q_len, k_len) of alibi_bias, in the slopes'
+    dtype (float32 at least). The slopes are a buffer, so they follow the model's device and
+    dtype, and are computed anew in the new dtype when it moves: a float64 model's are float64's."""
 
     def __init__(self, num_heads: int) -> None:
         super().__init__()
-        self.register_buffer("slopes", alibi_slopes(num_heads), persistent=False)  # (nh,)
+        slopes = alibi_slopes(num_heads, dtype=torch.get_default_dtype())  # (nh,)
+        self.register_buffer("slopes", slopes, persistent=False)
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Self:
+        super()._apply(fn, recurse)  # .to(), .double(), .cuda(): then the slopes, not rounded
+        self.slopes = alibi_slopes(len(self.slopes), dtype=self.slopes.dtype,  # from float32
+                                   device=self.slopes.device)
+        return self
 
     def forward(self, q_len: int, k_len: int, key_at: torch.Tensor | None = None) -> torch.Tensor:
         """(nh, Lq, Lk); with `key_at` (B, Lk), the keys' own positions, (B, nh, Lq, Lk)."""
-        return _alibi_bias(self.slopes.float(), q_len, k_len, key_at)
+        slopes: torch.Tensor = self.slopes
+        return _alibi_bias(slopes.to(compute_dtype(slopes.dtype)), q_len, k_len, key_at)
