@@ -128,3 +128,23 @@ def test_from_hf_bloom_refuses_other_models():
             transformers.GPT2Config(n_layer=1, n_head=2, n_embd=8)))
     with pytest.raises(TypeError, match="got Linear"):
         GPT.from_hf_bloom(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_from_hf_bloom_refuses_a_model_on_the_meta_device_by_name(tied):
+    # built under torch.device("meta") (as accelerate's init_empty_weights does): shapes, no
+    # weights; before: a raw aten::equal error from the tied check, or meta weights copied
+    config = transformers.BloomConfig(vocab_size=60, hidden_size=24, n_layer=2, n_head=4,
+                                      tie_word_embeddings=tied)
+    with torch.device("meta"):
+        theirs = transformers.BloomForCausalLM(config)
+    with pytest.raises(ValueError, match=r"model must hold its weights.*meta device"):
+        GPT.from_hf_bloom(theirs)
+
+
+@pytest.mark.parametrize("epsilon", [0.0, -1e-5])
+def test_from_hf_bloom_names_the_config_field_of_a_bad_epsilon(epsilon):
+    # GPTConfig refuses eps <= 0 (a constant row would be 0/0); the user wrote
+    # layer_norm_epsilon, so that is the name in the refusal (before: "eps must be ...")
+    with pytest.raises(ValueError, match=r"^model\.config\.layer_norm_epsilon must be"):
+        GPT.from_hf_bloom(hf_bloom(layer_norm_epsilon=epsilon))

@@ -248,6 +248,7 @@ class GPT(nn.Module):
         hf, body = getattr(model, "config", None), getattr(model, "model", None)
         if getattr(hf, "model_type", None) != "llama" or not hasattr(model, "lm_head"):
             raise TypeError(f"model must be a LlamaForCausalLM, got {type(model).__name__}")
+        _check_holds_weights(model)
         rope = getattr(hf, "rope_parameters", None) or {"rope_theta": hf.rope_theta,
                                                         **(getattr(hf, "rope_scaling", None) or {})}
         d, heads = hf.hidden_size, hf.num_attention_heads
@@ -267,8 +268,9 @@ class GPT(nn.Module):
         config = GPTConfig.llama(
             vocab_size=hf.vocab_size, context_length=hf.max_position_embeddings, d_model=d,
             num_layers=len(body.layers), num_heads=heads, num_kv_heads=hf.num_key_value_heads,
-            ff_width=hf.intermediate_size, eps=hf.rms_norm_eps, rope_base=rope["rope_theta"],
-            bias=hf.attention_bias, tied=hf.tie_word_embeddings)
+            ff_width=hf.intermediate_size, rope_base=rope["rope_theta"],
+            bias=hf.attention_bias, tied=hf.tie_word_embeddings,
+            eps=check_positive("model.config.rms_norm_eps", hf.rms_norm_eps))  # the user's name
         weight = body.embed_tokens.weight
         ours = cls(config).to(device=weight.device, dtype=weight.dtype)
         pairs = [(ours.tok_emb, body.embed_tokens), (ours.norm_f, body.norm)]
@@ -293,6 +295,7 @@ class GPT(nn.Module):
         hf, body = getattr(model, "config", None), getattr(model, "transformer", None)
         if getattr(hf, "model_type", None) != "bloom" or not hasattr(model, "lm_head"):
             raise TypeError(f"model must be a BloomForCausalLM, got {type(model).__name__}")
+        _check_holds_weights(model)
         for name in ("apply_residual_connection_post_layernorm", "hidden_dropout",
                      "attention_dropout"):  # ours: pre-norm residuals, dropout on the embeddings
             if value := getattr(hf, name):
@@ -307,7 +310,8 @@ class GPT(nn.Module):
         (vocab, d), heads = words.weight.shape, hf.n_head
         config = GPTConfig(vocab_size=vocab, context_length=context_length, d_model=d,
                            num_layers=len(body.h), num_heads=heads, dropout=0.0,
-                           eps=hf.layer_norm_epsilon, positions="alibi", embed_norm=True,
+                           eps=check_positive("model.config.layer_norm_epsilon",
+                                              hf.layer_norm_epsilon), positions="alibi", embed_norm=True,
                            tied=hf.tie_word_embeddings)
         ours = cls(config).to(device=words.weight.device, dtype=words.weight.dtype)
         pairs = [(ours.tok_emb, words), (ours.emb_norm, body.word_embeddings_layernorm),
@@ -442,6 +446,14 @@ class CharTokenizer:
         ids = torch.as_tensor(ids).flatten()
         ids = check_token_ids("ids", ids if len(ids) else ids.long(), self.vocab_size)  # [] is fine
         return "".join(self.itos[i] for i in ids.tolist())
+
+
+# chapters/19-gpt-variants.md, "Llama's weights"
+def _check_holds_weights(model: nn.Module) -> None:
+    """Refuses a model (transformers') whose parameters are on the meta device: no values."""
+    if any(p.is_meta for p in model.parameters()):
+        raise ValueError(f"model must hold its weights, got a {type(model).__name__} on the meta "
+                         "device (meta tensors hold shapes, no values): load its weights first")
 
 
 # chapters/19-gpt-variants.md, "Prompts of different lengths"
