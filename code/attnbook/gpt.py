@@ -461,8 +461,9 @@ def _check_padding(mask, idx: torch.Tensor, cached: int, left: bool = False,
                    kv_cache=None) -> torch.Tensor | None:
     """GPT's attention_mask (B, cached + T), bool or 0/1, as bool: a real token in every row,
     its first `cached` entries the padding `kv_cache` holds and, with `left` (generate), padding
-    only before a real token (chapter 19). One read, none when compiled. Without a mask: None if
-    the cache holds no padding, else its padding and T real tokens."""
+    only before a real token (chapter 19). One read, none when compiled. None, the path without
+    a mask, for no mask or (not compiled) one with no 0 while the cache holds no padding; for no
+    mask and a cache that holds padding, its padding and T real tokens."""
     held = None if kv_cache is None or kv_cache.attention_mask is None else \
         kv_cache.attention_mask[:, :cached]  # (B, cached): the padding it holds
     if mask is None and held is not None:  # a cached call without a mask keeps the padding
@@ -484,9 +485,11 @@ def _check_padding(mask, idx: torch.Tensor, cached: int, left: bool = False,
     if torch.compiler.is_compiling():  # a RuntimeError when the graph runs (appendix A)
         for fact, fault in faults.items():
             torch._assert_async(~fault, f"attention_mask must {fact}")
-    elif bool(torch.stack(list(faults.values())).any()):  # one read of the device
-        raise ValueError(f"attention_mask must {next(f for f, bad in faults.items() if bad)}")
-    return real
+        return real
+    *bad, every = torch.stack([*faults.values(), real.all()]).tolist()  # one read of the device
+    if any(bad):
+        raise ValueError(f"attention_mask must {next(f for f, b in zip(faults, bad) if b)}")
+    return None if every and held is None else real  # no padding: the path without a mask
 
 
 def _padded(real: torch.Tensor, start: int, t: int,
