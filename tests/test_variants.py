@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch._dynamo as dynamo
 import torch.nn.functional as F
+from _hf_compare import assert_greedy_tokens_equal
 from test_backends import check_calls  # calls of attnbook.checks' functions
 
 from attnbook.gpt import GPT, GPTConfig
@@ -407,13 +408,7 @@ def test_from_hf_llama_computes_llamas_logits_and_tokens(overrides):
         wanted = theirs(idx).logits
         torch.testing.assert_close(ours(idx), wanted, atol=1e-4, rtol=1e-4)
     assert wanted.std() > 1
-    prompt = idx[:, :5]
-    with torch.no_grad():
-        generated = theirs.generate(prompt, max_new_tokens=20, do_sample=False, pad_token_id=0,
-                                    attention_mask=torch.ones_like(prompt))
-    for use_cache in (True, False):
-        torch.testing.assert_close(ours.generate(prompt, 20, temperature=0, use_cache=use_cache),
-                                   generated, rtol=0, atol=0)
+    assert_greedy_tokens_equal(ours, theirs, idx[:, :5], 20)
 
 
 def test_from_hf_llama_keeps_the_dtype_and_mode():
