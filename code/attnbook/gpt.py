@@ -246,7 +246,8 @@ class GPT(nn.Module):
         """A GPT with the weights, device, dtype and mode of a transformers LlamaForCausalLM
         (chapter 19, "Llama's weights"): RoPE, RMSNorm, SwiGLU and shared key/value heads."""
         hf, body = getattr(model, "config", None), getattr(model, "model", None)
-        if getattr(hf, "model_type", None) != "llama" or not hasattr(model, "lm_head"):
+        if hf is None or body is None or getattr(hf, "model_type", None) != "llama" \
+                or not hasattr(model, "lm_head"):
             raise TypeError(f"model must be a LlamaForCausalLM, got {type(model).__name__}")
         _check_holds_weights(model)
         rope = getattr(hf, "rope_parameters", None) or {"rope_theta": hf.rope_theta,
@@ -293,7 +294,8 @@ class GPT(nn.Module):
         (chapter 19, "BLOOM's weights"): ALiBi, a LayerNorm on the embeddings, fused q, k, v.
         BLOOM has no table of positions: `context_length` is ours to choose."""
         hf, body = getattr(model, "config", None), getattr(model, "transformer", None)
-        if getattr(hf, "model_type", None) != "bloom" or not hasattr(model, "lm_head"):
+        if hf is None or body is None or getattr(hf, "model_type", None) != "bloom" \
+                or not hasattr(model, "lm_head"):
             raise TypeError(f"model must be a BloomForCausalLM, got {type(model).__name__}")
         _check_holds_weights(model)
         for name in ("apply_residual_connection_post_layernorm", "hidden_dropout",
@@ -457,8 +459,8 @@ def _check_holds_weights(model: nn.Module) -> None:
 
 
 # chapters/19-gpt-variants.md, "Prompts of different lengths"
-def _check_padding(mask, idx: torch.Tensor, cached: int, left: bool = False,
-                   kv_cache=None) -> torch.Tensor | None:
+def _check_padding(mask: object, idx: torch.Tensor, cached: int, left: bool = False,
+                   kv_cache: "KVCache | None" = None) -> torch.Tensor | None:
     """GPT's attention_mask (B, cached + T), bool or 0/1, as bool: a real token in every row,
     its first `cached` entries the padding `kv_cache` holds and, with `left` (generate), padding
     only before a real token (chapter 19). One read, none when compiled. None, the path without
@@ -493,7 +495,7 @@ def _check_padding(mask, idx: torch.Tensor, cached: int, left: bool = False,
 
 
 def _padded(real: torch.Tensor, start: int, t: int,
-            kv_cache=None) -> tuple[torch.Tensor, torch.Tensor]:
+            kv_cache: "KVCache | None" = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The positions (B, t) of t tokens after `start` cached ones, counted from each row's first
     real token, and the keys' mask (B, 1, 1, start + t), from `real` (B, >= start + t); a
     `kv_cache` keeps the mask for the calls that follow."""
