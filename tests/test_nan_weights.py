@@ -25,23 +25,22 @@ def test_the_same_sdpa_call_with_its_mask_written_out_keeps_the_nan():
         assert F.scaled_dot_product_attention(q, k, v, attn_mask=mask)[0, 0, 1].isnan().all()
 
 
+def nan_query_logits(name: str, backend: str) -> torch.Tensor:
+    gpt = model(name, backend=backend, d_model=64)  # heads of 16: the Triton kernel takes them
+    with torch.no_grad():
+        gpt.blocks[0].self_attn.q_proj.weight[0, 0] = float("nan")
+        return gpt(torch.randint(40, (2, 7), generator=torch.Generator().manual_seed(0)))
+
+
 @pytest.mark.parametrize("backend", [
     "explicit", pytest.param("sdpa", marks=CPU_SDPA_DROPS_NAN), "triton"])
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
 def test_a_nan_query_weight_gives_nan_logits(name, backend):
-    gpt = model(name, backend=backend, d_model=64)  # heads of 16: the Triton kernel takes them
-    with torch.no_grad():
-        gpt.blocks[0].self_attn.q_proj.weight[0, 0] = float("nan")
-        logits = gpt(torch.randint(40, (2, 7), generator=torch.Generator().manual_seed(0)))
-    assert logits.isnan().all()
+    assert nan_query_logits(name, backend).isnan().all()
 
 
 @pytest.mark.parametrize("backend", ["explicit", "sdpa", "triton"])
 @pytest.mark.parametrize("name", ["alibi", "bloom"])
 def test_alibi_keeps_a_nan_query_weights_nan(name, backend):
     # ALiBi's bias goes to SDPA as a mask, whose kernel keeps the NaN on every backend
-    gpt = model(name, backend=backend, d_model=64)  # heads of 16: the Triton kernel takes them
-    with torch.no_grad():
-        gpt.blocks[0].self_attn.q_proj.weight[0, 0] = float("nan")
-        logits = gpt(torch.randint(40, (2, 7), generator=torch.Generator().manual_seed(0)))
-    assert logits.isnan().all()
+    assert nan_query_logits(name, backend).isnan().all()
