@@ -6,6 +6,7 @@ agrees with one pass, and what the conversion cannot represent is refused by nam
 
 import pytest
 import torch
+from _hf_compare import assert_greedy_tokens_equal
 
 from attnbook.gpt import GPT
 from attnbook.positions import alibi_slopes
@@ -78,13 +79,7 @@ def test_from_hf_bloom_generates_blooms_tokens_and_its_cache_is_exact(overrides)
         cache = ours.make_kv_cache(2)
         pieces = torch.cat([ours(idx[:, :9], kv_cache=cache), ours(idx[:, 9:], kv_cache=cache)], 1)
         torch.testing.assert_close(pieces, ours(idx), atol=1e-5, rtol=1e-5)
-    prompt = idx[:, :5]
-    with torch.no_grad():
-        generated = theirs.generate(prompt, max_new_tokens=25, do_sample=False, pad_token_id=0,
-                                    attention_mask=torch.ones_like(prompt))
-    for use_cache in (True, False):
-        torch.testing.assert_close(ours.generate(prompt, 25, temperature=0, use_cache=use_cache),
-                                   generated, rtol=0, atol=0)
+    assert_greedy_tokens_equal(ours, theirs, idx[:, :5], 25)
 
 
 def test_from_hf_bloom_keeps_the_dtype_and_mode_and_takes_the_context_length():
@@ -128,3 +123,23 @@ def test_from_hf_bloom_refuses_other_models():
             transformers.GPT2Config(n_layer=1, n_head=2, n_embd=8)))
     with pytest.raises(TypeError, match="got Linear"):
         GPT.from_hf_bloom(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_from_hf_bloom_refuses_a_model_on_the_meta_device_by_name(tied):
+    # built under torch.device("meta") (as accelerate's init_empty_weights does): shapes, no
+    # weights; before: a raw aten::equal error from the tied check, or meta weights copied
+    config = transformers.BloomConfig(vocab_size=60, hidden_size=24, n_layer=2, n_head=4,
+                                      tie_word_embeddings=tied)
+    with torch.device("meta"):
+        theirs = transformers.BloomForCausalLM(config)
+    with pytest.raises(ValueError, match=r"model must hold its weights.*meta device"):
+        GPT.from_hf_bloom(theirs)
+
+
+@pytest.mark.parametrize("epsilon", [0.0, -1e-5])
+def test_from_hf_bloom_names_the_config_field_of_a_bad_epsilon(epsilon):
+    # GPTConfig refuses eps <= 0 (a constant row would be 0/0); the user wrote
+    # layer_norm_epsilon, so that is the name in the refusal (before: "eps must be ...")
+    with pytest.raises(ValueError, match=r"^model\.config\.layer_norm_epsilon must be"):
+        GPT.from_hf_bloom(hf_bloom(layer_norm_epsilon=epsilon))

@@ -204,3 +204,80 @@ def test_the_default_scale_compiles_whole_with_dynamic_shapes():
         expected = torch.nn.functional.scaled_dot_product_attention(q.double(), q.double(),
                                                                     q.double())
         torch.testing.assert_close(compiled(q).double(), expected, **TOLERANCE)
+
+
+def backward_arguments():
+    """Arguments of torch.ops.attnbook.flash_attention_backward that run: q, k, v, o, lse, do."""
+    q, k, v = qkv(5, 7, 16)
+    with torch.no_grad():
+        o, lse = torch.ops.attnbook.flash_attention(q, k, v, False, 0.25)
+    return [q, k, v, o, lse, torch.randn_like(o), False, 0.25]
+
+
+def bad_backward_calls():
+    # (argument index, its replacement, error, words): the backward operator, called directly,
+    # checked as the forward one is (before: it read past a short `o` or ran on a bad dtype)
+    q = backward_arguments()[0]
+    return [
+        (3, torch.randn(1, 2, 3, 16, device=DEVICE), ValueError, "o must have shape"),
+        (5, torch.randn(1, 2, 5, 32, device=DEVICE), ValueError, "do must have shape"),
+        (5, torch.randn(1, 2, 5, 16, device=DEVICE).half(), TypeError, "do"),
+        (3, torch.randn(1, 2, 5, 16, device=DEVICE, dtype=torch.float64), TypeError, "o"),
+        (4, torch.randn(1, 2, 3, device=DEVICE), ValueError, "lse must have shape"),
+        (4, torch.randn(1, 2, 5, device=DEVICE).half(), TypeError, "lse"),
+        (4, torch.randn(1, 2, 5, 1, device=DEVICE), ValueError, "lse"),
+        (2, torch.randn(1, 2, 6, 16, device=DEVICE), ValueError, "v must have shape"),
+        (0, q.double(), TypeError, "q has dtype"),
+        (7, float("nan"), ValueError, "scale"),
+    ]  # a str for a tensor: the operator's schema refuses it, naming the argument
+
+
+@pytest.mark.parametrize("case", range(10))
+def test_the_backward_operator_checks_its_arguments_by_name(case):
+    at, bad, error, words = bad_backward_calls()[case]
+    args = backward_arguments()
+    args[at] = bad
+    with pytest.raises(error, match=words):
+        torch.ops.attnbook.flash_attention_backward(*args)
+
+
+def test_the_backward_operator_called_directly_gives_autograds_gradients():
+    q, k, v = (t.requires_grad_() for t in qkv(5, 7, 16))
+    out = kernels.flash_attention(q, k, v, scale=0.25)
+    do = torch.randn_like(out)
+    out.backward(do)
+    args = backward_arguments()
+    grads = torch.ops.attnbook.flash_attention_backward(*args[:5], do, False, 0.25)
+    for mine, wanted in zip(grads, (q.grad, k.grad, v.grad)):
+        torch.testing.assert_close(mine, wanted, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dims", [(0, 0, 0), (1, None, None), (None, 2, 2)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_vmap_over_flash_attention_is_each_calls(dims, causal):
+    # vmap worked before the operator (the Python function traced through) and was then
+    # refused: a vmap rule folds the mapped dimension into the batch
+    torch.manual_seed(4)
+    full = [torch.randn(3, 1, 2, n, 16, device=DEVICE) for n in (5, 7, 7)]  # 3 calls
+    args = [t if d is None else t.movedim(0, d) for t, d in zip(
+        [t if d is not None else t[0] for t, d in zip(full, dims)], dims)]
+    mapped = torch.vmap(lambda q, k, v: kernels.flash_attention(q, k, v, causal), in_dims=dims)(*args)
+    for i in range(3):
+        one = [t[i] if d is not None else t[0] for t, d in zip(full, dims)]
+        torch.testing.assert_close(mapped[i], kernels.flash_attention(*one, causal),
+                                   rtol=0, atol=0)
+
+
+def test_vmap_over_the_operators_and_a_gradient_through_it():
+    torch.manual_seed(5)
+    q, k, v = (torch.randn(4, 1, 2, 6, 16, device=DEVICE, requires_grad=True) for _ in range(3))
+    for op in (torch.ops.attnbook.flash_attention, torch.ops.attnbook._flash_attention):
+        out, lse = torch.vmap(lambda a, b, c, op=op: op(a, b, c, True, 0.3))(q, k, v)
+        wanted = torch.stack([op(q[i], k[i], v[i], True, 0.3)[0] for i in range(4)])
+        torch.testing.assert_close(out, wanted, rtol=0, atol=0)
+        assert lse.shape == (4, 1, 2, 6)
+    mapped = torch.vmap(lambda a, b, c: kernels.flash_attention(a, b, c, True))(q, k, v)
+    (dq,) = torch.autograd.grad(mapped.square().sum(), q)
+    (wanted,) = torch.autograd.grad(sum(kernels.flash_attention(q[i], k[i], v[i], True).square().sum()
+                                        for i in range(4)), q)
+    torch.testing.assert_close(dq, wanted, rtol=1e-5, atol=1e-6)

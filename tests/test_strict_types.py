@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-CLEAN = ("attention", "checks", "corpus", "efficient", "masks", "notebook", "tiling", "train",
-         "train_command", "vit", "viz",
+CLEAN = ("attention", "checks", "corpus", "efficient", "masks", "notebook", "positions", "tiling",
+         "train", "train_command", "vit", "viz",
          "exercises",
          )
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch._dynamo as dynamo
 import torch.nn.functional as F
+from _hf_compare import assert_greedy_tokens_equal
 from test_backends import check_calls  # calls of attnbook.checks' functions
 
 from attnbook.gpt import GPT, GPTConfig
@@ -407,13 +408,7 @@ def test_from_hf_llama_computes_llamas_logits_and_tokens(overrides):
         wanted = theirs(idx).logits
         torch.testing.assert_close(ours(idx), wanted, atol=1e-4, rtol=1e-4)
     assert wanted.std() > 1
-    prompt = idx[:, :5]
-    with torch.no_grad():
-        generated = theirs.generate(prompt, max_new_tokens=20, do_sample=False, pad_token_id=0,
-                                    attention_mask=torch.ones_like(prompt))
-    for use_cache in (True, False):
-        torch.testing.assert_close(ours.generate(prompt, 20, temperature=0, use_cache=use_cache),
-                                   generated, rtol=0, atol=0)
+    assert_greedy_tokens_equal(ours, theirs, idx[:, :5], 20)
 
 
 def test_from_hf_llama_keeps_the_dtype_and_mode():
@@ -449,3 +444,45 @@ def test_from_hf_llama_refuses_other_models():
         GPT.from_hf_llama(GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=8)))
     with pytest.raises(TypeError, match="got Linear"):
         GPT.from_hf_llama(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_from_hf_llama_refuses_a_model_on_the_meta_device_by_name(tied):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=60, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied)
+    with torch.device("meta"):  # shapes, no weights (before: a raw aten::equal error, or a copy)
+        theirs = LlamaForCausalLM(config)
+    with pytest.raises(ValueError, match=r"model must hold its weights.*meta device"):
+        GPT.from_hf_llama(theirs)
+
+
+def test_from_hf_llama_names_the_config_field_of_a_bad_epsilon():
+    with pytest.raises(ValueError, match=r"^model\.config\.rms_norm_eps must be"):
+        GPT.from_hf_llama(hf_llama(rms_norm_eps=0.0))
+
+
+@pytest.mark.parametrize("num_heads", [3, 6, 12, 13, 16])
+@pytest.mark.parametrize("convert", ["built", "moved"])
+def test_alibi_slopes_in_a_float64_model_are_the_float64_closed_form(num_heads, convert):
+    # ALiBi's slopes in the model's dtype: a float64 GPT (built so, or moved there) has the
+    # closed form 2**(-8 (h+1) / m) (and 2m's odd ones) to float64 rounding, not float32's 2.6e-9
+    c = config("alibi", num_heads=num_heads, d_model=4 * num_heads)
+    if convert == "built":
+        with torch.device("cpu"):
+            torch.set_default_dtype(torch.float64)
+            try:
+                gpt = GPT(c)
+            finally:
+                torch.set_default_dtype(torch.float32)
+    else:
+        gpt = GPT(c).double()
+    m = 2 ** (num_heads.bit_length() - 1)
+    exponents = [8 * (h + 1) / m for h in range(m)] + [4 * (2 * j + 1) / m for j in range(num_heads - m)]
+    closed = torch.tensor([2.0 ** -e for e in exponents], dtype=torch.float64)
+    alibi = gpt.blocks[0].self_attn.fast.alibi
+    bias = alibi(2, 5)  # (nh, 2, 5): the last two of five positions
+    assert bias.dtype == torch.float64
+    distance = (torch.arange(3, 5)[:, None] - torch.arange(5)[None]).abs().double()
+    torch.testing.assert_close(bias, -closed[:, None, None] * distance, rtol=1e-15, atol=0)

@@ -246,8 +246,10 @@ class GPT(nn.Module):
         """A GPT with the weights, device, dtype and mode of a transformers LlamaForCausalLM
         (chapter 19, "Llama's weights"): RoPE, RMSNorm, SwiGLU and shared key/value heads."""
         hf, body = getattr(model, "config", None), getattr(model, "model", None)
-        if getattr(hf, "model_type", None) != "llama" or not hasattr(model, "lm_head"):
+        if hf is None or body is None or getattr(hf, "model_type", None) != "llama" \
+                or not hasattr(model, "lm_head"):
             raise TypeError(f"model must be a LlamaForCausalLM, got {type(model).__name__}")
+        _check_holds_weights(model)
         rope = getattr(hf, "rope_parameters", None) or {"rope_theta": hf.rope_theta,
                                                         **(getattr(hf, "rope_scaling", None) or {})}
         d, heads = hf.hidden_size, hf.num_attention_heads
@@ -267,8 +269,9 @@ class GPT(nn.Module):
         config = GPTConfig.llama(
             vocab_size=hf.vocab_size, context_length=hf.max_position_embeddings, d_model=d,
             num_layers=len(body.layers), num_heads=heads, num_kv_heads=hf.num_key_value_heads,
-            ff_width=hf.intermediate_size, eps=hf.rms_norm_eps, rope_base=rope["rope_theta"],
-            bias=hf.attention_bias, tied=hf.tie_word_embeddings)
+            ff_width=hf.intermediate_size, rope_base=rope["rope_theta"],
+            bias=hf.attention_bias, tied=hf.tie_word_embeddings,
+            eps=check_positive("model.config.rms_norm_eps", hf.rms_norm_eps))  # the user's name
         weight = body.embed_tokens.weight
         ours = cls(config).to(device=weight.device, dtype=weight.dtype)
         pairs = [(ours.tok_emb, body.embed_tokens), (ours.norm_f, body.norm)]
@@ -291,8 +294,10 @@ class GPT(nn.Module):
         (chapter 19, "BLOOM's weights"): ALiBi, a LayerNorm on the embeddings, fused q, k, v.
         BLOOM has no table of positions: `context_length` is ours to choose."""
         hf, body = getattr(model, "config", None), getattr(model, "transformer", None)
-        if getattr(hf, "model_type", None) != "bloom" or not hasattr(model, "lm_head"):
+        if hf is None or body is None or getattr(hf, "model_type", None) != "bloom" \
+                or not hasattr(model, "lm_head"):
             raise TypeError(f"model must be a BloomForCausalLM, got {type(model).__name__}")
+        _check_holds_weights(model)
         for name in ("apply_residual_connection_post_layernorm", "hidden_dropout",
                      "attention_dropout"):  # ours: pre-norm residuals, dropout on the embeddings
             if value := getattr(hf, name):
@@ -307,7 +312,8 @@ class GPT(nn.Module):
         (vocab, d), heads = words.weight.shape, hf.n_head
         config = GPTConfig(vocab_size=vocab, context_length=context_length, d_model=d,
                            num_layers=len(body.h), num_heads=heads, dropout=0.0,
-                           eps=hf.layer_norm_epsilon, positions="alibi", embed_norm=True,
+                           eps=check_positive("model.config.layer_norm_epsilon",
+                                              hf.layer_norm_epsilon), positions="alibi", embed_norm=True,
                            tied=hf.tie_word_embeddings)
         ours = cls(config).to(device=words.weight.device, dtype=words.weight.dtype)
         pairs = [(ours.tok_emb, words), (ours.emb_norm, body.word_embeddings_layernorm),
@@ -444,13 +450,22 @@ class CharTokenizer:
         return "".join(self.itos[i] for i in ids.tolist())
 
 
+# chapters/19-gpt-variants.md, "Llama's weights"
+def _check_holds_weights(model: nn.Module) -> None:
+    """Refuses a model (transformers') whose parameters are on the meta device: no values."""
+    if any(p.is_meta for p in model.parameters()):
+        raise ValueError(f"model must hold its weights, got a {type(model).__name__} on the meta "
+                         "device (meta tensors hold shapes, no values): load its weights first")
+
+
 # chapters/19-gpt-variants.md, "Prompts of different lengths"
-def _check_padding(mask, idx: torch.Tensor, cached: int, left: bool = False,
-                   kv_cache=None) -> torch.Tensor | None:
+def _check_padding(mask: object, idx: torch.Tensor, cached: int, left: bool = False,
+                   kv_cache: "KVCache | None" = None) -> torch.Tensor | None:
     """GPT's attention_mask (B, cached + T), bool or 0/1, as bool: a real token in every row,
     its first `cached` entries the padding `kv_cache` holds and, with `left` (generate), padding
-    only before a real token (chapter 19). One read, none when compiled. Without a mask: None if
-    the cache holds no padding, else its padding and T real tokens."""
+    only before a real token (chapter 19). One read, none when compiled. None, the path without
+    a mask, for no mask or (not compiled) one with no 0 while the cache holds no padding; for no
+    mask and a cache that holds padding, its padding and T real tokens."""
     held = None if kv_cache is None or kv_cache.attention_mask is None else \
         kv_cache.attention_mask[:, :cached]  # (B, cached): the padding it holds
     if mask is None and held is not None:  # a cached call without a mask keeps the padding
@@ -472,13 +487,15 @@ def _check_padding(mask, idx: torch.Tensor, cached: int, left: bool = False,
     if torch.compiler.is_compiling():  # a RuntimeError when the graph runs (appendix A)
         for fact, fault in faults.items():
             torch._assert_async(~fault, f"attention_mask must {fact}")
-    elif bool(torch.stack(list(faults.values())).any()):  # one read of the device
-        raise ValueError(f"attention_mask must {next(f for f, bad in faults.items() if bad)}")
-    return real
+        return real
+    *bad, every = torch.stack([*faults.values(), real.all()]).tolist()  # one read of the device
+    if any(bad):
+        raise ValueError(f"attention_mask must {next(f for f, b in zip(faults, bad) if b)}")
+    return None if every and held is None else real  # no padding: the path without a mask
 
 
 def _padded(real: torch.Tensor, start: int, t: int,
-            kv_cache=None) -> tuple[torch.Tensor, torch.Tensor]:
+            kv_cache: "KVCache | None" = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The positions (B, t) of t tokens after `start` cached ones, counted from each row's first
     real token, and the keys' mask (B, 1, 1, start + t), from `real` (B, >= start + t); a
     `kv_cache` keeps the mask for the calls that follow."""

@@ -294,6 +294,15 @@ def _unit_stride_d(*tensors: torch.Tensor) -> list[torch.Tensor]:
     return [t if t.stride(-1) == 1 else t.contiguous() for t in tensors]
 
 
+def _vmap_rule(op):  # vmap's dimension (N, or none: shared) joins the batch's: (N * B, H, L, D)
+    def rule(info, dims, q, k, v, causal, scale):
+        n, qkv = info.batch_size, (t.movedim(at, 0) if at is not None else t.expand(
+            info.batch_size, *t.shape) for t, at in zip((q, k, v), dims))  # each (N, B, H, L, D)
+        out = op(*(t.flatten(0, 1) for t in qkv), causal, scale)
+        return tuple(t.unflatten(0, (n, -1)) for t in out), (0, 0)
+    return rule
+
+
 def _device_guard(device: torch.device):
     # Triton launches on the current CUDA device: make it the inputs' one (on the CPU, nothing).
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
@@ -572,14 +581,12 @@ def _check_arguments(q, k, v, causal, scale) -> tuple[bool, float]:  # the opera
     _check_inputs(q, k, v)
     if scale is None:  # 1/sqrt(D), in range: symbolic under torch.compile(dynamic=True)
         return check_bool("causal", causal), check_scale(None, q.shape[-1])
-    return check_bool("causal", causal), check_real("scale", scale, -_LARGEST_SCALE,
-                                                    _LARGEST_SCALE)
+    return check_bool("causal", causal), check_real("scale", scale, -_LARGEST_SCALE, _LARGEST_SCALE)
 
 
 def _flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                      scale: float) -> torch.Tensor:
-    """flash_attention on arguments its caller has checked (chapter 3's Triton backend): only
-    whether the kernels can run on q's device is checked, with no call of appendix A's checks."""
+    """flash_attention on checked arguments (chapter 3's Triton backend): only q's device is."""
     _check_mode(q.device)
     return _attention(q, k, v, causal, scale)
 
@@ -593,11 +600,12 @@ def _attention(q, k, v, causal: bool, scale: float) -> torch.Tensor:  # checked 
 
 
 def _refuse_transforms(*tensors) -> None:  # only loss.backward() reaches the backward kernels
+    functorch = torch._C._functorch  # vmap's tensors pass: the operators' vmap rule takes them
     if not torch.compiler.is_compiling() and any(  # the compiler's tensors are neither
-            torch._C._functorch.is_functorch_wrapped_tensor(t)
+            functorch.is_functorch_wrapped_tensor(t) and not functorch.is_batchedtensor(t)
             or torch.autograd.forward_ad.unpack_dual(t).tangent is not None for t in tensors):
         raise RuntimeError("flash_attention supports first-order gradients by loss.backward() "
-                           "only: not forward-mode AD (jvp, forward_ad) nor torch.func")
+                           "only: not forward-mode AD (jvp, forward_ad) nor torch.func, but vmap")
 
 
 def _checked_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
@@ -614,8 +622,19 @@ def _save(ctx, inputs, output) -> None:  # for the backward: O and one float per
 def _gradients(ctx, do, _dlse):  # dQ, dK, dV; none for causal and scale
     if torch.is_grad_enabled():  # create_graph=True: a gradient of the gradient
         raise RuntimeError("flash_attention supports first-order gradients only, not create_graph")
-    return (*torch.ops.attnbook.flash_attention_backward(*ctx.saved_tensors, do, ctx.causal,
-                                                         ctx.scale), None, None)
+    return (*torch.ops.attnbook._flash_attention_backward(*ctx.saved_tensors, do, ctx.causal,
+                                                          ctx.scale), None, None)
+
+
+def _checked_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                      lse: torch.Tensor, do: torch.Tensor, causal: bool, scale: float
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # called directly
+    causal, scale = _check_arguments(q, k, v, causal, scale)
+    for name, t, dtype, shape in (("o", o, q.dtype, q.shape), ("do", do, q.dtype, q.shape),
+                                  ("lse", lse, torch.float32, q.shape[:3])):
+        check_tensor(name, t, dtype=dtype, device=q.device, shape=tuple(shape))
+    _check_backward_lengths(q, k)
+    return _backward(q, k, v, o, lse, do, causal, scale)
 
 
 if not hasattr(torch.ops.attnbook, "flash_attention"):  # once a process: see below
@@ -623,8 +642,11 @@ if not hasattr(torch.ops.attnbook, "flash_attention"):  # once a process: see be
         op = torch.library.custom_op(f"attnbook::{name}", body, mutates_args=())
         op.register_fake(lambda q, *rest: (q.new_empty(q.shape), q.new_empty(q.shape[:3]).float()))
         op.register_autograd(_gradients, setup_context=_save)
-    op = torch.library.custom_op("attnbook::flash_attention_backward", _backward, mutates_args=())
-    op.register_fake(lambda q, k, v, *rest: tuple(t.new_empty(t.shape) for t in (q, k, v)))
+        op.register_vmap(_vmap_rule(op))
+    for twin, body in (("", _checked_backward), ("_", _backward)):  # as the forward's: checked
+        op = torch.library.custom_op(f"attnbook::{twin}flash_attention_backward", body,
+                                     mutates_args=())
+        op.register_fake(lambda q, k, v, *rest: tuple(t.new_empty(t.shape) for t in (q, k, v)))
 
 
 def _check_backward_lengths(q, k) -> None:  # before the forward, not in loss.backward()

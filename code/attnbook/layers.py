@@ -523,7 +523,8 @@ def head_gate_grad(attn: Attention) -> torch.Tensor:
     return products.sum(dim=(0, 2)).detach()  # (nh,)
 
 
-def mask_heads(attn: Attention, heads) -> Attention:
+def mask_heads(attn: Attention, heads: "list[int] | tuple[int, ...] | range | torch.Tensor"
+               ) -> Attention:
     """Silence `heads` (indices from 0 to num_heads - 1) of `attn`, in place: zero their blocks
     of columns of out_proj.weight, so their outputs never reach the layer's output."""
     check_instance("attn", attn, Attention)

@@ -15,6 +15,8 @@ __all__ = [
 
 # chapters/05-positions.md, "Sinusoidal encodings"
 import math
+from collections.abc import Callable
+from typing import Self
 
 import numpy as np
 import torch
@@ -74,7 +76,8 @@ def _wide(device: torch.device) -> torch.dtype:
     return torch.float32 if device.type == "mps" else torch.float64  # MPS has no float64
 
 
-def _as_positions(positions, length: int, device: torch.device, dtype: torch.dtype):
+def _as_positions(positions: object, length: int, device: torch.device,
+                  dtype: torch.dtype) -> torch.Tensor:
     """`positions` (default 0..length-1) as a `dtype` tensor of shape (length,) on `device`."""
     if positions is None:
         return torch.arange(length, device=device, dtype=dtype)
@@ -101,8 +104,7 @@ def alibi_slopes(num_heads: int, *, dtype: torch.dtype = torch.float32,
 
 
 def _geometric_slopes(n: int) -> list[float]:
-    start = 2.0 ** (-8.0 / n)
-    return [start ** (h + 1) for h in range(n)]
+    return [2.0 ** (-8.0 * (h + 1) / n) for h in range(n)]  # each rounded once, not a power's
 
 
 # chapters/05-positions.md, "ALiBi: a penalty for distance"
@@ -153,13 +155,25 @@ class Rotary(nn.Module):
 
 
 class ALiBi(nn.Module):
-    """ALiBi inside attention: the bias (num_heads, q_len, k_len) of alibi_bias, in float32,
-    from slopes computed once (a buffer, so it follows the model's device)."""
+    """ALiBi inside attention: the bias (num_heads, q_len, k_len) of alibi_bias, in the slopes'
+    dtype (float32 at least). The slopes are a buffer, so they follow the model's device and
+    dtype, and are computed anew in the new dtype when it moves: a float64 model's are float64's."""
+
+    slopes: torch.Tensor  # a buffer
 
     def __init__(self, num_heads: int) -> None:
         super().__init__()
-        self.register_buffer("slopes", alibi_slopes(num_heads), persistent=False)  # (nh,)
+        slopes = alibi_slopes(num_heads, dtype=torch.get_default_dtype())  # (nh,)
+        self.register_buffer("slopes", slopes, persistent=False)
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Self:
+        super()._apply(fn, recurse)  # type: ignore[no-untyped-call]  # torch's is untyped
+        # .to(), .double(), .cuda() move the slopes; then they are computed anew, not rounded
+        self.slopes = alibi_slopes(len(self.slopes), dtype=self.slopes.dtype,  # from float32
+                                   device=self.slopes.device)
+        return self
 
     def forward(self, q_len: int, k_len: int, key_at: torch.Tensor | None = None) -> torch.Tensor:
         """(nh, Lq, Lk); with `key_at` (B, Lk), the keys' own positions, (B, nh, Lq, Lk)."""
-        return _alibi_bias(self.slopes.float(), q_len, k_len, key_at)
+        slopes = self.slopes.to(compute_dtype(self.slopes.dtype))
+        return _alibi_bias(slopes, q_len, k_len, key_at)
