@@ -12,6 +12,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 CLEAN = ("attention", "checks", "corpus", "efficient", "masks", "notebook", "tiling", "train",
          "train_command", "vit", "viz")
+CLEAN += ("__init__", "bert", "compile_check", "cost", "encdec", "scaling")  # issue 39, brief L
 
 
 def test_mypy_strict_finds_no_error_in_the_clean_modules():
