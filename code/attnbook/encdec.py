@@ -32,6 +32,8 @@ from attnbook.layers import ATTENTION_BACKENDS, Block, BlockConfig, _causal_mask
 from attnbook.masks import padding_mask
 from attnbook.positions import sinusoidal_encoding
 
+_Lengths = Sequence[int] | torch.Tensor | np.ndarray | None  # src_lengths: B ints, or None
+
 
 @dataclass(frozen=True)
 class EncoderDecoderConfig:
@@ -131,8 +133,7 @@ class EncoderDecoder(nn.Module):
 
     def _encode(self, src: torch.Tensor, src_padding: torch.Tensor) -> torch.Tensor:
         """The encoder's output, the `memory` (B, Ls, d_model), for int64 ids src (B, Ls)."""
-        mask = src_padding[:, None, None, :]  # (B, 1, 1, Ls)
-        x: torch.Tensor = self.src_embed(src)
+        x, mask = self.src_embed(src), src_padding[:, None, None, :]  # mask (B, 1, 1, Ls)
         for block in self.encoder:
             x = block(x, mask=mask)  # (B, Ls, d_model)
         memory: torch.Tensor = self.encoder_norm(x)
@@ -141,8 +142,7 @@ class EncoderDecoder(nn.Module):
     # chapters/11-encoder-decoder.md, "The model"
     def _decode(self, tgt_in: torch.Tensor, memory: torch.Tensor, src_padding: torch.Tensor | None,
                 return_weights: bool = False) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """(logits (B, Lt, tgt_vocab), the cross-attention weights: with `return_weights` one
-        (B, nh, Lt, Ls) per decoder block, else none)."""
+        """(Logits (B, Lt, tgt_vocab), [each block's cross-attention weights if return_weights])."""
         lt = tgt_in.shape[1]  # the target's own padding and the causal mask: (B, 1, Lt, Lt)
         self_mask = (tgt_in != self.config.pad_id)[:, None, None, :] & _causal_mask(
             lt, lt, tgt_in.device)
@@ -157,8 +157,7 @@ class EncoderDecoder(nn.Module):
         return self.lm_head(self.decoder_norm(x)), weights
 
     # chapters/11-encoder-decoder.md, "The model"
-    def _source(self, src: torch.Tensor, src_lengths: Sequence[int] | torch.Tensor | np.ndarray | None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _source(self, src: torch.Tensor, src_lengths: _Lengths) -> tuple[torch.Tensor, torch.Tensor]:
         """`src` checked, as int64 ids (B, Ls), and its padding mask (B, Ls)."""
         src = _check_ids("src", src, self.config.src_vocab, self.config.context_length)
         if src_lengths is None:
@@ -177,26 +176,24 @@ class EncoderDecoder(nn.Module):
         lengths = [check_int(f"src_lengths[{i}]", n, 1, ls) for i, n in enumerate(values)]
         return src, padding_mask(lengths, ls, device=src.device)
 
-    def source_padding(self, src: torch.Tensor, src_lengths: Sequence[int] | torch.Tensor | np.ndarray | None = None
-                       ) -> torch.Tensor:
+    def source_padding(self, src: torch.Tensor, src_lengths: _Lengths = None) -> torch.Tensor:
         """(B, Ls) bool, True at real source tokens (chapter 6's padding mask)."""
         return self._source(src, src_lengths)[1]
 
     # chapters/11-encoder-decoder.md, "The model"
-    def forward(self, src: torch.Tensor, tgt_in: torch.Tensor,
-                src_lengths: Sequence[int] | torch.Tensor | np.ndarray | None = None) -> torch.Tensor:
+    def forward(self, src: torch.Tensor, tgt_in: torch.Tensor, src_lengths: _Lengths = None
+                ) -> torch.Tensor:
         src, src_padding = self._source(src, src_lengths)
         tgt_in = _check_ids("tgt_in", tgt_in, self.config.tgt_vocab, self.config.context_length,
                             batch=src.shape[0])
         return self._decode(tgt_in, self._encode(src, src_padding), src_padding)[0]
 
-    def encode(self, src: torch.Tensor, src_lengths: Sequence[int] | torch.Tensor | np.ndarray | None = None
-               ) -> torch.Tensor:
+    def encode(self, src: torch.Tensor, src_lengths: _Lengths = None) -> torch.Tensor:
         """The encoder's output, the `memory` (B, Ls, d_model)."""
         return self._encode(*self._source(src, src_lengths))
 
     def greedy_decode(self, src: torch.Tensor, max_new_tokens: int | None = None,
-                      src_lengths: Sequence[int] | torch.Tensor | np.ndarray | None = None) -> torch.Tensor:
+                      src_lengths: _Lengths = None) -> torch.Tensor:
         """Target ids (B, T <= max_new_tokens, default config.context_length): each row the
         tokens after BOS up to EOS, then pad_id. Runs in eval mode without gradients, then
         restores each module's mode."""
