@@ -214,7 +214,7 @@ class _Scripted(EncoderDecoder):
         position = torch.arange(t)[None, :].expand(b, t)
         logits[..., 5] = 1.0
         logits[..., EOS] = (position >= self.stop[:, None]).float() * 2.0
-        return logits
+        return logits, []  # _decode's (logits, cross-attention weights)
 
 
 def test_greedy_stops_at_eos_per_row():

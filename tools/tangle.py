@@ -566,10 +566,10 @@ def init_source(chapters: list[Chapter]) -> str:
         '"""attnbook: Transformer attention built from scratch, one chapter at a time.\n\n'
         f"Modules, in the order the book builds them:\n\n{listing}"
         '"""\n\n'
-        "import importlib\n\n"
+        "import importlib\nfrom types import ModuleType\n\n"
         f'__version__ = "{version()}"\n'
         f"__all__ = [\n{names}]\n\n\n"
-        "def __getattr__(name: str):\n"
+        "def __getattr__(name: str) -> ModuleType:\n"
         "    # Modules load on first use, so `import attnbook` stays cheap and a module with an\n"
         "    # optional dependency (triton, transformers) costs nothing until it is used.\n"
         "    if name in __all__:\n"

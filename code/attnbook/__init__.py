@@ -61,6 +61,7 @@ Modules, in the order the book builds them:
 """
 
 import importlib
+from types import ModuleType
 
 __version__ = "0.1.0"
 __all__ = [
@@ -90,7 +91,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> ModuleType:
     # Modules load on first use, so `import attnbook` stays cheap and a module with an
     # optional dependency (triton, transformers) costs nothing until it is used.
     if name in __all__:

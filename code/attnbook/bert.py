@@ -18,6 +18,7 @@ __all__ = [
 
 # chapters/08-bert.md, "Inputs: tokens, positions and segments"
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -99,7 +100,8 @@ class BERTEmbeddings(nn.Module):
     def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(input_ids.shape[1], device=input_ids.device)  # (L,)
         x = self.word(input_ids) + self.position(positions) + self.token_type(token_type_ids)
-        return self.dropout(self.norm(x))  # (B, L, d_model)
+        out: torch.Tensor = self.dropout(self.norm(x))  # (B, L, d_model)
+        return out
 
 
 # chapters/08-bert.md, "The encoder and the masked-LM head"
@@ -146,7 +148,7 @@ class BERT(nn.Module):
                 real: torch.Tensor | None) -> torch.Tensor:
         # encode's computation, on inputs already checked; real: (B, L) bool, or None
         mask = None if real is None else real[:, None, None, :]  # (B, 1, 1, L): keys only
-        x = self.embeddings(input_ids, token_type_ids)  # (B, L, d_model)
+        x: torch.Tensor = self.embeddings(input_ids, token_type_ids)  # (B, L, d_model)
         for layer in self.layers:
             x = layer(x, mask=mask)
         return x
@@ -154,17 +156,20 @@ class BERT(nn.Module):
     def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         hidden = self.encode(input_ids, token_type_ids, attention_mask)
-        return self.mlm_head(hidden, self.embeddings.word.weight)  # (B, L, vocab_size)
+        logits: torch.Tensor = self.mlm_head(hidden, self.embeddings.word.weight)
+        return logits  # (B, L, vocab_size)
 
     @classmethod
-    def from_hf_bert(cls, model) -> "BERT":
+    def from_hf_bert(cls, model: nn.Module) -> "BERT":
         """A BERT with the weights, device, dtype and mode of a transformers BertForMaskedLM,
         or of a BertModel (the encoder alone: then the MLM head keeps its random weights)."""
         return _from_hf_bert(cls, model)  # defined in the section on loading weights
 
 
 # chapters/08-bert.md, "The encoder and the masked-LM head"
-def _check_encode(c: BERTConfig, input_ids, token_type_ids, attention_mask):
+def _check_encode(c: BERTConfig, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None,
+                  attention_mask: torch.Tensor | None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """encode's arguments, checked: (input_ids, token_type_ids) as int64, and the mask as bool."""
     input_ids = check_token_ids("input_ids", input_ids, c.vocab_size)
     if input_ids.ndim != 2 or 0 in input_ids.shape or input_ids.shape[1] > c.context_length:
@@ -181,7 +186,8 @@ def _check_encode(c: BERTConfig, input_ids, token_type_ids, attention_mask):
     return input_ids, token_type_ids, attention_mask
 
 
-def _token_mask(name: str, mask, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+def _token_mask(name: str, mask: object, shape: tuple[int, ...], device: torch.device
+                ) -> torch.Tensor:
     """`mask`, one flag per token, of `shape` on `device`, bool or 0/1, as bool. Only a mask
     that is not bool has its values checked; under torch.compile, inside the graph (appendix A)."""
     wanted = f"{name} must be a tensor of shape {shape} on {device}, bool or 0/1"
@@ -224,8 +230,10 @@ def _hf_bert_names(num_layers: int) -> dict[str, str]:
 
 
 # chapters/08-bert.md, "Loading a pretrained BERT's weights"
-def _from_hf_bert(cls: type, model) -> BERT:
+def _from_hf_bert(cls: type[BERT], model: Any) -> BERT:
     """BERT.from_hf_bert: the sizes come from the weights and modules, not model.config."""
+    # model: Any, as transformers' classes (an optional dependency, not imported here) are read
+    # by their attributes' names (config, bert.embeddings, ...), which nn.Module does not declare
     encoder_only = hasattr(model, "encoder") and hasattr(model, "embeddings")  # a BertModel
     parts = ("config", "state_dict", "training") + (() if encoder_only else ("bert", "cls"))
     if not all(hasattr(model, a) for a in parts):
@@ -289,10 +297,10 @@ def mask_tokens(input_ids: torch.Tensor, mask_id: int, vocab_size: int, *,
     can_mask = (torch.ones(shape, dtype=torch.bool, device=device) if can_mask is None
                 else _token_mask("can_mask", can_mask, shape, device))  # chapter 8's check
     generator = check_generator("generator", generator, device)
-    draw = dict(generator=generator, device=device)
-    chosen = (torch.rand(input_ids.shape, **draw) < p) & can_mask
-    kind = torch.rand(input_ids.shape, **draw)  # < 0.8: [MASK], < 0.9: a random id, else kept
-    random_ids = torch.randint(vocab_size, input_ids.shape, **draw)
+    chosen = (torch.rand(shape, generator=generator, device=device) < p) & can_mask
+    # kind < 0.8: [MASK], < 0.9: a random id, else kept
+    kind = torch.rand(shape, generator=generator, device=device)
+    random_ids = torch.randint(vocab_size, shape, generator=generator, device=device)
     corrupted = torch.where(chosen & (kind < 0.8), mask_id, input_ids)
     corrupted = torch.where(chosen & (kind >= 0.8) & (kind < 0.9), random_ids, corrupted)
     return corrupted, torch.where(chosen, input_ids, -100)

@@ -26,6 +26,7 @@ import os  # noqa: F811 (notebook)
 import re
 import subprocess
 import sys
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
@@ -76,7 +77,7 @@ def parameter_kinds(kernel: str) -> dict[str, str]:
     constant."""
     from attnbook import kernels
 
-    def kind(name: str, annotation) -> str:
+    def kind(name: str, annotation: object) -> str:
         if "constexpr" in str(annotation):
             return "constexpr"
         if name in ("LSE", "DELTA"):
@@ -95,9 +96,12 @@ def parameter_kinds(kernel: str) -> dict[str, str]:
             for name, p in inspect.signature(function).parameters.items()}
 
 
-def _signature(kernel: str, dtype: str) -> tuple[dict, dict, dict]:
+def _signature(kernel: str, dtype: str) -> tuple[dict[str, str], dict[str, object],
+                                                 dict[tuple[int], list[list[object]]]]:
     # Triton's signature, constants and attributes of `kernel` for the typical call above.
-    signature, constants, attrs = {}, {}, {}
+    signature: dict[str, str] = {}
+    constants: dict[str, object] = {}  # _compile_here adds booleans and sizes
+    attrs: dict[tuple[int], list[list[object]]] = {}
     for index, (name, kind) in enumerate(parameter_kinds(kernel).items()):
         signature[name] = {"*T": "*" + DTYPES[dtype], "1": "constexpr"}.get(kind,
                                                                            kind.removesuffix("/16"))
@@ -153,7 +157,8 @@ def _compile_here(kernel: str, gpu: str, dtype: str, head_dim: int, causal: bool
 
 
 # chapters/a4-compiling.md, "Appendix D: Compiling for GPUs the machine does not have"
-def compile_kernels(requests: list[dict], workers: int | None = None) -> list[Compiled]:
+def compile_kernels(requests: Sequence[dict[str, object]], workers: int | None = None
+                    ) -> list[Compiled]:
     """Compile the kernels of chapters 15 and 16 for GPUs that need not be present, in up to
     `workers` (at most 4) fresh processes, and report their resources. Each request names kernel, gpu, dtype (in
     KERNELS, GPUS, DTYPES), head_dim, and optionally causal (True), block and block_n (rows
@@ -167,7 +172,7 @@ def compile_kernels(requests: list[dict], workers: int | None = None) -> list[Co
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_ALWAYS_COMPILE": "1",
            "TRITON_DUMP_PTXAS_LOG": "1", "TRITON_DEFAULT_FP_FUSION": "1"}
 
-    def compile_in_child(chunk: list[dict]) -> list[Compiled]:
+    def compile_in_child(chunk: Sequence[dict[str, object]]) -> list[Compiled]:
         child = subprocess.run([sys.executable, "-c", _CHILD], input=json.dumps(chunk), env=env,
                                capture_output=True, text=True)  # reads stdout and stderr at once
         if child.returncode != 0:
@@ -185,7 +190,7 @@ _KEYS = ("kernel", "gpu", "dtype", "head_dim", "causal", "block", "block_n", "wa
 _SIZES = (16, 32, 64, 128)  # of a head, or of a tile's rows
 
 
-def _checked(request: dict) -> dict:
+def _checked(request: dict[str, object]) -> dict[str, object]:
     # The request with its defaults, checked here, since the child process takes it as it is.
     if not isinstance(request, dict) or not set(_KEYS[:4]) <= set(request):
         raise ValueError(f"a request must be a dict with kernel, gpu, dtype, head_dim: {request!r}")
@@ -207,7 +212,7 @@ def _checked(request: dict) -> dict:
     return r
 
 
-def _check_size(name: str, value, sizes: tuple = _SIZES) -> int:
+def _check_size(name: str, value: object, sizes: tuple[int, ...] = _SIZES) -> int:
     size = check_int(name, value)
     if size not in sizes:
         raise ValueError(f"{name} must be one of {sizes}, got {name}={value!r}")
@@ -220,11 +225,11 @@ def _main() -> None:
 
 
 # chapters/a4-compiling.md, "Appendix D: Compiling for GPUs the machine does not have"
-def choose_tiles(compiled: list[Compiled]) -> dict:
+def choose_tiles(compiled: Sequence[Compiled]) -> dict[tuple[str, int], int]:
     """{(kernel, head_dim): rows}: the largest of 64 and 32 rows that fits the shared memory of
     every GPU compiled for and spills no register on the A100 and the H100, else 16.
     `compiled` holds square tiles (block_n == block) of one dtype, on GPUS."""
-    ok = {}
+    ok: dict[tuple[str, int, int], bool] = {}  # (kernel, head_dim, rows): fits everywhere
     for c in check_instance("compiled", compiled, (list, tuple)):
         check_choice("compiled gpu", check_instance("compiled item", c, Compiled).gpu, GPUS)
         if c.block_n != c.block or c.dtype != compiled[0].dtype:
@@ -235,11 +240,13 @@ def choose_tiles(compiled: list[Compiled]) -> dict:
     return {(k, d): next((b for b in (64, 32) if ok.get((k, d, b))), 16) for k, d, _ in ok}
 
 
-def largest_tiles(dtype: str, head_dims=(16, 32, 64, 128), kernels=KERNELS,
-                  workers: int | None = None) -> dict:
+def largest_tiles(dtype: str, head_dims: Sequence[int] = (16, 32, 64, 128),
+                  kernels: Sequence[str] = KERNELS, workers: int | None = None
+                  ) -> dict[tuple[str, int], int]:
     """choose_tiles over 64- and 32-row tiles of `kernels` and `head_dims`, on all of GPUS."""
     check_instance("head_dims", head_dims, (tuple, list))
     check_instance("kernels", kernels, (tuple, list))  # a str would be iterated letter by letter
-    candidates = [dict(kernel=k, dtype=dtype, head_dim=d, block=b, gpu=g)
-                  for k in kernels for d in head_dims for b in (64, 32) for g in GPUS]
+    candidates: list[dict[str, object]] = [
+        dict(kernel=k, dtype=dtype, head_dim=d, block=b, gpu=g)
+        for k in kernels for d in head_dims for b in (64, 32) for g in GPUS]
     return choose_tiles(compile_kernels(candidates, workers))

@@ -22,6 +22,7 @@ import tracemalloc
 from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
 from attnbook.checks import (
@@ -48,7 +49,7 @@ def attention_flops(q_len: int, k_len: int, head_dim: int, num_heads: int = 1, b
     return 2 * batch * num_heads * pairs * (head_dim + value_dim)
 
 
-def _check_counts(**counts) -> list[int]:  # each of `counts` as an int of at least 1, in order
+def _check_counts(**counts: object) -> list[int]:  # each of `counts`, an int >= 1, in order
     return [check_int(name, value, minimum=1) for name, value in counts.items()]
 
 
@@ -61,7 +62,7 @@ def time_call(fn: Callable[[], object], repeats: int = 5, warmup: int = 1,
     repeats, warmup = check_int("repeats", repeats, minimum=1), check_int("warmup", warmup, 0)
     min_time_s = check_real("min_time_s", min_time_s, 0.0)
     cuda = device is not None and check_device("device", device).type == "cuda"
-    wait = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
+    wait: Callable[[], None] = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
     for _ in range(warmup):
         fn()
     best, spent, runs = math.inf, 0.0, 0
@@ -76,15 +77,15 @@ def time_call(fn: Callable[[], object], repeats: int = 5, warmup: int = 1,
 
 
 # chapters/12-cost.md, "Measuring the time"
-def loglog_slope(x: Sequence[float], y: Sequence[float]) -> float:
+def loglog_slope(x: npt.ArrayLike, y: npt.ArrayLike) -> float:
     """The least-squares slope of log(y) against log(x): p for y = c * x**p."""
-    x, y = (check_array(name, v).astype(np.float64) for name, v in (("x", x), ("y", y)))
-    for name, v in (("x", x), ("y", y)):
+    xs, ys = (check_array(name, v).astype(np.float64) for name, v in (("x", x), ("y", y)))
+    for name, v in (("x", xs), ("y", ys)):
         if v.ndim != 1 or v.size < 2 or not (np.isfinite(v) & (v > 0)).all():
             raise ValueError(f"{name} must be 1-D, of 2+ finite positive numbers, got {name}={v}")
-    if x.size != y.size or np.ptp(x) == 0:
-        raise ValueError(f"x and y must have the same length and x must vary, got x={x}, y={y}")
-    return float(np.polyfit(np.log(x), np.log(y), 1)[0])
+    if xs.size != ys.size or np.ptp(xs) == 0:
+        raise ValueError(f"x and y must have the same length and x must vary, got x={xs}, y={ys}")
+    return float(np.polyfit(np.log(xs), np.log(ys), 1)[0])
 
 
 # chapters/12-cost.md, "The memory of the score matrix"

@@ -14,6 +14,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -30,6 +31,8 @@ from attnbook.checks import (
 from attnbook.layers import ATTENTION_BACKENDS, Block, BlockConfig, _causal_mask
 from attnbook.masks import padding_mask
 from attnbook.positions import sinusoidal_encoding
+
+_Lengths = Sequence[int] | torch.Tensor | np.ndarray | None  # src_lengths: B ints, or None
 
 
 @dataclass(frozen=True)
@@ -57,7 +60,7 @@ class EncoderDecoderConfig:
     backend: str = "sdpa"
 
     def __post_init__(self) -> None:
-        def keep(name, value):  # the checked value, in a frozen dataclass
+        def keep(name: str, value: object) -> None:  # the checked value, in a frozen dataclass
             object.__setattr__(self, name, value)
 
         for name in ("src_vocab", "tgt_vocab", "d_model", "num_heads", "num_layers",
@@ -106,7 +109,9 @@ class _Embedding(nn.Module):
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # (B, L) -> (B, L, d_model)
-        return self.dropout(self.tokens(ids) * self.scale + self.positions[: ids.shape[1]])
+        out: torch.Tensor = self.dropout(self.tokens(ids) * self.scale
+                                         + self.positions[: ids.shape[1]])
+        return out
 
 
 # chapters/11-encoder-decoder.md, "The model"
@@ -131,28 +136,28 @@ class EncoderDecoder(nn.Module):
         x, mask = self.src_embed(src), src_padding[:, None, None, :]  # mask (B, 1, 1, Ls)
         for block in self.encoder:
             x = block(x, mask=mask)  # (B, Ls, d_model)
-        return self.encoder_norm(x)
+        memory: torch.Tensor = self.encoder_norm(x)
+        return memory
 
     # chapters/11-encoder-decoder.md, "The model"
-    def _decode(self, tgt_in: torch.Tensor, memory: torch.Tensor,
-                src_padding: torch.Tensor | None, return_weights: bool = False):
-        """Logits (B, Lt, tgt_vocab), and with `return_weights` the cross-attention weights."""
+    def _decode(self, tgt_in: torch.Tensor, memory: torch.Tensor, src_padding: torch.Tensor | None,
+                return_weights: bool = False) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """(Logits (B, Lt, tgt_vocab), [each block's cross-attention weights if return_weights])."""
         lt = tgt_in.shape[1]  # the target's own padding and the causal mask: (B, 1, Lt, Lt)
         self_mask = (tgt_in != self.config.pad_id)[:, None, None, :] & _causal_mask(
             lt, lt, tgt_in.device)
         cross_mask = None if src_padding is None else src_padding[:, None, None, :]  # (B,1,1,Ls)
-        x, weights = self.tgt_embed(tgt_in), []  # (B, Lt, d_model)
+        x, weights = self.tgt_embed(tgt_in), []  # (B, Lt, d_model), list[torch.Tensor]
         for block in self.decoder:
             x = block(x, mask=self_mask, context=memory, context_mask=cross_mask,
                       return_weights=return_weights)
             if return_weights:  # only then do the blocks compute the weights
                 x, _, cross_weights = x
                 weights.append(cross_weights)
-        logits = self.lm_head(self.decoder_norm(x))
-        return (logits, weights) if return_weights else logits
+        return self.lm_head(self.decoder_norm(x)), weights
 
     # chapters/11-encoder-decoder.md, "The model"
-    def _source(self, src, src_lengths) -> tuple[torch.Tensor, torch.Tensor]:
+    def _source(self, src: torch.Tensor, src_lengths: _Lengths) -> tuple[torch.Tensor, torch.Tensor]:
         """`src` checked, as int64 ids (B, Ls), and its padding mask (B, Ls)."""
         src = _check_ids("src", src, self.config.src_vocab, self.config.context_length)
         if src_lengths is None:
@@ -171,23 +176,24 @@ class EncoderDecoder(nn.Module):
         lengths = [check_int(f"src_lengths[{i}]", n, 1, ls) for i, n in enumerate(values)]
         return src, padding_mask(lengths, ls, device=src.device)
 
-    def source_padding(self, src: torch.Tensor, src_lengths=None) -> torch.Tensor:
+    def source_padding(self, src: torch.Tensor, src_lengths: _Lengths = None) -> torch.Tensor:
         """(B, Ls) bool, True at real source tokens (chapter 6's padding mask)."""
         return self._source(src, src_lengths)[1]
 
     # chapters/11-encoder-decoder.md, "The model"
-    def forward(self, src: torch.Tensor, tgt_in: torch.Tensor, src_lengths=None) -> torch.Tensor:
+    def forward(self, src: torch.Tensor, tgt_in: torch.Tensor, src_lengths: _Lengths = None
+                ) -> torch.Tensor:
         src, src_padding = self._source(src, src_lengths)
         tgt_in = _check_ids("tgt_in", tgt_in, self.config.tgt_vocab, self.config.context_length,
                             batch=src.shape[0])
-        return self._decode(tgt_in, self._encode(src, src_padding), src_padding)
+        return self._decode(tgt_in, self._encode(src, src_padding), src_padding)[0]
 
-    def encode(self, src: torch.Tensor, src_lengths=None) -> torch.Tensor:
+    def encode(self, src: torch.Tensor, src_lengths: _Lengths = None) -> torch.Tensor:
         """The encoder's output, the `memory` (B, Ls, d_model)."""
         return self._encode(*self._source(src, src_lengths))
 
     def greedy_decode(self, src: torch.Tensor, max_new_tokens: int | None = None,
-                      src_lengths=None) -> torch.Tensor:
+                      src_lengths: _Lengths = None) -> torch.Tensor:
         """Target ids (B, T <= max_new_tokens, default config.context_length): each row the
         tokens after BOS up to EOS, then pad_id. Runs in eval mode without gradients, then
         restores each module's mode."""
@@ -199,7 +205,8 @@ class EncoderDecoder(nn.Module):
 
     # chapters/11-encoder-decoder.md, "The model"
     def decode(self, tgt_in: torch.Tensor, memory: torch.Tensor,
-               src_padding: torch.Tensor | None = None, return_weights: bool = False):
+               src_padding: torch.Tensor | None = None, return_weights: bool = False
+               ) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
         """Logits (B, Lt, tgt_vocab) for `tgt_in` given `memory` (B, Ls, d_model) and
         `src_padding` (B, Ls), True at real source tokens (None: all); with `return_weights`, also
         each decoder block's cross-attention weights (B, nh, Lt, Ls)."""
@@ -214,11 +221,13 @@ class EncoderDecoder(nn.Module):
             check_mask("src_padding", src_padding, shape)
             if src_padding.shape != shape:  # a (1, Ls) mask would broadcast over the batch
                 raise ValueError(f"src_padding of shape {tuple(src_padding.shape)} is not {shape}")
-        return self._decode(tgt_in, memory, src_padding, return_weights)
+        logits, weights = self._decode(tgt_in, memory, src_padding, return_weights)
+        return (logits, weights) if return_weights else logits
 
 
 # chapters/11-encoder-decoder.md, "The model"
-def _traced_padding(lengths: torch.Tensor, wanted: str, ls: int, device) -> torch.Tensor:
+def _traced_padding(lengths: torch.Tensor, wanted: str, ls: int, device: torch.device
+                    ) -> torch.Tensor:
     """The padding mask (B, ls) of a (B,) tensor of lengths, under torch.compile: the values are
     checked inside the graph (a RuntimeError when it runs), not read into Python (appendix A)."""
     if lengths.dtype == torch.bool or lengths.is_floating_point() or lengths.is_complex():
@@ -227,7 +236,8 @@ def _traced_padding(lengths: torch.Tensor, wanted: str, ls: int, device) -> torc
     return torch.arange(ls, device=device)[None, :] < lengths.to(device)[:, None]  # (B, ls)
 
 
-def _check_ids(name: str, ids, vocab: int, longest: int, batch: int | None = None) -> torch.Tensor:
+def _check_ids(name: str, ids: torch.Tensor, vocab: int, longest: int, batch: int | None = None
+               ) -> torch.Tensor:
     ids = check_token_ids(name, ids, vocab, shape=(batch, None))
     check_int(f"{name}'s length", ids.shape[1], minimum=1, maximum=longest)
     return ids
@@ -245,7 +255,7 @@ def _greedy_decode(model: EncoderDecoder, src: torch.Tensor, src_padding: torch.
         out = torch.full((src.shape[0], 1), c.bos_id, device=src.device)  # (B, 1 + steps)
         done = torch.zeros(src.shape[0], dtype=torch.bool, device=src.device)  # (B,)
         for _ in range(steps):
-            next_id = model._decode(out, memory, src_padding)[:, -1].argmax(-1)  # (B,)
+            next_id = model._decode(out, memory, src_padding)[0][:, -1].argmax(-1)  # (B,)
             out = torch.cat([out, next_id.masked_fill(done, c.pad_id)[:, None]], dim=1)
             done |= next_id == c.eos_id
             if done.all():  # the one read of a result per step: every row has ended

@@ -14,6 +14,7 @@ __all__ = [
 
 # chapters/02-scaling.md, "An experiment with random queries and keys"
 import numpy as np
+import numpy.typing as npt
 
 from attnbook.attention import compute_dtype, softmax
 from attnbook.checks import check_array, check_bool, check_int
@@ -48,14 +49,14 @@ def softmax_peak(d: int, num_keys: int = 8, trials: int = 10_000, scaled: bool =
 
 
 # chapters/02-scaling.md, "What saturation does to gradients"
-def softmax_jacobian(scores) -> np.ndarray:
+def softmax_jacobian(scores: npt.ArrayLike) -> np.ndarray:
     """Jacobian diag(p) - p p^T of the softmax over the last axis: (..., n) -> (..., n, n), entry
     [..., i, j] = d p_i / d scores_j. A masked key (score -inf) gets a zero row and column."""
     scores = check_array("scores", scores)
     if scores.ndim == 0 or scores.shape[-1] == 0:
         raise ValueError(f"scores must have shape (..., n) with n >= 1, got shape {scores.shape}")
     p = softmax(scores.astype(compute_dtype(scores.dtype), copy=False), axis=-1)  # (..., n)
-    jacobian = p[..., :, None] * (np.eye(p.shape[-1], dtype=p.dtype) - p[..., None, :])
+    jacobian: np.ndarray = p[..., :, None] * (np.eye(p.shape[-1], dtype=p.dtype) - p[..., None, :])
     return jacobian.astype(scores.dtype, copy=False)  # float16 computed in float32
 
 

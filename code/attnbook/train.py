@@ -245,8 +245,10 @@ def _interrupted(options: argparse.Namespace, argv: list[str]) -> str:
     if options.command == "sample":
         return "stopped by Ctrl-C"
     again = ["gpt", "--resume", "--out", str(options.out)]
-    launcher = (PROGRAM if "WORLD_SIZE" not in os.environ
-                else "torchrun <the same torchrun options> -m attnbook.train")
+    torchrun = False
+    with contextlib.suppress(ValueError):  # a partial torchrun environment: refused at the start
+        torchrun = _under_torchrun()
+    launcher = "torchrun <the same torchrun options> -m attnbook.train" if torchrun else PROGRAM
     return (f"stopped by Ctrl-C: {_last_checkpoint(options.out)}. To resume:\n  {launcher} "
             f"{shlex.join(again)}")
 
@@ -266,11 +268,27 @@ def _last_checkpoint(out: Path) -> str:
     return f"the last checkpoint is {latest} (step {int(latest.name[5:])})"
 
 
+_TORCHRUN = ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")  # torchrun sets with WORLD_SIZE
+
+
+def _under_torchrun() -> bool:
+    """Whether torchrun started this process: WORLD_SIZE and the variables set with it. No
+    WORLD_SIZE, or WORLD_SIZE=1 alone, is one process; a partial environment is a ValueError."""
+    world = os.environ.get("WORLD_SIZE")
+    missing = [name for name in _TORCHRUN if name not in os.environ]
+    if world is None or (world == "1" and len(missing) == len(_TORCHRUN)):
+        return False
+    if missing:
+        raise ValueError(f"WORLD_SIZE={world} is set, as torchrun sets it, but not "
+                         f"{', '.join(missing)}: start it with torchrun, or unset WORLD_SIZE")
+    return True
+
+
 def _start_processes() -> tuple[int, int, torch.device]:
     """This process's rank, the number of processes and its device; under torchrun, joins the
     process group (NCCL on GPUs, gloo on CPUs)."""
     gpu = torch.cuda.is_available()
-    if "WORLD_SIZE" not in os.environ:  # plain python: one process
+    if not _under_torchrun():  # plain python, or WORLD_SIZE=1 alone: one process
         return 0, 1, torch.device("cuda" if gpu else "cpu")
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if gpu else torch.device("cpu")
     if gpu:

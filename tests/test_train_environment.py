@@ -1,0 +1,55 @@
+"""The installed `attnbook-train` under a torchrun environment that torchrun did not set (issue 37):
+WORLD_SIZE=1 alone trains on one process, as without torchrun; WORLD_SIZE>1 without the variables
+torchrun sets with it (RANK, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) is refused in one line, exit
+status 1, naming what is missing, with nothing written."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+COMMAND = Path(sys.executable).with_name("attnbook-train")
+TINY = ["--d-model", "32", "--layers", "2", "--heads", "2", "--context", "16",
+        "--global-batch", "4", "--dropout", "0", "--dtype", "float64", "--seed", "3"]
+TORCHRUN = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+            "GROUP_RANK", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_USE_AGENT_STORE")
+
+
+def installed(out: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    """`attnbook-train gpt` for 2 steps into `out`, with torchrun's variables replaced by `env`."""
+    clean = {k: v for k, v in os.environ.items() if k not in TORCHRUN}
+    return subprocess.run([str(COMMAND), "gpt", *TINY, "--steps", "2", "--out", str(out)],
+                          capture_output=True, text=True, timeout=240,
+                          env={**clean, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1", **env})
+
+
+def steps_logged(out: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in (out / "log.jsonl").read_text().splitlines()]
+
+
+def test_world_size_1_alone_trains_as_one_process(tmp_path):
+    alone = installed(tmp_path / "alone", WORLD_SIZE="1")
+    assert alone.returncode == 0, alone.stderr[-3000:]
+    plain = installed(tmp_path / "plain")  # the reference: no torchrun variable at all
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    assert steps_logged(tmp_path / "alone") == steps_logged(tmp_path / "plain") == [1, 2]
+    assert (tmp_path / "alone" / "model.pt").read_bytes() == (tmp_path / "plain" /
+                                                             "model.pt").read_bytes()
+
+
+@pytest.mark.parametrize(("env", "missing"), [
+    ({"WORLD_SIZE": "2"}, "RANK, LOCAL_RANK, MASTER_ADDR, MASTER_PORT"),
+    ({"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}, "MASTER_ADDR, MASTER_PORT"),
+    ({"WORLD_SIZE": "1", "RANK": "0", "MASTER_ADDR": "localhost"}, "LOCAL_RANK, MASTER_PORT"),
+])
+def test_a_partial_torchrun_environment_is_refused_in_one_line(tmp_path, env, missing):
+    done = installed(tmp_path / "run", **env)
+    assert done.returncode == 1, done.stderr[-3000:]
+    said = done.stderr
+    assert said.count("\n") == 1 and "Traceback" not in said, said
+    assert said.startswith(f"attnbook-train: error: WORLD_SIZE={env['WORLD_SIZE']} ")
+    assert f"not {missing}:" in said and "torchrun" in said
+    assert not (tmp_path / "run" / "log.jsonl").exists()
