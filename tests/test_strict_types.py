@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-CLEAN = ("attention", "checks", "corpus", "efficient", "masks", "notebook", "tiling", "train",
-         "train_command", "vit", "viz")
+CLEAN = ("attention", "checks", "corpus", "efficient", "masks", "notebook", "recipe", "tiling",
+         "train", "train_command", "vit", "viz")
 
 
 def test_mypy_strict_finds_no_error_in_the_clean_modules():
