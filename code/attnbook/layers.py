@@ -279,7 +279,7 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, context: torch.Tensor | None = None,
                 mask: torch.Tensor | None = None, is_causal: bool = False,
-                return_weights: bool = False, cache: "LayerCache | None" = None,  # noqa: F821
+                return_weights: bool = False, cache: Any = None,  # chapter 4's LayerCache
                 position_ids: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Attend from x (B, Lq, d_model) to context (B, Lk, d_model; default x): the outputs
@@ -303,7 +303,7 @@ class Attention(nn.Module):
 
     def _attend_with(self, x: torch.Tensor, context: torch.Tensor | None,
                      mask: torch.Tensor | None, is_causal: bool, return_weights: bool,
-                     cache: "LayerCache | None",  # noqa: F821 (chapter 4's)
+                     cache: Any,
                      position_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """forward with a context, a cache or the weights asked for."""
         q, k, v = self._heads(x, x if context is None else context)
@@ -347,7 +347,7 @@ class MultiHeadAttention(Attention):
     def forward(  # type: ignore[override]  # no position_ids; the weights only when asked
             self, x: torch.Tensor, context: torch.Tensor | None = None,
             mask: torch.Tensor | None = None, is_causal: bool = False,
-            return_weights: bool = False, cache: "LayerCache | None" = None  # noqa: F821
+            return_weights: bool = False, cache: Any = None
             ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
         """Attention.forward, after checking the call, without `position_ids` (positions count
         from the cache's length): the outputs, and the weights only with `return_weights`."""
