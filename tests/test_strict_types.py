@@ -11,7 +11,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 CLEAN = ("__init__", "attention", "bert", "checks", "compile_check", "corpus", "cost",
-         "efficient", "encdec", "exercises", "masks", "notebook", "positions", "scaling", "tiling",
+         "efficient", "encdec", "exercises", "masks", "notebook", "positions", "recipe", "scaling",
+         "tiling",
          "train", "train_command", "vit", "viz")
 
 

@@ -35,7 +35,7 @@ import numbers
 import operator
 import os
 from collections.abc import Collection
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, TypeVar, cast
 
 import numpy as np
 
@@ -259,11 +259,10 @@ def check_token_ids(name: str, ids: object, vocab_size: int, shape: _Shape = Non
 
     if type(vocab_size) is not int or not 1 <= vocab_size <= _INT64_MAX:  # a model's own: no call
         vocab_size = check_int("vocab_size", vocab_size, 1, _INT64_MAX)  # ids are int64
-    if (not isinstance(ids, torch.Tensor) or ids.dtype != torch.int64 or ids.is_meta
-            or ids.layout != torch.strided):
-        ids = _as_int64(name, ids, vocab_size, shape, device)  # refuses what holds no ids
-    elif shape is not None or device is not None:
-        _check_shape_and_device(name, ids, shape, device)
+    given = (getattr(ids, "dtype", None), getattr(ids, "layout", None),
+             getattr(ids, "is_meta", None), shape, device)  # one comparison for the usual case,
+    plain = given == (torch.int64, torch.strided, False, None, None)  # dense int64 ids with values
+    ids = cast("torch.Tensor", ids) if plain else _as_int64(name, ids, vocab_size, shape, device)
     if torch.compiler.is_compiling():  # a read would cut the graph: the graph checks, and
         in_range = ((ids >= 0) & (ids < vocab_size)).all()  # raises RuntimeError when it runs
         torch._assert_async(in_range, f"{name} must lie in [0, vocab_size={vocab_size})")

@@ -14,7 +14,9 @@ __all__ = [
 
 # chapters/10-gpt.md, "The model"
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +39,7 @@ from attnbook.checks import (
 from attnbook.layers import Block, BlockConfig, LayerCache, RMSNorm
 
 
+# chapters/10-gpt.md, "The model"
 @dataclass(frozen=True)
 class GPTConfig:
     """The sizes of a GPT (GPT-2 small's by default)."""
@@ -93,7 +96,7 @@ class GPTConfig:
                            positions={"learned": "none"}.get(self.positions, self.positions))
 
     @classmethod
-    def llama(cls, **fields) -> "GPTConfig":
+    def llama(cls, **fields: Any) -> "GPTConfig":
         """Llama's choices, then `fields`: RoPE, RMSNorm, SwiGLU, no biases, untied, no dropout,
         and a feed-forward width of 2/3 * 4 * d_model rounded up to a multiple of 256."""
         d = fields.get("d_model", cls.d_model)
@@ -127,7 +130,7 @@ class GPT(nn.Module):
                 nn.init.normal_(module.weight, mean=0.0, std=0.02)
             if isinstance(module, nn.Linear) and module.bias is not None:
                 nn.init.zeros_(module.bias)
-        for block in self.blocks:
+        for block in cast("list[Block]", self.blocks):
             for proj in (block.self_attn.out_proj, block.ff.fc2):  # residual-stream writers
                 nn.init.normal_(proj.weight, mean=0.0, std=0.02 / math.sqrt(2 * c.num_layers))
 
@@ -135,6 +138,76 @@ class GPT(nn.Module):
                 attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (B, T, vocab_size); with `kv_cache`, idx continues its positions, no grads.
         `attention_mask` (B, cached + T): 1 at a real token, 0 at padding (chapter 19)."""
+        if kv_cache is not None or attention_mask is not None:  # the sections that follow
+            return self._forward_cached(idx, kv_cache, attention_mask)
+        idx = _check_idx(self, idx, self.config.context_length)
+        positions = torch.arange(idx.shape[1], device=idx.device)[None]  # (1, T)
+        return self._run(idx, positions, None, [None] * len(self.blocks))
+
+    def _run(self, idx: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None,
+             caches: Sequence[LayerCache | None]) -> torch.Tensor:
+        """Logits (B, T, vocab_size) of checked idx (B, T) at position_ids, for every block."""
+        x = self.emb_norm(self.tok_emb(idx))  # (B, T, d_model)
+        x = self.drop(x + (0 if self.pos_emb is None else self.pos_emb(position_ids)))
+        for block, cache in zip(self.blocks, caches):
+            x = block(x, mask, True, cache=cache, position_ids=position_ids)  # (B, T, d_model)
+        head = self.tok_emb.weight if self.lm_head is None else self.lm_head.weight  # tied?
+        return F.linear(self.norm_f(x), head)  # (B, T, vocab_size)
+
+    # chapters/10-gpt.md, "GPT-2's weights"
+    @classmethod
+    def from_hf_gpt2(cls, model: Any) -> "GPT":  # a GPT2LMHeadModel
+        """A GPT with the weights, device, dtype and mode of a transformers GPT2LMHeadModel."""
+        hf: Any = getattr(model, "config", None)
+        body: Any = getattr(model, "transformer", None)
+        if getattr(hf, "model_type", None) != "gpt2" or not hasattr(model, "lm_head"):
+            raise TypeError(f"model must be a GPT2LMHeadModel, got {type(model).__name__}")
+        supported = {"activation_function": ("gelu_new", "gelu_pytorch_tanh"),
+                     "scale_attn_weights": (True,), "scale_attn_by_inverse_layer_idx": (False,),
+                     "add_cross_attention": (False,)}
+        for name, allowed in supported.items():
+            if (value := getattr(hf, name)) not in allowed:
+                raise ValueError(f"model.config.{name}={value!r} is not supported (only {allowed})")
+        if not torch.equal(model.lm_head.weight, body.wte.weight):
+            raise ValueError("model.lm_head.weight must equal model.transformer.wte.weight (tied)")
+        (vocab, d), attn = body.wte.weight.shape, body.h[0].attn  # sizes from the modules
+        if (d_ff := body.h[0].mlp.c_fc.weight.shape[1]) != 4 * d:
+            raise ValueError(f"model's feed-forward width {d_ff} is not 4 * {d}, GPT-2's")
+        rates = {"resid_pdrop": attn.resid_dropout.p, "attn_pdrop": attn.attn_dropout.p,
+                 "embd_pdrop": body.drop.p}
+        if len(set(rates.values())) > 1:
+            raise ValueError(f"model's dropout rates differ, {rates}: GPTConfig has one rate")
+        config = GPTConfig(vocab_size=vocab, context_length=body.wpe.weight.shape[0], d_model=d,
+                           num_layers=len(body.h), num_heads=attn.num_heads, eps=body.ln_f.eps,
+                           dropout=attn.resid_dropout.p)
+        ours = cls(config).to(device=body.wte.weight.device, dtype=body.wte.weight.dtype)
+        with torch.no_grad():
+            ours.tok_emb.weight.copy_(body.wte.weight)
+            cast(nn.Embedding, ours.pos_emb).weight.copy_(body.wpe.weight)
+            ours.norm_f.load_state_dict(body.ln_f.state_dict())
+            for block, theirs in zip(cast("list[Block]", ours.blocks), body.h, strict=True):
+                sa = block.self_attn
+                for i, proj in enumerate((sa.q_proj, sa.k_proj, sa.v_proj)):  # c_attn: [q | k | v]
+                    _copy_conv1d(proj, theirs.attn.c_attn, slice(i * d, (i + 1) * d))
+                _copy_conv1d(sa.out_proj, theirs.attn.c_proj)
+                _copy_conv1d(block.ff.fc1, theirs.mlp.c_fc)
+                _copy_conv1d(block.ff.fc2, theirs.mlp.c_proj)
+                block.attn_norm.load_state_dict(theirs.ln_1.state_dict())
+                block.ff_norm.load_state_dict(theirs.ln_2.state_dict())
+        return ours.train(model.training)
+
+    # chapters/10-gpt.md, "The KV cache"
+    def make_kv_cache(self, batch_size: int, capacity: int | None = None) -> "KVCache":
+        """An empty KVCache in the model's dtype and device, of `capacity` <= context_length."""
+        c, weight = self.config, self.tok_emb.weight
+        capacity = check_int("capacity", c.context_length if capacity is None else capacity,
+                             maximum=c.context_length)  # KVCache checks that it is at least 1
+        return KVCache(c.num_layers, batch_size, c.kv_heads, capacity, c.head_dim,
+                       weight.dtype, weight.device)
+
+    def _forward_cached(self, idx: torch.Tensor, kv_cache: "KVCache | None",
+                        attention_mask: torch.Tensor | None) -> torch.Tensor:
+        """forward with a KV cache or a padded batch's attention_mask."""
         idx = _check_idx(self, idx, self.config.context_length if kv_cache is None else math.inf)
         cached = 0 if kv_cache is None else _check_kv_cache(self, kv_cache, idx)
         real = None if attention_mask is None and getattr(kv_cache, "attention_mask", None) is None \
@@ -144,27 +217,15 @@ class GPT(nn.Module):
 
     def _logits(self, idx: torch.Tensor, kv_cache: "KVCache | None",
                 real: torch.Tensor | None = None) -> torch.Tensor:
-        # forward's computation, on arguments already checked (generate checks them once a call)
+        # the cache's and the padding's positions and mask, on checked arguments (generate's too)
         start, caches = (0, [None] * len(self.blocks)) if kv_cache is None else \
             (kv_cache.length, kv_cache.layers)
         position_ids, mask = torch.arange(start, start + idx.shape[1], device=idx.device)[None], None
         if real is not None:  # a padded batch: each row's own positions, padding masked
             position_ids, mask = _padded(real, start, idx.shape[1], kv_cache)  # noqa: F821 (ch. 19)
-        x = self.emb_norm(self.tok_emb(idx)) + (0 if self.pos_emb is None else self.pos_emb(position_ids))
-        x = self.drop(x)  # (B, T, d_model)
-        for block, cache in zip(self.blocks, caches):
-            x = block(x, mask, True, cache=cache, position_ids=position_ids)  # (B, T, d_model)
-        head = self.tok_emb.weight if self.lm_head is None else self.lm_head.weight  # tied?
-        return F.linear(self.norm_f(x), head)  # (B, T, vocab_size)
+        return self._run(idx, position_ids, mask, caches)
 
-    def make_kv_cache(self, batch_size: int, capacity: int | None = None) -> "KVCache":
-        """An empty KVCache in the model's dtype and device, of `capacity` <= context_length."""
-        c, weight = self.config, self.tok_emb.weight
-        capacity = check_int("capacity", c.context_length if capacity is None else capacity,
-                             maximum=c.context_length)  # KVCache checks that it is at least 1
-        return KVCache(c.num_layers, batch_size, c.kv_heads, capacity, c.head_dim,
-                       weight.dtype, weight.device)
-
+    # chapters/10-gpt.md, "Generating text"
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
                  top_k: int | None = None, use_cache: bool = True,
@@ -199,46 +260,6 @@ class GPT(nn.Module):
         if not finite:  # read once per call: a test per token would wait for the GPU each time
             raise ValueError("the model's logits are not all finite, so no token can be chosen")
         return seq
-
-    @classmethod
-    def from_hf_gpt2(cls, model: nn.Module) -> "GPT":
-        """A GPT with the weights, device, dtype and mode of a transformers GPT2LMHeadModel."""
-        hf, body = getattr(model, "config", None), getattr(model, "transformer", None)
-        if getattr(hf, "model_type", None) != "gpt2" or not hasattr(model, "lm_head"):
-            raise TypeError(f"model must be a GPT2LMHeadModel, got {type(model).__name__}")
-        supported = {"activation_function": ("gelu_new", "gelu_pytorch_tanh"),
-                     "scale_attn_weights": (True,), "scale_attn_by_inverse_layer_idx": (False,),
-                     "add_cross_attention": (False,)}
-        for name, allowed in supported.items():
-            if (value := getattr(hf, name)) not in allowed:
-                raise ValueError(f"model.config.{name}={value!r} is not supported (only {allowed})")
-        if not torch.equal(model.lm_head.weight, body.wte.weight):
-            raise ValueError("model.lm_head.weight must equal model.transformer.wte.weight (tied)")
-        (vocab, d), attn = body.wte.weight.shape, body.h[0].attn  # sizes from the modules
-        if (d_ff := body.h[0].mlp.c_fc.weight.shape[1]) != 4 * d:
-            raise ValueError(f"model's feed-forward width {d_ff} is not 4 * {d}, GPT-2's")
-        rates = {"resid_pdrop": attn.resid_dropout.p, "attn_pdrop": attn.attn_dropout.p,
-                 "embd_pdrop": body.drop.p}
-        if len(set(rates.values())) > 1:
-            raise ValueError(f"model's dropout rates differ, {rates}: GPTConfig has one rate")
-        config = GPTConfig(vocab_size=vocab, context_length=body.wpe.weight.shape[0], d_model=d,
-                           num_layers=len(body.h), num_heads=attn.num_heads, eps=body.ln_f.eps,
-                           dropout=attn.resid_dropout.p)
-        ours = cls(config).to(device=body.wte.weight.device, dtype=body.wte.weight.dtype)
-        with torch.no_grad():
-            ours.tok_emb.weight.copy_(body.wte.weight)
-            ours.pos_emb.weight.copy_(body.wpe.weight)
-            ours.norm_f.load_state_dict(body.ln_f.state_dict())
-            for block, theirs in zip(ours.blocks, body.h, strict=True):  # ln_1, attn, ln_2, mlp
-                sa = block.self_attn
-                for i, proj in enumerate((sa.q_proj, sa.k_proj, sa.v_proj)):  # c_attn: [q | k | v]
-                    _copy_conv1d(proj, theirs.attn.c_attn, slice(i * d, (i + 1) * d))
-                _copy_conv1d(sa.out_proj, theirs.attn.c_proj)
-                _copy_conv1d(block.ff.fc1, theirs.mlp.c_fc)
-                _copy_conv1d(block.ff.fc2, theirs.mlp.c_proj)
-                block.attn_norm.load_state_dict(theirs.ln_1.state_dict())
-                block.ff_norm.load_state_dict(theirs.ln_2.state_dict())
-        return ours.train(model.training)
 
     # chapters/19-gpt-variants.md, "Llama's weights"
     @classmethod
@@ -332,41 +353,19 @@ class GPT(nn.Module):
         return ours.train(model.training)
 
 
-def _check_idx(model: GPT, idx, longest: float = math.inf) -> torch.Tensor:
+# chapters/10-gpt.md, "The model"
+def _check_idx(model: "GPT", idx: object, longest: float = math.inf) -> torch.Tensor:
     """idx (B, T) as int64 ids of the vocabulary on the model's device, T at most `longest`."""
     idx, device = check_token_ids("idx", idx, model.config.vocab_size), model.tok_emb.weight.device
-    if idx.dim() != 2 or 0 in idx.shape:
-        raise ValueError(f"idx must have shape (B, T), B and T at least 1, got shape {tuple(idx.shape)}")
-    if idx.shape[1] > longest:
-        raise ValueError(f"idx.shape[1] must be at most context_length={longest}, got {idx.shape[1]}")
-    if idx.device != device:
-        raise ValueError(f"idx must be on the model's device {device}, got idx on {idx.device}")
+    if (idx.dim(), 0 in idx.shape, idx.device) != (2, False, device) or idx.shape[1] > longest:
+        raise ValueError(f"idx must have shape (B, T), B and T at least 1, T at most context_length="
+                         f"{longest}, on the model's device {device}: got shape "
+                         f"{tuple(idx.shape)} on {idx.device}")
     return idx
 
 
-def _check_kv_cache(model: GPT, kv_cache, idx: torch.Tensor) -> int:
-    """The positions kv_cache holds, after checking that it is the model's and that idx's
-    (B, n) fit after them."""
-    c, (b, n) = model.config, idx.shape
-    cache = check_instance("kv_cache", kv_cache, KVCache)
-    layers, batch = cache.keys.shape[:2]
-    if (layers, batch) != (c.num_layers, b):
-        raise ValueError(f"kv_cache was made for {layers} layers and batch_size={batch}, but idx "
-                         f"has batch size {b} and the model {c.num_layers} layers")
-    weight = model.tok_emb.weight  # the layers' keys and values come out in its dtype and device
-    check_tensor("kv_cache.keys", cache.keys, dtype=weight.dtype, device=weight.device,
-                 shape=(None, None, c.kv_heads, None, c.head_dim))
-    if any(layer.length != cache.length for layer in cache.layers):  # only an interrupted call
-        raise RuntimeError(f"the layers hold {[layer.length for layer in cache.layers]} "
-                           "positions: reset() the cache")
-    if cache.length + n > min(cache.capacity, c.context_length):  # one made by hand may hold more
-        raise ValueError(f"idx of length {n} does not fit: kv_cache holds {cache.length} positions "
-                         f"of its capacity {cache.capacity}, at most context_length={c.context_length}")
-    return cache.length
-
-
 # chapters/10-gpt.md, "GPT-2's weights"
-def _copy_conv1d(linear: nn.Linear, conv: nn.Module, columns: slice = slice(None)) -> None:
+def _copy_conv1d(linear: nn.Linear, conv: Any, columns: slice = slice(None)) -> None:
     """nn.Linear <- the output `columns` of GPT-2's Conv1D, whose weight is (in, out)."""
     linear.weight.copy_(conv.weight[:, columns].T)
     linear.bias.copy_(conv.bias[columns])
@@ -412,8 +411,31 @@ class KVCache:
                 f"capacity={c}, head_dim={hd}, dtype={self.keys.dtype}, nbytes={self.nbytes})")
 
 
+# chapters/10-gpt.md, "The KV cache"
+def _check_kv_cache(model: "GPT", kv_cache: object, idx: torch.Tensor) -> int:
+    """The positions kv_cache holds, after checking that it is the model's and that idx's
+    (B, n) fit after them."""
+    c, (b, n) = model.config, idx.shape
+    cache = check_instance("kv_cache", kv_cache, KVCache)
+    layers, batch = cache.keys.shape[:2]
+    if (layers, batch) != (c.num_layers, b):
+        raise ValueError(f"kv_cache was made for {layers} layers and batch_size={batch}, but idx "
+                         f"has batch size {b} and the model {c.num_layers} layers")
+    weight = model.tok_emb.weight  # the layers' keys and values come out in its dtype and device
+    check_tensor("kv_cache.keys", cache.keys, dtype=weight.dtype, device=weight.device,
+                 shape=(None, None, c.kv_heads, None, c.head_dim))
+    if any(layer.length != cache.length for layer in cache.layers):  # only an interrupted call
+        raise RuntimeError(f"the layers hold {[layer.length for layer in cache.layers]} "
+                           "positions: reset() the cache")
+    if cache.length + n > min(cache.capacity, c.context_length):  # one made by hand may hold more
+        raise ValueError(f"idx of length {n} does not fit: kv_cache holds {cache.length} positions "
+                         f"of its capacity {cache.capacity}, at most context_length={c.context_length}")
+    return cache.length
+
+
 # chapters/10-gpt.md, "Generating text"
-def _next_token(logits: torch.Tensor, temperature: float, top_k, generator) -> torch.Tensor:
+def _next_token(logits: torch.Tensor, temperature: float, top_k: int | None,
+                generator: torch.Generator | None) -> torch.Tensor:
     """One token id per row of logits (B, V) -> (B, 1) (chapter 10, "Generating text").
 
     A non-finite logit is read as 0: the caller refuses such logits (GPT.generate, once)."""
@@ -444,7 +466,7 @@ class CharTokenizer:
             raise ValueError(f"text holds characters outside the vocabulary: {unknown[:10]}")
         return torch.tensor([self.stoi[ch] for ch in text], dtype=torch.int64)
 
-    def decode(self, ids) -> str:
+    def decode(self, ids: object) -> str:
         ids = torch.as_tensor(ids).flatten()
         ids = check_token_ids("ids", ids if len(ids) else ids.long(), self.vocab_size)  # [] is fine
         return "".join(self.itos[i] for i in ids.tolist())

@@ -27,7 +27,9 @@ __all__ = [
 ]
 
 # chapters/03-heads.md, "The attention core"
+from collections.abc import Callable  # noqa: F401 (chapter 7's activations)
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -104,7 +106,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     return _attend(q, k, v, mask, check_probability("dropout_p", dropout_p), check_scale(scale, d))
 
 
-def _check_qkv(q, k, v) -> tuple[torch.Tensor, ...]:
+def _check_qkv(q: object, k: object, v: object) -> tuple[torch.Tensor, ...]:
     q = check_tensor("q", q, 4)
     b, h, _, d = q.shape
     k = check_tensor("k", k, 4, dtype=q.dtype, device=q.device, shape=(b, None, None, d))
@@ -136,6 +138,15 @@ def _sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
                     is_causal: bool, dropout_p: float) -> torch.Tensor:
     """attend's outputs by PyTorch's SDPA; float16 and bfloat16 on a CPU go to attend, which
     computes them in float32, as it does on every device."""
+    if mask is not None or q.shape[2] != k.shape[2] or q.element_size() == 2:
+        return _sdpa_general(q, k, v, mask, is_causal, dropout_p)  # the cases SDPA needs help in
+    return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=is_causal,
+                                          enable_gqa=q.shape[1] != k.shape[1])
+
+
+def _sdpa_general(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                  is_causal: bool, dropout_p: float) -> torch.Tensor:
+    """_sdpa_attention with a mask, unequal lengths or two-byte numbers."""
     if q.device.type == "cpu" and q.element_size() == 2:
         return _explicit_attention(q, k, v, mask, is_causal, dropout_p)
     if is_causal and (mask is not None or q.shape[2] != k.shape[2]):  # SDPA's is top-left
@@ -184,6 +195,7 @@ def _kernel_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
         from attnbook.kernels import INTERPRETED  # imports Triton, only when its backend is asked
     except ImportError:  # Triton is not installed
         return False
+    dtypes: tuple[torch.dtype, ...]  # those the kernel computes right on this device
     if q.device.type != "cuda":
         dtypes = (torch.float32,) if INTERPRETED and not q.is_meta else ()
     elif torch.cuda.get_device_capability(q.device) >= (8, 0) and not INTERPRETED:
@@ -246,7 +258,7 @@ class Attention(nn.Module):
             if hook is not None and not callable(hook):
                 raise type_error(name, hook, "callable or None")
         self.rotary = _unturned if rotary is None else rotary
-        self.fast = fast  # None: the backend's function
+        self.fast: Any = fast  # None: the backend's function; a variant's has with_weights
         self.config, width, kv_width = config, config.d_model, config.kv_heads * config.head_dim
         self.d_model, self.num_heads = config.d_model, config.num_heads  # sizes the checks and
         self.num_kv_heads, self.head_dim = config.kv_heads, config.head_dim  # chapter 4 read
@@ -267,7 +279,7 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, context: torch.Tensor | None = None,
                 mask: torch.Tensor | None = None, is_causal: bool = False,
-                return_weights: bool = False, cache=None,
+                return_weights: bool = False, cache: Any = None,  # chapter 4's LayerCache
                 position_ids: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Attend from x (B, Lq, d_model) to context (B, Lk, d_model; default x): the outputs
@@ -275,9 +287,26 @@ class Attention(nn.Module):
         `is_causal` aligns bottom-right; `cache` (self-attention only; chapter 4's LayerCache)
         keeps earlier keys and values, which x's join first; a mask has two dimensions at least.
         `position_ids` (B, Lq), x's positions for a `rotary` hook, replace the cache's count."""
-        q = _split_heads(self.q_proj(x), self.num_heads)  # (B, nh, Lq, hs)
-        source = x if context is None else context
-        k, v = (_split_heads(p(source), self.num_kv_heads) for p in (self.k_proj, self.v_proj))
+        if context is not None or cache is not None or return_weights:
+            return self._attend_with(x, context, mask, is_causal, return_weights, cache,
+                                     position_ids)  # cross-attention, a cache or the weights
+        q, k, v = self._heads(x, x)  # (B, nh, L, hs), (B, nkv, L, hs) twice
+        q, k = self.rotary(q, k, 0, position_ids)
+        fast = _BACKENDS[self.config.backend] if self.fast is None else self.fast
+        out = fast(q, k, v, mask, is_causal, self.config.dropout * self.training)  # in training
+        return self.out_proj(out.transpose(1, 2).flatten(2)), None  # (B, L, d_model), no weights
+
+    def _heads(self, x: torch.Tensor, source: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """q (B, nh, Lq, hs) from x, k and v (B, nkv, Lk, hs) from source."""
+        q = _split_heads(self.q_proj(x), self.num_heads)
+        return q, *(_split_heads(p(source), self.num_kv_heads) for p in (self.k_proj, self.v_proj))
+
+    def _attend_with(self, x: torch.Tensor, context: torch.Tensor | None,
+                     mask: torch.Tensor | None, is_causal: bool, return_weights: bool,
+                     cache: Any,
+                     position_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """forward with a context, a cache or the weights asked for."""
+        q, k, v = self._heads(x, x if context is None else context)
         q, k = self.rotary(q, k, 0 if cache is None else cache.length, position_ids)  # x's first
         if cache is not None:
             k, v = cache._append(k, v)  # this chunk's and every earlier position: (B, nkv, Lk, hs)
@@ -295,8 +324,8 @@ class Attention(nn.Module):
         return self.out_proj(out.transpose(1, 2).flatten(2)), weights  # (B, Lq, d_model), ...
 
 
-def _unturned(q: torch.Tensor, k: torch.Tensor, start: int, position_ids=None
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+def _unturned(q: torch.Tensor, k: torch.Tensor, start: int,
+              position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     return q, k  # no positions inside attention: GPT-2's and BERT's are added to the inputs
 
 
@@ -315,10 +344,11 @@ class MultiHeadAttention(Attention):
                  bias: bool = True, dropout: float = 0.0, backend: str = "sdpa") -> None:
         super().__init__(AttentionConfig(d_model, num_heads, num_kv_heads, bias, dropout, backend))
 
-    def forward(self, x: torch.Tensor, context: torch.Tensor | None = None,
-                mask: torch.Tensor | None = None, is_causal: bool = False,
-                return_weights: bool = False, cache=None
-                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def forward(  # type: ignore[override]  # no position_ids; the weights only when asked
+            self, x: torch.Tensor, context: torch.Tensor | None = None,
+            mask: torch.Tensor | None = None, is_causal: bool = False,
+            return_weights: bool = False, cache: Any = None
+            ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
         """Attention.forward, after checking the call, without `position_ids` (positions count
         from the cache's length): the outputs, and the weights only with `return_weights`."""
         mask = _check_attention_call(self, x, context, mask, is_causal, return_weights, cache)
@@ -327,13 +357,14 @@ class MultiHeadAttention(Attention):
 
 
 # chapters/03-heads.md, "The module"
-def _check_attention_call(layer: Attention, x, context, mask, is_causal, return_weights,
-                          cache) -> torch.Tensor | None:
+def _check_attention_call(layer: Attention, x: object, context: object, mask: object,
+                          is_causal: object, return_weights: object,
+                          cache: Any) -> torch.Tensor | None:
     """Refuse, naming the argument, what Attention.forward cannot compute; return the mask with
     two dimensions at least."""
     x = _check_tokens("x", x, layer.q_proj.weight)
     if context is not None:
-        _check_tokens("context", context, layer.k_proj.weight, batch=x.shape[0])
+        context = _check_tokens("context", context, layer.k_proj.weight, batch=x.shape[0])
     check_bool("is_causal", is_causal), check_bool("return_weights", return_weights)
     (b, lq, _), lk = x.shape, x.shape[1] if context is None else context.shape[1]
     if cache is not None:
@@ -349,7 +380,7 @@ def _check_attention_call(layer: Attention, x, context, mask, is_causal, return_
     return None
 
 
-def _check_tokens(name: str, t, weight: torch.Tensor, batch: int | None = None) -> torch.Tensor:
+def _check_tokens(name: str, t: object, weight: torch.Tensor, batch: int | None = None) -> torch.Tensor:
     """`t`, (batch, length, d_model), in the dtype (unless autocasting) and device of `weight`."""
     try:  # under torch.autocast, nn.Linear casts its inputs itself: any float dtype will do
         dtype = None if torch.is_autocast_enabled(weight.device.type) else weight.dtype
@@ -401,7 +432,8 @@ class _TorchLayout(MultiHeadAttention):
 
     batch_first = False  # from_torch sets the module's
 
-    def forward(self, x, context=None, *args, **kwargs):
+    def forward(self, x: Any, context: Any = None, *args: Any,  # type: ignore[override]
+                **kwargs: Any) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
         d, batch_axis = self.d_model, 0 if self.batch_first else 1
         layout = f"(B, L, {d})" if self.batch_first else f"(L, B, {d})"
         for name, t in (("x", x), ("context", context)):  # shapes as the caller wrote them
@@ -412,7 +444,7 @@ class _TorchLayout(MultiHeadAttention):
             _check_context_like_x(x, context, batch_axis)
         unbatched = isinstance(x, torch.Tensor) and x.dim() == 2  # a batch of one
 
-        def flip(t):  # (L, B, d) <-> (B, L, d), or (L, d) -> (1, L, d); the rest left to checks
+        def flip(t: Any) -> Any:  # (L, B, d) <-> (B, L, d), or (L, d) -> (1, L, d); the rest left to checks
             if not isinstance(t, torch.Tensor) or t.dim() != (2 if unbatched else 3):
                 return t
             return t[None] if unbatched else t.transpose(0, 1) if batch_axis else t
@@ -422,7 +454,7 @@ class _TorchLayout(MultiHeadAttention):
         out = out[0] if unbatched else flip(out)  # (Lq, d_model), or x's layout
         if not isinstance(result, tuple):
             return out
-        return out, weights[0] if unbatched else weights
+        return out, weights[0] if unbatched and weights is not None else weights
 
 
 def _check_context_like_x(x: torch.Tensor, context: torch.Tensor, batch_axis: int) -> None:
@@ -540,7 +572,7 @@ def mask_heads(attn: Attention, heads: "list[int] | tuple[int, ...] | range | to
 
 
 # chapters/07-blocks.md, "The feed-forward network"
-_ACTIVATIONS = {"gelu": nn.GELU, "gelu_tanh": lambda: nn.GELU(approximate="tanh"), "relu": nn.ReLU}
+_ACTIVATIONS: dict[str, Callable[[], nn.Module]] = {"gelu": nn.GELU, "gelu_tanh": lambda: nn.GELU(approximate="tanh"), "relu": nn.ReLU}
 
 
 # chapters/07-blocks.md, "The feed-forward network"
@@ -559,7 +591,8 @@ class FeedForward(nn.Module):
         self.dropout = nn.Dropout(check_probability("dropout", dropout))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.dropout(self.act(self.fc1(x))))  # (..., d_model), (..., d_ff) inside
+        out: torch.Tensor = self.fc2(self.dropout(self.act(self.fc1(x))))  # (..., d_ff) inside
+        return out  # (..., d_model)
 
 
 # chapters/07-blocks.md, "The feed-forward network"
@@ -577,7 +610,8 @@ class SwiGLU(nn.Module):
         self.dropout = nn.Dropout(check_probability("dropout", dropout))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.dropout(F.silu(self.gate(x)) * self.fc1(x)))  # (..., d_model)
+        out: torch.Tensor = self.fc2(self.dropout(F.silu(self.gate(x)) * self.fc1(x)))
+        return out  # (..., d_model)
 
 
 # chapters/07-blocks.md, "Normalisation"
@@ -623,7 +657,7 @@ class BlockConfig:
     rope_base: float = 10000.0
 
     def __post_init__(self) -> None:
-        def keep(name: str, check, *args) -> None:  # the checked value, as a plain Python one
+        def keep(name: str, check: Callable[..., object], *args: object) -> None:  # the checked value, as a plain Python one
             object.__setattr__(self, name, check(name, getattr(self, name), *args))
 
         for name in ("dropout", "attn_dropout", "ff_dropout"):
@@ -632,12 +666,15 @@ class BlockConfig:
         attention = self.attention  # AttentionConfig checks the attention's settings
         for name in ("d_model", "num_heads", "num_kv_heads", "bias"):
             object.__setattr__(self, name, getattr(attention, name))
-        keep("norm_first", check_bool), keep("cross_attention", check_bool)
+        keep("norm_first", check_bool)
+        keep("cross_attention", check_bool)
         keep("activation", check_choice, (*_ACTIVATIONS, "swiglu"))
-        keep("norm", check_choice, ("layernorm", "rmsnorm")), keep("eps", check_positive)
+        keep("norm", check_choice, ("layernorm", "rmsnorm"))
+        keep("eps", check_positive)
         if self.d_ff is not None:
             keep("d_ff", check_int, 1)
-        keep("positions", check_choice, ("none", "rope", "alibi")), keep("rope_base", check_positive)
+        keep("positions", check_choice, ("none", "rope", "alibi"))
+        keep("rope_base", check_positive)
         if self.positions == "rope":  # RoPE turns pairs of a head's coordinates
             check_divisible("head_dim", attention.head_dim, "2", 2)
 
@@ -649,6 +686,10 @@ class BlockConfig:
 
 
 # chapters/07-blocks.md, "The block"
+_Out = torch.Tensor | tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]  # x, weights
+_Own = tuple[bool, LayerCache | None, torch.Tensor | None]  # the self-attention's last arguments
+
+
 class Block(nn.Module):
     """Self-attention, optional cross-attention and a feed-forward network, each in a residual
     connection with a normalisation, pre-norm or post-norm; its calls are not checked."""
@@ -659,21 +700,34 @@ class Block(nn.Module):
         self.self_attn = Attention(c.attention, *_inside_attention(c))
         self.attn_norm = _make_norm(c)
         self.cross_attn = Attention(c.attention) if c.cross_attention else None
-        self.cross_norm = _make_norm(c) if c.cross_attention else None
+        self.cross_norm: Any = _make_norm(c) if c.cross_attention else None  # with cross_attn
         ff_dropout = c.dropout if c.ff_dropout is None else c.ff_dropout
         self.ff = SwiGLU(c.d_model, c.d_ff, ff_dropout, c.bias) if c.activation == "swiglu" \
             else FeedForward(c.d_model, c.d_ff, c.activation, ff_dropout, c.bias)
         self.ff_norm, self.dropout = _make_norm(c), nn.Dropout(c.dropout)
+        self.plain = c.norm_first and not c.cross_attention  # forward's own path, else _sublayers
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None,
                 is_causal: bool = False, context: torch.Tensor | None = None,
                 context_mask: torch.Tensor | None = None, return_weights: bool = False,
-                cache: LayerCache | None = None, position_ids: torch.Tensor | None = None):
+                cache: LayerCache | None = None, position_ids: torch.Tensor | None = None
+                ) -> _Out:
         """(B, L, d_model) -> (B, L, d_model), and with `return_weights` the self- and cross-
         attention weights (or None). `mask`, `is_causal`, `cache` and `position_ids` go to the
         self-attention, `context` (B, Lc, d_model) and `context_mask` to the cross-attention, if
         the block has it."""
         own = (return_weights, cache, position_ids)  # the self-attention's last arguments
+        if return_weights or not self.plain:
+            return self._sublayers(x, mask, is_causal, context, context_mask, own)
+        h = self.self_attn(self.attn_norm(x), None, mask, is_causal, *own)[0]
+        x = x + self.dropout(h)  # pre-norm: x + f(norm(x)) for each sublayer f
+        out: torch.Tensor = x + self.dropout(self.ff(self.ff_norm(x)))
+        return out
+
+    def _sublayers(self, x: torch.Tensor, mask: torch.Tensor | None, is_causal: bool, context: torch.Tensor | None,
+                   context_mask: torch.Tensor | None, own: _Own) -> _Out:
+        """forward with the weights, a cross-attention or norm_first=False."""
+        return_weights = own[0]
         if not self.config.norm_first:
             return self._post_norm(x, mask, is_causal, context, context_mask, own)
         h, self_w = self.self_attn(self.attn_norm(x), None, mask, is_causal, *own)
@@ -685,7 +739,8 @@ class Block(nn.Module):
         x = x + self.dropout(self.ff(self.ff_norm(x)))
         return (x, self_w, cross_w) if return_weights else x
 
-    def _post_norm(self, x, mask, is_causal, context, context_mask, own):
+    def _post_norm(self, x: torch.Tensor, mask: torch.Tensor | None, is_causal: bool, context: torch.Tensor | None,
+                   context_mask: torch.Tensor | None, own: _Own) -> _Out:
         """forward with norm_first=False: norm(x + f(x)) for each sublayer f."""
         h, self_w = self.self_attn(x, None, mask, is_causal, *own)
         return_weights = own[0]
@@ -716,7 +771,8 @@ class _ALiBiAttention(nn.Module):
         super().__init__()
         self.alibi, self.backend = ALiBi(num_heads), backend
 
-    def forward(self, q, k, v, mask, is_causal, dropout_p):
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, is_causal: bool,
+                dropout_p: float) -> torch.Tensor:
         if self.backend == "explicit" or (q.device.type == "cpu" and q.element_size() == 2):
             return self.with_weights(q, k, v, mask, is_causal, dropout_p)[0]
         bias = self.alibi(q.shape[2], k.shape[2], _key_at(mask)).to(q.dtype)  # ([B,] nh, Lq, Lk)
@@ -728,7 +784,8 @@ class _ALiBiAttention(nn.Module):
                                              enable_gqa=q.shape[1] != k.shape[1])
         return out if allowed is None else out.masked_fill(~seen, 0.0)
 
-    def with_weights(self, q, k, v, mask, is_causal, dropout_p):
+    def with_weights(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, is_causal: bool,
+                     dropout_p: float) -> tuple[torch.Tensor, torch.Tensor]:
         """(outputs (B, nh, Lq, hs), weights (B, nh, Lq, Lk)), computed in float32 at least."""
         allowed, work = _with_causal(mask, is_causal, q, k), compute_dtype(q.dtype)
         group = q.shape[1] // k.shape[1]  # key/value heads repeated for their query heads
@@ -770,10 +827,10 @@ class TransformerBlock(Block):
                                      cross_attention, activation, norm, eps, num_kv_heads, bias,
                                      attn_dropout, ff_dropout, backend, positions, rope_base))
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None,
-                is_causal: bool = False, context: torch.Tensor | None = None,
-                context_mask: torch.Tensor | None = None, return_weights: bool = False,
-                cache: LayerCache | None = None):
+    def forward(  # type: ignore[override]  # without position_ids
+            self, x: torch.Tensor, mask: torch.Tensor | None = None, is_causal: bool = False,
+            context: torch.Tensor | None = None, context_mask: torch.Tensor | None = None,
+            return_weights: bool = False, cache: LayerCache | None = None) -> Any:
         """Block.forward, after checking the call, without `position_ids`: positions count from
         the cache's length (GPT passes a padded batch's own to its unchecked Blocks)."""
         check_tensor("x", x, 3, size=self.config.d_model)
@@ -808,7 +865,7 @@ def from_torch_encoder_layer(layer: nn.TransformerEncoderLayer) -> TransformerBl
     return ours.train(layer.training)
 
 
-def _activation_name(fn) -> str | None:
+def _activation_name(fn: Any) -> str | None:
     """The FeedForward activation that a TransformerEncoderLayer's `activation` computes."""
     if isinstance(fn, nn.GELU):
         return "gelu_tanh" if fn.approximate == "tanh" else "gelu"

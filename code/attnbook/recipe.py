@@ -49,9 +49,9 @@ class Recipe:
         _check_clip(self.clip)
 
 
-def _check_clip(clip) -> float:
+def _check_clip(clip: object) -> float:
     """A gradient's largest norm: a number above 0, or math.inf for no clipping."""
-    return clip if clip == math.inf else check_real("clip", clip, 0.0, open_low=True)
+    return math.inf if clip == math.inf else check_real("clip", clip, 0.0, open_low=True)
 
 
 def make_optimizer(model: nn.Module, recipe: Recipe) -> torch.optim.AdamW:
@@ -87,7 +87,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tens
         group["lr"] = lr
     loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())  # (B * T, V) against (B * T,)
     optimizer.zero_grad(set_to_none=True)
-    loss.backward()
+    torch.autograd.backward(loss)  # loss.backward(), typed
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)  # inf: scales by 1
     optimizer.step()
     return loss.detach(), norm.detach()
@@ -110,14 +110,14 @@ def held_out_split(ids: torch.Tensor, block: int = 4096,
                    every: int = 10) -> tuple[torch.Tensor, torch.Tensor]:
     """(training ids, held-out ids): every `every`-th block of `block` ids is held out, so that
     both parts sample the whole text."""
-    blocks = _check_ids(ids).split(check_int("block", block, minimum=1))
+    blocks = torch.split(_check_ids(ids), check_int("block", block, minimum=1))
     if len(blocks) < check_int("every", every, minimum=2):
         raise ValueError(f"ids must hold at least {every} blocks of {block}, got {len(ids)} ids")
     held = [b for i, b in enumerate(blocks) if i % every == every - 1]
     return torch.cat([b for i, b in enumerate(blocks) if i % every != every - 1]), torch.cat(held)
 
 
-def _check_ids(ids) -> torch.Tensor:
+def _check_ids(ids: object) -> torch.Tensor:
     if isinstance(ids, torch.Tensor) and ids.dim() == 1 and not ids.is_floating_point():
         return ids
     raise TypeError(f"ids must be a 1-D tensor of token ids, got {type(ids).__name__} {ids!r:.40}")
