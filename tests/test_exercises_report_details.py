@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from attnbook.exercises import EXERCISES, check
+from attnbook.exercises import EXERCISES, CheckResult, check
 
 
 def cross_attention_minus_inf(q, k, v, src_keep):  # NaN where a source is all padding
@@ -76,3 +76,104 @@ def test_every_checkable_exercise_has_two_wrong_answers_each_tested_with_its_hin
     counts = Counter(exercise for exercise, *_ in wrong)
     counts["15.3"] = 5  # test_exercises_ch15.py's wrong kernels (a parametrized list)
     assert set(counts) == set(EXERCISES) and min(counts.values()) >= 2, counts
+
+
+# ---- session 53: the reports of AT53-X (F1-F5) and reader53-X (#9) ----
+
+
+def grouped_half_unshifted(q, k, v):
+    """4.2 in float16 with e^s of the raw scores: e^s is inf once s > 11.09 in float16."""
+    group = q.shape[1] // k.shape[1]
+    k, v = (t.repeat_interleave(group, dim=1) for t in (k, v))
+    s = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    causal = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril()
+    e = s.masked_fill(~causal, -math.inf).exp()
+    return (e / e.sum(-1, keepdim=True)) @ v
+
+
+def test_a_float16_answer_that_overflows_gets_the_overflow_hint_not_the_rounding_one():
+    from attnbook.exercises import _F16, _OVERFLOW_HINT
+
+    result = check("4.2", grouped_half_unshifted, show=False)
+    assert result.case == "float16, keys with a large common part", result
+    assert "yours nan" in result.problem or "yours inf" in result.problem, result
+    assert result.hint == _OVERFLOW_HINT and "largest score" in result.hint
+    assert _F16 not in result.hint
+
+
+def test_a_float64_nan_where_the_answer_is_finite_keeps_the_cases_hint():
+    result = check("11.1", cross_attention_minus_inf, show=False)
+    assert result.hint == EXERCISES["11.1"].cases[3].hint
+
+
+def test_a_0d_output_is_named_without_an_empty_index():
+    from attnbook.exercises import _difference
+
+    problem, diff, where = _difference(np.array(1.0), np.array(2.0), (1e-10, 1e-9))
+    assert where == () and diff == 1.0
+    assert problem.startswith("largest difference 1 at output: yours 1"), problem
+
+
+def test_where_indexes_the_output_the_problem_names_in_a_tuple():
+    from attnbook.exercises import _difference
+
+    expected = (np.zeros(2), np.zeros((2, 3)))
+    problem, _, where = _difference((np.zeros(2), np.eye(2, 3)), expected, (1e-10, 1e-9))
+    assert "at output[1][0, 0]" in problem and where == (0, 0)
+    assert "`output[2]` of a tuple" in " ".join(CheckResult.__doc__.split())
+
+
+def test_every_row_with_no_true_is_counted_and_the_first_named():
+    from attnbook.exercises import _describe
+
+    keep = np.ones((4, 3), dtype=bool)
+    keep[[0, 2]] = False
+    assert _describe({"m": keep}) == "m (4, 3) bool with 6 of 12 True, none in 2 rows, the first [0]"
+    one = torch.ones(3, 1, dtype=torch.bool)
+    one[1] = False
+    assert _describe({"m": one}) == "m (3, 1) bool with 2 of 3 True, none in row [1]"
+    empty = torch.zeros(3, 0, dtype=torch.bool)  # rows of length 0 have no True
+    assert _describe({"m": empty}) == "m (3, 0) bool with 0 of 0 True, none in 3 rows, the first [0]"
+    assert _describe({"m": np.zeros((0, 5), bool)}) == "m (0, 5) bool with 0 of 0 True"
+
+
+def test_a_large_expanded_mask_is_counted_without_a_float64_copy():
+    import tracemalloc
+
+    from attnbook.exercises import _describe
+
+    row = np.zeros((1, 1, 1024), dtype=bool)
+    row[..., :5] = True
+    masks = {"numpy": np.broadcast_to(row, (8, 512, 1024)),  # 4 Mi entries, 4 KiB stored
+             "torch": torch.from_numpy(row).expand(8, 512, 1024)}
+    tracemalloc.start()
+    try:
+        text = _describe(masks)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert text == ("numpy (8, 512, 1024) bool with 20480 of 4194304 True, "
+                    "torch (8, 512, 1024) bool with 20480 of 4194304 True")
+    assert peak < 2**20, peak  # a float64 copy would be 32 MiB, a bool one 4 MiB
+
+
+def test_chapter_3s_layer_in_float16_fails_the_float16_case_as_its_hint_says():
+    from attnbook.layers import MultiHeadAttention
+
+    def layer_in_float16(x, W_Q, W_K, W_V, W_O, num_heads):
+        dtype = torch.from_numpy(x).dtype  # the layer in the inputs' dtype: float16 here
+        layer = MultiHeadAttention(x.shape[-1], num_heads, bias=False).to(dtype)
+        with torch.no_grad():
+            for linear, W in zip((layer.q_proj, layer.k_proj, layer.v_proj, layer.out_proj),
+                                 (W_Q, W_K, W_V, W_O)):
+                linear.weight.copy_(torch.from_numpy(W.T))
+            return layer(torch.from_numpy(x)).numpy()
+
+    result = check("3.3", layer_in_float16, show=False)
+    assert result.case == "float16, tokens with a large common part", result
+    assert "MultiHeadAttention run in float16 fails this case" in result.hint
+    def layer_in_float32(x, *rest):  # the same layer, widened: passes every case
+        wide = np.promote_types(x.dtype, np.float32)
+        return layer_in_float16(*(w.astype(wide) for w in (x, *rest[:4])), rest[4]).astype(x.dtype)
+
+    assert check("3.3", layer_in_float32, show=False).passed

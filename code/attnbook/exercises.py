@@ -52,8 +52,8 @@ NARROWER = {  # an input dtype: (the rounding of a narrower dtype, relative diff
     "float32": (("float16 or bfloat16 rounding size", 1e-5, 5e-2),),
     "float16": (("float16 arithmetic or bfloat16 rounding size", 2e-3, 5e-2),),
 }
-_Built = tuple[dict[str, Any], Any]  # a case's inputs by name, and the answer it expects
-_Builder = Callable[[np.random.Generator], _Built]  # a case's inputs from a seeded generator
+Built = tuple[dict[str, Any], Any]  # a case's inputs by name, and the answer it expects
+Builder = Callable[[np.random.Generator], Built]  # a case's inputs from a seeded generator
 _Found = tuple[str, float | None, tuple[int, ...] | None]  # problem, largest difference, where
 
 
@@ -111,7 +111,7 @@ def _difference(got: Any, expected: Any, tolerance: tuple[float, float], name: s
     if diff.size == 0 or np.all(diff <= atol + rtol * np.abs(np.nan_to_num(e))):
         return None
     where = tuple(map(int, np.unravel_index(int(np.argmax(diff)), diff.shape)))
-    at = f"{name}[{', '.join(map(str, where))}]"
+    at = f"{name}[{', '.join(map(str, where))}]" if where else name  # a 0-d output: no index
     if str(expected.dtype) in ("bool", "torch.bool"):  # a mask: count entries
         wrong = int(np.count_nonzero(g != e))
         return (f"{wrong} of {e.size} entries differ, first at {at}: yours {bool(g[where])}, "
@@ -283,7 +283,7 @@ class Case:
     the likely mistake when this case is the first to fail, and where the chapter explains it."""
 
     name: str
-    build: _Builder
+    build: Builder
     hint: str
 
 
@@ -303,8 +303,10 @@ class Exercise:
 @dataclass(frozen=True)
 class CheckResult:
     """What `check` found: `passed`, or the first failing `case` (its number and name), its
-    `inputs`, the `problem` in words, the `max_diff` and its index `where` when numbers differ,
-    and the case's `hint` (given only when the numbers differ); `str(result)` is the report `check` prints."""
+    `inputs`, the `problem` in words, the `max_diff` and its index `where` when numbers differ
+    (an index into the output the problem names, such as `output[2]` of a tuple; () for a 0-d
+    output), and the case's `hint` (given only when the numbers differ); `str(result)` is the
+    report `check` prints."""
 
     exercise: str
     passed: bool
@@ -334,27 +336,30 @@ class CheckResult:
 # chapters/a6-checking-exercises.md, "The exercises"
 def _describe(inputs: dict[str, Any]) -> str:
     """'X (6, 4) float64 with NaN at [3, 0], W_Q (4, 4) float64, ...' for a report; a mask
-    (booleans) says how many entries are True and which rows have none."""
+    (booleans) says how many entries are True and its rows with none (how many, and the first)."""
     def one(x: Any) -> str:
         if isinstance(x, (tuple, list)):
             return "(" + ", ".join(map(one, x)) + ")"
         if not isinstance(x, (np.ndarray, torch.Tensor)):
             return repr(x)
         text = f"{tuple(x.shape)} {str(x.dtype).removeprefix('torch.')}"
-        if text.endswith(" bool"):
-            return text + _mask_rows(_numbers(x) != 0)
+        if text.endswith(" bool"):  # counted as booleans: no float64 copy of a large mask
+            return text + _mask_rows(x.detach().cpu().numpy() if isinstance(x, torch.Tensor)
+                                     else np.asarray(x, dtype=bool))
         nans = np.argwhere(np.isnan(_numbers(x)))
         return text + (f" with NaN at {nans[0].tolist()}" if len(nans) else "")
     return ", ".join(f"{name} {one(x)}" for name, x in inputs.items())
 
 
 def _mask_rows(keep: np.ndarray) -> str:
-    """' with 3 of 6 True, none in row [0]' for a mask: its rows are along the last axis."""
-    text = f" with {int(keep.sum())} of {keep.size} True"
-    if keep.ndim < 2 or keep.shape[-1] == 0:
+    """' with 3 of 6 True, none in row [0]' or ', none in 2 rows, the first [0]' for a mask:
+    its rows are along the last axis, and a row of length 0 has none."""
+    text = f" with {np.count_nonzero(keep)} of {keep.size} True"
+    if keep.ndim < 2:
         return text
     empty = np.argwhere(~keep.any(axis=-1))  # (rows with no True, ndim - 1)
-    return text + (f", none in row {empty[0].tolist()}" if len(empty) else "")
+    rows = " row" if len(empty) < 2 else f" {len(empty)} rows, the first"
+    return text + (f", none in{rows} {empty[0].tolist()}" if len(empty) else "")
 
 
 # chapters/a6-checking-exercises.md, "The exercises"
@@ -366,8 +371,8 @@ def _causal_rows(X: np.ndarray, W_Q: np.ndarray, W_K: np.ndarray, W_V: np.ndarra
 
 
 def _tokens(length: int, d_model: int, d_k: int, d_v: int, dtype: npt.DTypeLike = np.float64,
-            nan_at: int | None = None, scale: float = 1.0) -> _Builder:
-    def build(rng: np.random.Generator) -> _Built:
+            nan_at: int | None = None, scale: float = 1.0) -> Builder:
+    def build(rng: np.random.Generator) -> Built:
         X = rng.standard_normal((length, d_model)) * scale
         if nan_at is not None:
             X[nan_at, 0] = np.nan
@@ -413,8 +418,8 @@ def _rope_interleaved(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
 
 
 def _rope_case(shape: tuple[int, ...], first_position: int = 0,
-               dtype: npt.DTypeLike = np.float64) -> _Builder:
-    def build(rng: np.random.Generator) -> _Built:
+               dtype: npt.DTypeLike = np.float64) -> Builder:
+    def build(rng: np.random.Generator) -> Built:
         x = torch.from_numpy(rng.standard_normal(shape).astype(dtype))
         positions = torch.arange(first_position, first_position + shape[-2])
         return {"x": x, "positions": positions}, _rope_interleaved(x, positions)
@@ -439,8 +444,8 @@ EXERCISES["5.1"] = Exercise("RoPE with interleaved pairs", (
 ))
 
 
-def _window_case(q_len: int, k_len: int, window: int) -> _Builder:
-    def build(rng: np.random.Generator) -> _Built:
+def _window_case(q_len: int, k_len: int, window: int) -> Builder:
+    def build(rng: np.random.Generator) -> Built:
         return ({"q_len": q_len, "k_len": k_len, "window": window},
                 sliding_window_mask(q_len, k_len, window))
     return build
@@ -476,8 +481,8 @@ def _partial(Q: np.ndarray, K: np.ndarray, V: np.ndarray) -> tuple[np.ndarray, .
 
 def _workers(lq: int, split: int, lk: int, d: int, scale: float = 1.0,
              dtype: npt.DTypeLike = np.float64, same_keys: bool = False, nan_key: int | None = None,
-             idle: bool = False, both_idle: bool = False) -> _Builder:
-    def build(rng: np.random.Generator) -> _Built:
+             idle: bool = False, both_idle: bool = False) -> Builder:
+    def build(rng: np.random.Generator) -> Built:
         Q = rng.standard_normal((lq, d)) * scale
         K, V = rng.standard_normal((lk, d)), rng.standard_normal((lk, 4))
         if same_keys:  # both workers hold the same keys: equal maxima
@@ -525,8 +530,8 @@ EXERCISES["13.2"] = Exercise("merging two workers' partial softmaxes", (
 
 
 def _linear_case(shape: tuple[int, ...], dv: int, dtype: npt.DTypeLike = np.float64,
-                 v_mean: float = 0.0) -> _Builder:
-    def build(rng: np.random.Generator) -> _Built:
+                 v_mean: float = 0.0) -> Builder:
+    def build(rng: np.random.Generator) -> Built:
         qk = rng.standard_normal((2, *shape))
         values = rng.standard_normal((*shape[:-1], dv)) + v_mean
         q, k, v = (torch.from_numpy(x.astype(dtype)) for x in (*qk, values))
@@ -593,8 +598,20 @@ def _run_cases(exercise_id: str, exercise: Exercise, candidate: Callable[..., ob
         inputs = dict(zip(inputs, done.pop("inputs", inputs.values())))
         if found := _judge(done, inputs, kept, expected, timeout, exercise.tolerance):
             return CheckResult(exercise_id, False, number, count, case.name, _describe(kept),
-                               *found, _hint(found, done, case, exercise), exercise.title)
+                               *found, _hint(found, done, case, exercise, kept, expected),
+                               exercise.title)
     return CheckResult(exercise_id, True, count, count, title=exercise.title)
+
+
+def _lost_finite(got: Any, expected: Any) -> bool:
+    """True when `got` (of `expected`'s shape) is NaN or infinite where `expected` is finite."""
+    if isinstance(expected, tuple):
+        return isinstance(got, (tuple, list)) and any(map(_lost_finite, got, expected))
+    try:
+        g, e = _numbers(got), _numbers(expected)
+    except (TypeError, ValueError, RuntimeError, AttributeError):  # not numbers
+        return False
+    return g.shape == e.shape and bool(np.any(~np.isfinite(g) & np.isfinite(e)))
 
 
 def _judge(done: dict[str, Any], inputs: dict[str, Any], kept: dict[str, Any], expected: Any,
@@ -630,17 +647,25 @@ def _judge(done: dict[str, Any], inputs: dict[str, Any], kept: dict[str, Any], e
                        narrowest=narrowest)
 
 
-def _hint(found: _Found, done: dict[str, Any], case: Case, exercise: Exercise) -> str | None:
+def _hint(found: _Found, done: dict[str, Any], case: Case, exercise: Exercise,
+          kept: dict[str, Any], expected: Any) -> str | None:
     """The case's hint names a mistake in the numbers, or one that makes the function raise on
     this case's inputs (an index of -100): shown for those; a crash gets the exercise's crash
-    hint, a wrong dtype the dtype's; anything else (no return, a changed input) none."""
+    hint, a wrong dtype the dtype's; anything else (no return, a changed input) none. A float16
+    answer NaN or infinite where `expected` is finite gets the overflow hint, not the case's."""
     if "crashed" in done:
         return exercise.crash_hint
+    if found[1] == math.inf and _narrowest(kept) == "float16" and \
+            _lost_finite(done["value"], expected):
+        return _OVERFLOW_HINT
     if found[1] is not None or found[0].startswith("raised "):
         return case.hint
     return _DTYPE_HINT if " has dtype " in found[0] else None
 
 
+_OVERFLOW_HINT = ("float16 input, NaN or inf where the reference is finite: float16 stops at 65504, "
+                  "so e^s overflows once s > 11.09: subtract each row's largest score first, or "
+                  "compute in float32 and round to float16 once, at the end")
 _DTYPE_HINT = ("return the dtype the reference returns: compute wider if you like (x.double(), "
                "x.astype(np.float64)), then convert the answer back")
 
@@ -658,8 +683,8 @@ def _narrowest(inputs: dict[str, Any]) -> str:
 # chapters/a7-exercise-cases.md, "Chapter 2"
 def _ch2_backward_case(shape: tuple[int, ...], dtype: npt.DTypeLike = np.float64,
                        spread: float = 1.0, masked: int | slice | None = None,
-                       nan_row: int | None = None, grad_offset: float = 0.0) -> _Builder:
-    def build(rng: np.random.Generator) -> _Built:
+                       nan_row: int | None = None, grad_offset: float = 0.0) -> Builder:
+    def build(rng: np.random.Generator) -> Built:
         from attnbook.scaling import softmax_jacobian
 
         scores = rng.standard_normal(shape) * spread
@@ -699,8 +724,9 @@ EXERCISES["2.3"] = Exercise("the gradient through the softmax", (
          "float32 input: compute in float32 or wider, never in float16"),
     Case("float16, 300 keys, gradients near 1000", _ch2_backward_case(
         (4, 300), np.float16, spread=4.0, grad_offset=1000.0),
-         _F16 + ": p . g and g - p . g near 1000 keep float16's steps of 0.5, while their "
-         "difference, times p, is a few units; compute the softmax and p . g in float32"),
+         _F16 + ": g and p . g are near 1000, where float16's steps are 0.5, while their "
+         "difference g - p . g is a few units at most; compute the softmax and p . g in "
+         "float32"),
     Case("a NaN score in row 1", _ch2_backward_case((3, 5), nan_row=1),
          "a NaN score makes its row's weights, and so its row's gradient, NaN; the other rows "
          "stay as they are: never replace a NaN (np.nan_to_num)"),
@@ -710,10 +736,10 @@ EXERCISES["2.3"] = Exercise("the gradient through the softmax", (
 # chapters/a7-exercise-cases.md, "Chapter 3"
 def _ch3_heads_case(batch: int, length: int, d_model: int, heads: int,
                     dtype: npt.DTypeLike = np.float64, nan_at: tuple[int, int] | None = None,
-                    common: float = 0.0, qk_scale: float = 1.0) -> _Builder:
-    """`common`: the size of a part every token shares (scores far from 0 that differ by a
-    few units); `qk_scale` multiplies W_Q and W_K."""
-    def build(rng: np.random.Generator) -> _Built:
+                    common: float = 0.0, qk_scale: float = 1.0) -> Builder:
+    """`common`: the size of a part every token shares (scores of tens, far from 0, that
+    differ by tens in a row); `qk_scale` multiplies W_Q and W_K."""
+    def build(rng: np.random.Generator) -> Built:
         from attnbook.layers import MultiHeadAttention
 
         x = rng.standard_normal((batch, length, d_model))
@@ -754,9 +780,11 @@ EXERCISES["3.3"] = Exercise("multi-head self-attention in NumPy", (
          "float32 input: compute in float32 or wider, never in float16"),
     Case("float16, tokens with a large common part", _ch3_heads_case(
         2, 33, 32, 4, np.float16, common=3.0, qk_scale=2.0),
-         _F16 + ": the tokens share a large part, so the scores are large and close together, "
-         "and a score rounded to float16 moves its weight by percents; x.astype(np.float32) "
-         "and the weights likewise, then .astype(np.float16) at the end"),
+         _F16 + ": the tokens share a large part, so the scores reach tens, where "
+         "float16's steps are up to 1/16, and a rounded score moves its weight by up to a few percent; "
+         "x.astype(np.float32) and the weights likewise, then .astype(np.float16) at the end. "
+         "Chapter 3's MultiHeadAttention run in float16 fails this case too: its projections "
+         "round q, k and v to float16 (the exercise asks for float32 arithmetic)"),
     Case("a NaN in sequence 0, position 2", _ch3_heads_case(2, 5, 8, 2, nan_at=(0, 2)),
          "every position reads position 2's key and value, so sequence 0's outputs are all NaN "
          "and sequence 1's are not: never replace a NaN (np.nan_to_num)"),
@@ -766,13 +794,13 @@ EXERCISES["3.3"] = Exercise("multi-head self-attention in NumPy", (
 # chapters/a7-exercise-cases.md, "Chapter 4"
 def _ch4_grouped_case(batch: int, heads: int, kv_heads: int, length: int, d: int,
                       dtype: torch.dtype = torch.float64, nan_key: tuple[int, int] | None = None,
-                      key_common: float = 0.0) -> _Builder:
-    def build(rng: np.random.Generator) -> _Built:
+                      key_common: float = 0.0) -> Builder:
+    def build(rng: np.random.Generator) -> Built:
         from attnbook.layers import attend, causal_mask
 
         q_draw = rng.standard_normal((batch, heads, length, d))
         k_draw, v_draw = rng.standard_normal((2, batch, kv_heads, length, d))
-        if key_common:  # a part every key of a head shares: large scores, close together
+        if key_common:  # a part every key of a head shares: each row's scores shift by one large constant
             k_draw = k_draw + key_common * rng.standard_normal((batch, kv_heads, 1, d))
         if nan_key is not None:  # (key/value head, position) of sequence 0
             k_draw[(0, *nan_key, 0)] = np.nan
@@ -800,9 +828,9 @@ EXERCISES["4.2"] = Exercise("causal grouped-query attention", (
          "float32 input: compute in float32 or wider, never in float16"),
     Case("float16, keys with a large common part", _ch4_grouped_case(
         2, 8, 2, 40, 16, torch.float16, key_common=8.0),
-         _F16 + ": the keys share a large part, so the scores are large and close together, "
-         "and a score rounded to float16 moves its weight by percents; compute the scores, "
-         "softmax and sums in float32 (q.float()), then .half()"),
+         _F16 + ": the keys share a large part, so the scores are large, and a score rounded "
+         "to float16 moves its weight by up to about 1%, several times float16's tolerance; "
+         "compute the scores, softmax and sums in float32 (q.float()), then .half()"),
     Case("a NaN in key/value head 1's key at position 3", _ch4_grouped_case(
         2, 6, 2, 7, 4, nan_key=(1, 3)),
          "a NaN key reaches the outputs that read it, group 1's query heads at positions 3 and "
@@ -813,8 +841,8 @@ EXERCISES["4.2"] = Exercise("causal grouped-query attention", (
 
 # chapters/a7-exercise-cases.md, "Chapter 7"
 def _ch7_rms_case(shape: tuple[int, ...], dtype: torch.dtype = torch.float64, offset: float = 0.0,
-                  scale: float = 1.0, nan_at: int | None = None) -> _Builder:
-    def build(rng: np.random.Generator) -> _Built:
+                  scale: float = 1.0, nan_at: int | None = None) -> Builder:
+    def build(rng: np.random.Generator) -> Built:
         from attnbook.layers import RMSNorm
 
         x = torch.from_numpy(rng.standard_normal(shape) * scale + offset).to(dtype)
@@ -855,8 +883,8 @@ EXERCISES["7.1"] = Exercise("RMSNorm as a function", (
 
 # chapters/a7-exercise-cases.md, "Chapter 8"
 def _ch8_embedding_case(batch: int, length: int, vocab: int = 20, d: int = 8,
-                        dtype: torch.dtype = torch.float64, nan_word: bool = False) -> _Builder:
-    def build(rng: np.random.Generator) -> _Built:
+                        dtype: torch.dtype = torch.float64, nan_word: bool = False) -> Builder:
+    def build(rng: np.random.Generator) -> Built:
         from attnbook.bert import BERTConfig, BERTEmbeddings
 
         ids = torch.from_numpy(rng.integers(0, vocab, (batch, length)))
@@ -904,9 +932,9 @@ EXERCISES["8.2"] = Exercise("BERT's input layer", (
 # chapters/a7-exercise-cases.md, "Chapter 9"
 def _ch9_mlm_case(chosen: list[list[bool]], vocab: int = 11, dtype: torch.dtype = torch.float64,
                   spread: float = 1.0, nan_chosen: bool = False,
-                  nan_ignored: bool = False) -> _Builder:
+                  nan_ignored: bool = False) -> Builder:
     """`chosen`: one list per sequence, True where the position carries a label."""
-    def build(rng: np.random.Generator) -> _Built:
+    def build(rng: np.random.Generator) -> Built:
         keep = torch.tensor(chosen)  # (B, L) bool
         logits = torch.from_numpy(rng.standard_normal((*keep.shape, vocab)) * spread)
         if nan_chosen:  # a NaN logit at the first chosen position
@@ -958,8 +986,8 @@ EXERCISES["9.3"] = Exercise("the masked-language-model loss", (
 
 
 # chapters/a7-exercise-cases.md, "Chapter 10"
-def _ch10_schedule_case(steps: int, lr: float, warmup: int, min_lr_ratio: float) -> _Builder:
-    def build(rng: np.random.Generator) -> _Built:
+def _ch10_schedule_case(steps: int, lr: float, warmup: int, min_lr_ratio: float) -> Builder:
+    def build(rng: np.random.Generator) -> Built:
         from attnbook.recipe import Recipe, learning_rate
 
         recipe = Recipe(lr=lr, warmup=warmup, min_lr_ratio=min_lr_ratio)
@@ -995,14 +1023,14 @@ EXERCISES["10.2"] = Exercise("the warm-up and cosine learning-rate schedule", (
 # chapters/a7-exercise-cases.md, "Chapter 11"
 def _ch11_cross_case(lengths: list[int], lt: int, heads: int = 2, d: int = 4,
                      dtype: torch.dtype = torch.float64, nan_key: bool = False,
-                     key_common: float = 0.0) -> _Builder:
-    def build(rng: np.random.Generator) -> _Built:
+                     key_common: float = 0.0) -> Builder:
+    def build(rng: np.random.Generator) -> Built:
         from attnbook.layers import attend
 
         batch, ls = len(lengths), max(lengths)
         q = torch.from_numpy(rng.standard_normal((batch, heads, lt, d))).to(dtype)
         k, v = rng.standard_normal((2, batch, heads, ls, d))
-        if key_common:  # a part every key of a head shares: large scores, close together
+        if key_common:  # a part every key of a head shares: each row's scores shift by one large constant
             k = k + key_common * rng.standard_normal((batch, heads, 1, d))
         k, v = torch.from_numpy(k).to(dtype), torch.from_numpy(v).to(dtype)
         if nan_key:  # a NaN in sequence 0's first key of head 0, a real source token
@@ -1030,9 +1058,9 @@ EXERCISES["11.1"] = Exercise("cross-attention over a padded source", (
          "float32 input: compute in float32 or wider, never in float16, and return float32"),
     Case("float16, keys with a large common part", _ch11_cross_case(
         [40, 17], 16, heads=2, d=16, dtype=torch.float16, key_common=16.0),
-         _F16 + ": the keys share a large part, so the scores are large and close together, "
-         "and a score rounded to float16 moves its weight by percents; compute the scores, "
-         "softmax and sums in float32 (q.float()), then .half()"),
+         _F16 + ": the keys share a large part, so the scores are large, and a score rounded "
+         "to float16 moves its weight by up to about 1%, several times float16's tolerance; "
+         "compute the scores, softmax and sums in float32 (q.float()), then .half()"),
     Case("a NaN in a source key", _ch11_cross_case([4, 3], 3, nan_key=True),
          "a NaN in a real source token's key makes that head's scores, and so its outputs for "
          "that sequence, NaN: never replace a NaN (torch.nan_to_num)"),
@@ -1040,8 +1068,8 @@ EXERCISES["11.1"] = Exercise("cross-attention over a padded source", (
 
 
 # chapters/a7-exercise-cases.md, "Chapter 12"
-def _ch12_keys_case(q_len: int, k_len: int) -> _Builder:
-    def build(rng: np.random.Generator) -> _Built:
+def _ch12_keys_case(q_len: int, k_len: int) -> Builder:
+    def build(rng: np.random.Generator) -> Built:
         from attnbook.layers import causal_mask
         return {"q_len": q_len, "k_len": k_len}, causal_mask(q_len, k_len).sum(-1)  # (Lq,) int64
     return build
@@ -1068,8 +1096,8 @@ EXERCISES["12.3"] = Exercise("the keys each query sees under a causal mask", (
 
 
 # chapters/a7-exercise-cases.md, "Chapter 14"
-def _ch14_roofline_case(intensity: npt.ArrayLike, gpu: str, ridge: bool = False) -> _Builder:
-    def build(rng: np.random.Generator) -> _Built:
+def _ch14_roofline_case(intensity: npt.ArrayLike, gpu: str, ridge: bool = False) -> Builder:
+    def build(rng: np.random.Generator) -> Built:
         from attnbook.tiling import GPUS, roofline_seconds
         spec = GPUS[gpu]
         values = np.asarray(intensity, dtype=np.float64)
@@ -1107,10 +1135,10 @@ EXERCISES["14.2"] = Exercise("the roofline: attainable FLOP/s against arithmetic
 
 # chapters/a7-exercise-cases.md, "Chapter 15"
 def _ch15_rows(shape: tuple[int, int, int], lq: int, lk: int, causal: bool, spread: float = 1.0,
-               strided: bool = False) -> _Builder:
+               strided: bool = False) -> Builder:
     """Chapter 15, exercise 3: q (B, H, lq, D) and k (B, H, lk, D) in float32, and the natural
     logsumexp of each row of q k^T / sqrt(D) by the package's forward kernel (-inf: no key)."""
-    def build(rng: np.random.Generator) -> _Built:
+    def build(rng: np.random.Generator) -> Built:
         from attnbook import kernels  # imports Triton: only once a case is built
 
         device = "cpu" if kernels.INTERPRETED else "cuda"
@@ -1164,10 +1192,10 @@ EXERCISES["15.3"] = Exercise("the logsumexp of each query row, in Triton", (
 # chapters/a7-exercise-cases.md, "Chapter 16"
 def _ch16_backward_case(shape: tuple[int, ...], lq: int, lk: int, causal: bool = False,
                         dtype: npt.DTypeLike = np.float64, nan_query: int | None = None,
-                        common: tuple[float, float] = (0.0, 0.0)) -> _Builder:
+                        common: tuple[float, float] = (0.0, 0.0)) -> Builder:
     """(B, H) batch and heads, lq queries and lk keys of width d = shape[-1]; `common`: the
     sizes of a part every key, and every value, of a head shares."""
-    def build(rng: np.random.Generator) -> _Built:
+    def build(rng: np.random.Generator) -> Built:
         from attnbook.layers import attend, causal_mask
         *lead, d = shape
         draws = [rng.standard_normal((*lead, n, d)) for n in (lq, lk, lk, lq)]  # q, k, v, dout
@@ -1212,8 +1240,8 @@ EXERCISES["16.1"] = Exercise("the backward pass of attention", (
     Case("float16, keys and values with large common parts", _ch16_backward_case(
         (1, 2, 16), 33, 40, True, np.float16, common=(4.0, 30.0)),
          _F16 + ": with values far from 0, dP = dout v^T is large and dP - delta nearly cancels, "
-         "and float16 keeps steps of 1/16 or more there; compute P, delta and the products in "
-         "float32, then return float16 gradients"),
+         "and float16's steps are about 1/16 for the typical |dP| of about 100; compute P, "
+         "delta and the products in float32, then return float16 gradients"),
     Case("a NaN in query 2", _ch16_backward_case((1, 1, 4), 4, 5, nan_query=2),
          "a NaN in query 2 makes its row of P NaN: dq's row 2 and every dk and dv are NaN, the "
          "other rows of dq are not: never replace a NaN (torch.nan_to_num)"),
@@ -1222,8 +1250,8 @@ EXERCISES["16.1"] = Exercise("the backward pass of attention", (
 
 # chapters/a7-exercise-cases.md, "Chapter 18"
 def _ch18_patches_case(batch: int, channels: int, size: int, p: int,
-                       dtype: npt.DTypeLike = np.float64, nan_pixel: bool = False) -> _Builder:
-    def build(rng: np.random.Generator) -> _Built:
+                       dtype: npt.DTypeLike = np.float64, nan_pixel: bool = False) -> Builder:
+    def build(rng: np.random.Generator) -> Built:
         from attnbook.vit import patchify
         images = torch.from_numpy(rng.standard_normal((batch, channels, size, size)).astype(dtype))
         if nan_pixel:  # one pixel of the last image
