@@ -211,6 +211,15 @@ def test_check_token_ids_shape_and_device():
         c.check_token_ids("idx", ids.float()[0], 5, shape=(None, None))
 
 
+def test_an_object_that_only_looks_like_int64_ids_is_refused_by_name():
+    """The usual case's one comparison includes the type: attributes alone do not pass."""
+    from types import SimpleNamespace
+
+    lookalike = SimpleNamespace(dtype=torch.int64, layout=torch.strided, is_meta=False)
+    with pytest.raises(TypeError, match="idx must be a torch.Tensor of integer ids"):
+        c.check_token_ids("idx", lookalike, 5)
+
+
 UNSIGNED = (torch.uint8, torch.uint16, torch.uint32, torch.uint64)
 
 

@@ -259,9 +259,9 @@ def check_token_ids(name: str, ids: object, vocab_size: int, shape: _Shape = Non
 
     if type(vocab_size) is not int or not 1 <= vocab_size <= _INT64_MAX:  # a model's own: no call
         vocab_size = check_int("vocab_size", vocab_size, 1, _INT64_MAX)  # ids are int64
-    given = (getattr(ids, "dtype", None), getattr(ids, "layout", None),
+    given = (type(ids), getattr(ids, "dtype", None), getattr(ids, "layout", None),
              getattr(ids, "is_meta", None), shape, device)  # one comparison for the usual case,
-    plain = given == (torch.int64, torch.strided, False, None, None)  # dense int64 ids with values
+    plain = given == (torch.Tensor, torch.int64, torch.strided, False, None, None)  # dense int64
     ids = cast("torch.Tensor", ids) if plain else _as_int64(name, ids, vocab_size, shape, device)
     if torch.compiler.is_compiling():  # a read would cut the graph: the graph checks, and
         in_range = ((ids >= 0) & (ids < vocab_size)).all()  # raises RuntimeError when it runs
