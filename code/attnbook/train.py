@@ -76,6 +76,7 @@ from attnbook.train_command import (  # noqa: F811 (notebook)
     RESUMABLE,
     RUN_OPTIONS,
     check_run_options,
+    torchrun_environment,
 )
 from attnbook.train_command import main as main  # python -m attnbook.train
 from attnbook.train_command import parse_options as parse_options  # noqa: F811 (notebook)
@@ -211,12 +212,13 @@ def run(options: argparse.Namespace, argv: list[str]) -> int:
     0 when it succeeds; 1, with one line on stderr, for a refusal, a damaged file, a folder
     that cannot be used or a step whose loss or gradient norm is not finite; 130 for Ctrl-C, saying where the last checkpoint is and which command
     resumes from it."""
-    first = int(os.environ.get("RANK", "0")) == 0  # the process that speaks for all
+    first = True  # the process that speaks for all: rank 0, or the one process
     try:
         if options.command == "sample":
             print(sample(options.run, options.prompt, options.tokens, options.temperature,
                          options.seed, options.top_k))
         else:
+            first = (torchrun_environment() or {"RANK": 0})["RANK"] == 0  # or a ValueError
             train(options)
     except KeyboardInterrupt:
         if first:
@@ -246,8 +248,8 @@ def _interrupted(options: argparse.Namespace, argv: list[str]) -> str:
         return "stopped by Ctrl-C"
     again = ["gpt", "--resume", "--out", str(options.out)]
     torchrun = False
-    with contextlib.suppress(ValueError):  # a partial torchrun environment: refused at the start
-        torchrun = _under_torchrun()
+    with contextlib.suppress(ValueError):  # a bad torchrun environment: refused at the start
+        torchrun = torchrun_environment() is not None
     launcher = "torchrun <the same torchrun options> -m attnbook.train" if torchrun else PROGRAM
     return (f"stopped by Ctrl-C: {_last_checkpoint(options.out)}. To resume:\n  {launcher} "
             f"{shlex.join(again)}")
@@ -268,37 +270,21 @@ def _last_checkpoint(out: Path) -> str:
     return f"the last checkpoint is {latest} (step {int(latest.name[5:])})"
 
 
-_TORCHRUN = ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")  # torchrun sets with WORLD_SIZE
-
-
-def _under_torchrun() -> bool:
-    """Whether torchrun started this process: WORLD_SIZE and the variables set with it. No
-    WORLD_SIZE, or WORLD_SIZE=1 alone, is one process; a partial environment is a ValueError."""
-    world = os.environ.get("WORLD_SIZE")
-    missing = [name for name in _TORCHRUN if name not in os.environ]
-    if world is None or (world == "1" and len(missing) == len(_TORCHRUN)):
-        return False
-    if missing:
-        raise ValueError(f"WORLD_SIZE={world} is set, as torchrun sets it, but not "
-                         f"{', '.join(missing)}: start it with torchrun, or unset WORLD_SIZE")
-    return True
-
-
 def _start_processes() -> tuple[int, int, torch.device]:
     """This process's rank, the number of processes and its device; under torchrun, joins the
     process group (NCCL on GPUs, gloo on CPUs)."""
-    gpu = torch.cuda.is_available()
-    if not _under_torchrun():  # plain python, or WORLD_SIZE=1 alone: one process
+    gpu, env = torch.cuda.is_available(), torchrun_environment()  # checked (appendix E)
+    if env is None:  # plain python, or WORLD_SIZE=1 alone: one process
         return 0, 1, torch.device("cuda" if gpu else "cpu")
-    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if gpu else torch.device("cpu")
+    device = torch.device("cuda", env["LOCAL_RANK"]) if gpu else torch.device("cpu")
     if gpu:
         torch.cuda.set_device(device)
-    rank, processes = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    rank, processes = env["RANK"], env["WORLD_SIZE"]
     # torchrun's store outlives a restart, and with it the addresses the processes published:
     # a restarted process could read a dead one's (pytorch/pytorch#167288). A prefix of the
     # attempt's number keeps each attempt's keys apart.
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), processes,
+    store = dist.TCPStore(env["MASTER_ADDR"], env["MASTER_PORT"], processes,
                           is_master=rank == 0 and not agent_store)
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     dist.init_process_group("nccl" if gpu else "gloo", store=dist.PrefixStore(

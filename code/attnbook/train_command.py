@@ -10,6 +10,7 @@ __all__ = [
     "RESUMABLE",
     "TRUST",
     "parse_options",
+    "torchrun_environment",
     "check_run_options",
     "DEFAULTS",
     "main",
@@ -69,16 +70,49 @@ def parse_options(argv: list[str] | None = None) -> argparse.Namespace:
     options.given = [name for name in DEFAULTS if getattr(options, name) is not None]
     for name in set(DEFAULTS) - set(options.given):
         setattr(options, name, DEFAULTS[name])
-    processes = os.environ.get("WORLD_SIZE", "1")
-    if not processes.isdigit() or int(processes) < 1:
-        gpt.error(f"WORLD_SIZE={processes!r} (set by torchrun) must be a positive integer")
-    if options.global_batch % (count := int(processes)):
+    try:
+        count = (torchrun_environment() or {"WORLD_SIZE": 1})["WORLD_SIZE"]
+    except ValueError:  # a bad torchrun environment: run refuses it, in one line
+        count = 1
+    if options.global_batch % count:
         gpt.error(f"argument --global-batch: {options.global_batch} sequences cannot be shared "
                   f"equally by {count} processes")
     if options.d_model % options.heads:
         gpt.error(f"argument --heads: {options.heads} heads do not divide "
                   f"--d-model {options.d_model}")
     return options
+
+
+_TORCHRUN = ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")  # torchrun sets with WORLD_SIZE
+
+
+def torchrun_environment() -> dict[str, Any] | None:
+    """The variables torchrun set for this process, read and checked once: None for one process
+    (no WORLD_SIZE, or WORLD_SIZE=1 alone); a ValueError naming the variable for a partial
+    environment, a number out of range or an empty MASTER_ADDR, before any process waits."""
+    if "WORLD_SIZE" not in os.environ:
+        return None
+    world = _whole("WORLD_SIZE", 1, math.inf)
+    missing = [name for name in _TORCHRUN if name not in os.environ]
+    if world == 1 and len(missing) == len(_TORCHRUN):
+        return None
+    if missing:
+        raise ValueError(f"WORLD_SIZE={world} is set, as torchrun sets it, but not "
+                         f"{', '.join(missing)}: start it with torchrun, or unset WORLD_SIZE")
+    if not os.environ["MASTER_ADDR"]:
+        raise ValueError("MASTER_ADDR='' (set by torchrun) must name rank 0's host")
+    return {"WORLD_SIZE": world, "RANK": _whole("RANK", 0, world - 1),
+            "LOCAL_RANK": _whole("LOCAL_RANK", 0, world - 1),
+            "MASTER_ADDR": os.environ["MASTER_ADDR"], "MASTER_PORT": _whole("MASTER_PORT", 1, 65535)}
+
+
+def _whole(name: str, low: int, high: float) -> int:
+    """Environment variable `name` as a whole number from `low` to `high`, or a ValueError."""
+    text = os.environ[name]
+    if not (text.isascii() and text.isdigit() and low <= int(text) <= high):
+        upto = f" to {high}" if high < math.inf else ""
+        raise ValueError(f"{name}={text!r} (set by torchrun) must be a whole number from {low}{upto}")
+    return int(text)
 
 
 def check_run_options(recorded: dict[str, Any]) -> list[str]:
