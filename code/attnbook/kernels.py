@@ -563,8 +563,7 @@ def _backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor
               lse: torch.Tensor, do: torch.Tensor, causal: bool, scale: float
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # dQ, dK, dV (contiguous, in the inputs' dtype) from the forward's O and logsumexp.
-    q, k, v, do = _unit_stride_d(q, k, v, do)  # as in _forward (chapter 15)
-    lse = lse.contiguous()  # the kernels read row r of pair bh at bh * Lq + r, whatever its strides
+    (q, k, v, do), lse = _unit_stride_d(q, k, v, do), lse.contiguous()  # lse: read at bh * Lq + row
     B, H, Lq, D = q.shape
     delta = torch.empty_like(lse)  # (B, H, Lq): rowsum(O * dO)
     dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
