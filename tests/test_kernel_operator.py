@@ -281,3 +281,45 @@ def test_vmap_over_the_operators_and_a_gradient_through_it():
     (wanted,) = torch.autograd.grad(sum(kernels.flash_attention(q[i], k[i], v[i], True).square().sum()
                                         for i in range(4)), q)
     torch.testing.assert_close(dq, wanted, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("lse_view", ["strided", "expanded"])
+def test_the_backward_operator_reads_a_strided_logsumexp_by_its_values(lse_view):
+    # AT53-V F5: the kernels indexed lse as bh * Lq + row, ignoring its strides (dQ off by 0.88)
+    args = backward_arguments()
+    wanted = torch.ops.attnbook.flash_attention_backward(*args)
+    lse = args[4]
+    if lse_view == "strided":
+        args[4] = lse.transpose(1, 2).contiguous().transpose(1, 2)  # equal values, other strides
+    else:  # one head's rows read twice: compare with the contiguous copy of the same values
+        args[4] = lse[:, :1].expand(lse.shape)
+        wanted = torch.ops.attnbook.flash_attention_backward(*args[:4], args[4].contiguous(),
+                                                             *args[5:])
+    for mine, expected in zip(torch.ops.attnbook.flash_attention_backward(*args), wanted):
+        torch.testing.assert_close(mine, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("op, at, name", [("flash_attention", 1, "k"), ("flash_attention", 2, "v"),
+                                          ("flash_attention_backward", 3, "o"),
+                                          ("flash_attention_backward", 4, "lse"),
+                                          ("flash_attention_backward", 0, "k")])
+def test_a_meta_tensor_among_the_operators_arguments_is_refused_by_name(op, at, name):
+    # AT53-V F6: the dispatcher sent mixed meta and CPU arguments to the fake kernel, which
+    # returned uninitialised memory (or, with q on meta, meta outputs) with no error
+    args = backward_arguments() if op.endswith("backward") else [*qkv(), False, 0.25]
+    args[at] = args[at].to("meta")
+    with pytest.raises(ValueError, match=f"{name} must be on device"):
+        getattr(torch.ops.attnbook, op)(*args)
+
+
+@pytest.mark.parametrize("transform", ["grad", "vjp", "jvp"])
+def test_transforms_around_vmap_are_refused_by_name(transform):
+    # AT53-V F8: grad and vjp of vmap(flash_attention) raised PyTorch's "must override the
+    # setup_context", jvp its "Batching rule not implemented for aten::_unpack_dual"
+    q, k, v = (t.unsqueeze(0).expand(2, -1, -1, -1, -1).clone() for t in qkv())
+    mapped = torch.vmap(kernels.flash_attention)
+    calls = {"grad": lambda: torch.func.grad(lambda a: mapped(a, k, v).sum())(q),
+             "vjp": lambda: torch.func.vjp(lambda a: mapped(a, k, v), q),
+             "jvp": lambda: torch.func.jvp(lambda a: mapped(a, k, v), (q,), (torch.ones_like(q),))}
+    with pytest.raises(RuntimeError, match="flash_attention supports first-order"):
+        calls[transform]()

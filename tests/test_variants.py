@@ -458,6 +458,26 @@ def test_from_hf_llama_refuses_a_model_on_the_meta_device_by_name(tied):
         GPT.from_hf_llama(theirs)
 
 
+@pytest.mark.parametrize("field, value", [("num_key_value_heads", None), ("num_key_value_heads", 4),
+                                          ("intermediate_size", 40), ("vocab_size", 61),
+                                          ("hidden_size", 48)])
+def test_from_hf_llama_refuses_config_sizes_its_modules_disagree_with(field, value):
+    # AT53-V F3: a raw "size mismatch" from load_state_dict (set through __dict__, because
+    # transformers' config refuses such values when they are set)
+    theirs = hf_llama()
+    theirs.config.__dict__[field] = value
+    with pytest.raises(ValueError, match=rf"^model\.config\.{field}={value!r} disagrees"):
+        GPT.from_hf_llama(theirs)
+
+
+def test_from_hf_llama_names_a_missing_rope_theta():
+    # AT53-V F4: AttributeError "'LlamaConfig' object has no attribute 'rope_theta'"
+    theirs = hf_llama()
+    theirs.config.__dict__["rope_parameters"] = None
+    with pytest.raises(TypeError, match=r"^model\.config\.rope_parameters\['rope_theta'\]"):
+        GPT.from_hf_llama(theirs)
+
+
 def test_from_hf_llama_names_the_config_field_of_a_bad_epsilon():
     with pytest.raises(ValueError, match=r"^model\.config\.rms_norm_eps must be"):
         GPT.from_hf_llama(hf_llama(rms_norm_eps=0.0))

@@ -100,6 +100,23 @@ def test_control_characters_show_as_their_pictures_not_raw():
     assert page.data()["tokens"] == tokens  # the data keep the tokens as they are
 
 
+def test_c1_control_characters_are_not_left_raw_in_the_page():
+    # reader53-V F3: U+0080-U+009F (HTML parse errors, as C0's are) were left raw, in the text
+    # and in the JSON
+    tokens = ["a\x85b", "\x9c", "\x80"]
+    html = attention_explorer(tokens, np.full((3, 3), 1 / 3), title="t\x9f")._repr_html_()
+    assert not any(0x80 <= ord(ch) < 0xA0 for ch in html)
+    page = Page(html)
+    assert page.texts == ["a\ufffdb", "\ufffd", "\ufffd"] and "t\ufffd" in html  # title too
+    assert page.data()["tokens"] == tokens  # escaped in the JSON, the same tokens once parsed
+
+
+def test_the_readout_names_tokens_as_the_token_row_shows_them():
+    # reader53-V F4: the readout wrote data.tokens, raw, where the token row shows pictures
+    html = attention_explorer(["\n", "a"], np.full((2, 2), 0.5))._repr_html_()
+    assert "data.tokens[" not in html and '.querySelector(".ax-text").textContent' in html
+
+
 def test_no_outside_requests_and_unique_ids():
     first = attention_explorer(["a", "b", "c"], random_weights(2, 2, 3, 3))
     pages = [first._repr_html_(), first._repr_html_(),

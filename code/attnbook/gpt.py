@@ -271,9 +271,9 @@ class GPT(nn.Module):
                 or not hasattr(model, "lm_head"):
             raise TypeError(f"model must be a LlamaForCausalLM, got {type(model).__name__}")
         _check_holds_weights(model)
-        rope = getattr(hf, "rope_parameters", None) or {"rope_theta": hf.rope_theta,
+        rope = getattr(hf, "rope_parameters", None) or {"rope_theta": getattr(hf, "rope_theta", None),
                                                         **(getattr(hf, "rope_scaling", None) or {})}
-        d, heads = hf.hidden_size, hf.num_attention_heads
+        d, heads = body.embed_tokens.weight.shape[1], hf.num_attention_heads  # d: the weights'
         found = {"hidden_act": hf.hidden_act, "rope_type": rope.get("rope_type", "default"),
                  "head_dim": getattr(hf, "head_dim", d // heads),
                  "attention_dropout": hf.attention_dropout, "pretraining_tp": hf.pretraining_tp}
@@ -281,6 +281,7 @@ class GPT(nn.Module):
                              "attention_dropout": 0.0, "pretraining_tp": 1}.items():
             if (value := found[name]) != wanted:
                 raise ValueError(f"model.config.{name}={value!r} is not supported, only {wanted!r}")
+        _check_llama_sizes(hf, body, d // heads)
         if hf.mlp_bias != hf.attention_bias:  # our GPT has one `bias` for both
             raise ValueError(f"model.config.mlp_bias={hf.mlp_bias!r} and model.config.attention_bias="
                              f"{hf.attention_bias!r} must be equal: our GPT has one bias setting")
@@ -290,8 +291,9 @@ class GPT(nn.Module):
         config = GPTConfig.llama(
             vocab_size=hf.vocab_size, context_length=hf.max_position_embeddings, d_model=d,
             num_layers=len(body.layers), num_heads=heads, num_kv_heads=hf.num_key_value_heads,
-            ff_width=hf.intermediate_size, rope_base=rope["rope_theta"],
-            bias=hf.attention_bias, tied=hf.tie_word_embeddings,
+            ff_width=hf.intermediate_size, bias=hf.attention_bias, tied=hf.tie_word_embeddings,
+            rope_base=check_positive("model.config.rope_parameters['rope_theta']",
+                                     rope.get("rope_theta")),
             eps=check_positive("model.config.rms_norm_eps", hf.rms_norm_eps))  # the user's name
         weight = body.embed_tokens.weight
         ours = cls(config).to(device=weight.device, dtype=weight.dtype)
@@ -478,6 +480,19 @@ def _check_holds_weights(model: nn.Module) -> None:
     if any(p.is_meta for p in model.parameters()):
         raise ValueError(f"model must hold its weights, got a {type(model).__name__} on the meta "
                          "device (meta tensors hold shapes, no values): load its weights first")
+
+
+def _check_llama_sizes(hf, body: nn.Module, head_dim: int) -> None:
+    """Refuses a Llama config whose sizes its modules' weights contradict, by the config's name
+    (set through its __dict__: transformers' own checks run when a field is set)."""
+    (vocab, d), sizes = body.embed_tokens.weight.shape, {}
+    for layer in body.layers[:1]:  # transformers builds every layer alike
+        sizes = {"num_key_value_heads": layer.self_attn.k_proj.out_features // head_dim,
+                 "intermediate_size": layer.mlp.up_proj.out_features}
+    for name, size in {"vocab_size": vocab, "hidden_size": d, **sizes}.items():
+        if (value := getattr(hf, name, None)) != size:
+            raise ValueError(f"model.config.{name}={value!r} disagrees with the model's weights, "
+                             f"which give {size}")
 
 
 # chapters/19-gpt-variants.md, "Prompts of different lengths"

@@ -294,13 +294,24 @@ def _unit_stride_d(*tensors: torch.Tensor) -> list[torch.Tensor]:
     return [t if t.stride(-1) == 1 else t.contiguous() for t in tensors]
 
 
-def _vmap_rule(op):  # vmap's dimension (N, or none: shared) joins the batch's: (N * B, H, L, D)
+def _vmap_rule(op, refuse):  # vmap's dimension (N, or none: shared) joins the batch's
     def rule(info, dims, q, k, v, causal, scale):
         n, qkv = info.batch_size, (t.movedim(at, 0) if at is not None else t.expand(
             info.batch_size, *t.shape) for t, at in zip((q, k, v), dims))  # each (N, B, H, L, D)
-        out = op(*(t.flatten(0, 1) for t in qkv), causal, scale)
+        qkv = [t.flatten(0, 1) for t in qkv]  # each (N * B, H, L, D), unwrapped: grad's or
+        refuse(*qkv)  # jvp's around vmap, which chapter 16's _refuse_transforms refuses
+        out = op(*qkv, causal, scale)
         return tuple(t.unflatten(0, (n, -1)) for t in out), (0, 0)
     return rule
+
+
+def _fake(q, k, v, *rest):  # the operators' outputs without a kernel; one device for all, since
+    # the dispatcher sends CPU arguments with a meta one here, not to the checked body
+    for name, t in zip(("k", "v", "o", "lse", "do"), (k, v, *rest[:-2])):
+        check_tensor(name, t, device=q.device)
+    if len(rest) == 2:  # the forward's: O and the logsumexp
+        return q.new_empty(q.shape), q.new_empty(q.shape[:3]).float()
+    return tuple(t.new_empty(t.shape) for t in (q, k, v))  # the backward's: dQ, dK, dV
 
 
 def _device_guard(device: torch.device):
@@ -552,7 +563,7 @@ def _backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor
               lse: torch.Tensor, do: torch.Tensor, causal: bool, scale: float
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # dQ, dK, dV (contiguous, in the inputs' dtype) from the forward's O and logsumexp.
-    q, k, v, do = _unit_stride_d(q, k, v, do)  # as in _forward (chapter 15)
+    (q, k, v, do), lse = _unit_stride_d(q, k, v, do), lse.contiguous()  # lse: read at bh * Lq + row
     B, H, Lq, D = q.shape
     delta = torch.empty_like(lse)  # (B, H, Lq): rowsum(O * dO)
     dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
@@ -600,12 +611,13 @@ def _attention(q, k, v, causal: bool, scale: float) -> torch.Tensor:  # checked 
 
 
 def _refuse_transforms(*tensors) -> None:  # only loss.backward() reaches the backward kernels
-    functorch = torch._C._functorch  # vmap's tensors pass: the operators' vmap rule takes them
+    functorch = torch._C._functorch  # vmap's tensors pass: its rule checks them unwrapped
     if not torch.compiler.is_compiling() and any(  # the compiler's tensors are neither
-            functorch.is_functorch_wrapped_tensor(t) and not functorch.is_batchedtensor(t)
-            or torch.autograd.forward_ad.unpack_dual(t).tangent is not None for t in tensors):
+            not functorch.is_batchedtensor(t) and (functorch.is_functorch_wrapped_tensor(t)
+            or torch.autograd.forward_ad.unpack_dual(t).tangent is not None) for t in tensors):
         raise RuntimeError("flash_attention supports first-order gradients by loss.backward() "
-                           "only: not forward-mode AD (jvp, forward_ad) nor torch.func, but vmap")
+                           "only: not forward-mode AD (jvp, forward_ad) nor torch.func's "
+                           "transforms other than vmap")
 
 
 def _checked_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
@@ -640,13 +652,13 @@ def _checked_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torc
 if not hasattr(torch.ops.attnbook, "flash_attention"):  # once a process: see below
     for name, body in (("flash_attention", _checked_forward), ("_flash_attention", _forward)):
         op = torch.library.custom_op(f"attnbook::{name}", body, mutates_args=())
-        op.register_fake(lambda q, *rest: (q.new_empty(q.shape), q.new_empty(q.shape[:3]).float()))
+        op.register_fake(_fake)
         op.register_autograd(_gradients, setup_context=_save)
-        op.register_vmap(_vmap_rule(op))
+        op.register_vmap(_vmap_rule(op, _refuse_transforms))
     for twin, body in (("", _checked_backward), ("_", _backward)):  # as the forward's: checked
         op = torch.library.custom_op(f"attnbook::{twin}flash_attention_backward", body,
                                      mutates_args=())
-        op.register_fake(lambda q, k, v, *rest: tuple(t.new_empty(t.shape) for t in (q, k, v)))
+        op.register_fake(_fake)
 
 
 def _check_backward_lengths(q, k) -> None:  # before the forward, not in loss.backward()

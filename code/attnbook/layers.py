@@ -558,7 +558,8 @@ def head_gate_grad(attn: Attention) -> torch.Tensor:
 def mask_heads(attn: Attention, heads: "list[int] | tuple[int, ...] | range | torch.Tensor"
                ) -> Attention:
     """Silence `heads` (indices from 0 to num_heads - 1) of `attn`, in place: zero their blocks
-    of columns of out_proj.weight, so their outputs never reach the layer's output."""
+    of columns of out_proj.weight, so their finite outputs never reach the layer's output (a
+    NaN or an infinity still does: 0 * NaN is NaN)."""
     check_instance("attn", attn, Attention)
     if isinstance(heads, (str, bytes)) or not hasattr(heads, "__iter__") \
             or getattr(heads, "ndim", 1) != 1:  # an int, None, a 0-d or 2-d array or tensor

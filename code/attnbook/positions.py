@@ -169,7 +169,7 @@ class ALiBi(nn.Module):
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Self:
         super()._apply(fn, recurse)  # type: ignore[no-untyped-call]  # torch's is untyped
         # .to(), .double(), .cuda() move the slopes; then they are computed anew, not rounded
-        self.slopes = alibi_slopes(len(self.slopes), dtype=self.slopes.dtype,  # from float32
+        self.slopes = alibi_slopes(len(self.slopes), dtype=self.slopes.dtype,  # from the closed form
                                    device=self.slopes.device)
         return self
 

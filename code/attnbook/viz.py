@@ -103,8 +103,11 @@ _SCRIPT = """(function () {
       el.classList.toggle("ax-query", j === i);
       if (w[j] > w[best]) best = j;
     });
-    readout.textContent = "\\u201c" + data.tokens[i] + "\\u201d gives its largest weight, " +
-      w[best].toFixed(data.digits) + ", to \\u201c" + data.tokens[best] + "\\u201d";
+    readout.textContent = "\\u201c" + shown(i) + "\\u201d gives its largest weight, " +
+      w[best].toFixed(data.digits) + ", to \\u201c" + shown(best) + "\\u201d";
+  }
+  function shown(i) {  // token i as its element shows it: control characters as pictures
+    return tokens[i].querySelector(".ax-text").textContent;
   }
   tokens.forEach(function (el) {
     var i = Number(el.dataset.tokenIndex);
@@ -129,22 +132,22 @@ def _options(name: str, count: int, uid: str, average: bool = False) -> str:
             f'<select id="{uid}-{name}" class="ax-{name}">{"".join(choices)}</select> ')
 
 
-_PICTURES = {**{c: 0x2400 + c for c in range(32)}, 0x7F: 0x2421}  # "\x00" -> "␀", DEL -> "␡"
+_C1 = range(0x80, 0xA0)  # the C1 control characters, which have no pictures
+_PICTURES = {**{c: 0x2400 + c for c in range(32)}, 0x7F: 0x2421,  # "\x00" -> "␀", DEL -> "␡"
+             **dict.fromkeys(_C1, 0xFFFD)}  # C1 -> "�", the replacement character
+_SCRIPT_ESCAPES = {c: f"\\u{c:04x}" for c in (*map(ord, "<>&\x7f"), *_C1)}  # "<" -> "\\u003c"
 
 
 def _as_text(text: str) -> str:
-    """`text` escaped for HTML, its control characters shown as their pictures: a page may not
-    hold them raw (a browser drops or replaces a NUL)."""
+    """`text` escaped for HTML, its control characters shown as their pictures (C1's as U+FFFD):
+    a page may not hold them raw (a browser drops or replaces a NUL)."""
     return html.escape(text.translate(_PICTURES))
 
 
 def _json_for_script(data: object) -> str:
     """JSON that an HTML <script> element holds safely: no `<`, `>` or `&` left to parse, and no
-    DEL (JSON escapes the other control characters itself)."""
-    text = json.dumps(data, separators=(",", ":"), ensure_ascii=False)
-    for raw, escaped in (("<", "\\u003c"), (">", "\\u003e"), ("&", "\\u0026"), ("\x7f", "\\u007f")):
-        text = text.replace(raw, escaped)
-    return text
+    DEL or C1 control (JSON escapes C0's itself)."""
+    return json.dumps(data, separators=(",", ":"), ensure_ascii=False).translate(_SCRIPT_ESCAPES)
 
 
 def explorer_html(tokens: list[str] | tuple[str, ...], weights: np.ndarray, uid: str,
