@@ -128,6 +128,17 @@ def test_from_hf_bert_refuses_what_it_cannot_copy():
         BERT.from_hf_bert(random_hf_bert(0, tie_word_embeddings=False))
 
 
+@pytest.mark.parametrize("encoder_only", [False, True])
+def test_from_hf_bert_refuses_a_model_on_the_meta_device_by_name(encoder_only):
+    config = transformers.BertConfig(vocab_size=40, hidden_size=16, num_hidden_layers=1,
+                                     num_attention_heads=2, intermediate_size=32)
+    kind = transformers.BertModel if encoder_only else transformers.BertForMaskedLM
+    with torch.device("meta"):  # shapes, no weights (before: a raw aten::equal error)
+        theirs = kind(config)
+    with pytest.raises(ValueError, match=r"model must hold its weights.*meta device"):
+        BERT.from_hf_bert(theirs)
+
+
 @pytest.mark.parametrize("batch,length", [(1, 1), (2, 7), (5, 16)])
 def test_output_shapes(batch, length):
     torch.manual_seed(0)

@@ -131,6 +131,14 @@ def test_conversion_refuses_other_objects():
         GPT.from_hf_gpt2(torch.nn.Linear(2, 2))
 
 
+def test_from_hf_gpt2_refuses_a_model_on_the_meta_device_by_name():
+    config = transformers.GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=40, n_positions=8)
+    with torch.device("meta"):  # shapes, no weights (before: a raw aten::equal error)
+        theirs = transformers.GPT2LMHeadModel(config)
+    with pytest.raises(ValueError, match=r"model must hold its weights.*meta device"):
+        GPT.from_hf_gpt2(theirs)
+
+
 # --- the model --------------------------------------------------------------------------------
 
 def test_causal_and_shapes():

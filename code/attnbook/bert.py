@@ -239,6 +239,9 @@ def _from_hf_bert(cls: type[BERT], model: Any) -> BERT:
     if not all(hasattr(model, a) for a in parts):
         raise TypeError("model must be a transformers BertForMaskedLM or BertModel, "
                         f"got {type(model).__name__}")
+    from attnbook.gpt import _check_holds_weights  # chapter 19's one check, used here too
+
+    _check_holds_weights(model)  # a model on the meta device: shapes, no values to copy
     for name, wanted in (("hidden_act", "gelu"), ("is_decoder", False),
                          ("position_embedding_type", "absolute")):
         if (found := getattr(model.config, name, wanted)) != wanted:

@@ -162,6 +162,7 @@ class GPT(nn.Module):
         body: Any = getattr(model, "transformer", None)
         if getattr(hf, "model_type", None) != "gpt2" or not hasattr(model, "lm_head"):
             raise TypeError(f"model must be a GPT2LMHeadModel, got {type(model).__name__}")
+        _check_holds_weights(model)  # chapter 19's: a model on the meta device holds no values
         supported = {"activation_function": ("gelu_new", "gelu_pytorch_tanh"),
                      "scale_attn_weights": (True,), "scale_attn_by_inverse_layer_idx": (False,),
                      "add_cross_attention": (False,)}
@@ -415,8 +416,7 @@ class KVCache:
 
 # chapters/10-gpt.md, "The KV cache"
 def _check_kv_cache(model: "GPT", kv_cache: object, idx: torch.Tensor) -> int:
-    """The positions kv_cache holds, after checking that it is the model's and that idx's
-    (B, n) fit after them."""
+    """The positions kv_cache holds, once checked to be the model's, with room for idx (B, n)."""
     c, (b, n) = model.config, idx.shape
     cache = check_instance("kv_cache", kv_cache, KVCache)
     layers, batch = cache.keys.shape[:2]

@@ -108,8 +108,7 @@ def batch(ids: torch.Tensor, step: int, size: int, context: int,
 
 def held_out_split(ids: torch.Tensor, block: int = 4096,
                    every: int = 10) -> tuple[torch.Tensor, torch.Tensor]:
-    """(training ids, held-out ids): every `every`-th block of `block` ids is held out, so that
-    both parts sample the whole text."""
+    """(training ids, held-out ids): every `every`-th block of `block` ids is held out."""
     blocks = torch.split(_check_ids(ids), check_int("block", block, minimum=1))
     if len(blocks) < check_int("every", every, minimum=2):
         raise ValueError(f"ids must hold at least {every} blocks of {block}, got {len(ids)} ids")
