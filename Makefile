@@ -141,10 +141,11 @@ lint: $(STAMP)
 
 NBVAL := --nbval --nbval-sanitize-with tests/nbval_sanitize.cfg -p no:cacheprovider
 # pytest-xdist: WORKERS processes share the test files out, each file (each notebook) whole on one
-# worker, as its cells share one kernel. 2 suits the 2-core machine CI runs on; WORKERS=0 runs
-# everything in one process.
+# worker, as its cells share one kernel, the longest files first (conftest.py, from
+# tests/file-seconds.json) rather than xdist's default, the files with most tests first. 2 suits
+# the 2-core machine CI runs on; WORKERS=0 runs everything in one process.
 WORKERS ?= 2
-XDIST := $(if $(filter-out 0,$(WORKERS)),-n $(WORKERS) --dist loadfile)
+XDIST := $(if $(filter-out 0,$(WORKERS)),-n $(WORKERS) --dist loadfile --no-loadscope-reorder)
 # Each worker's share of the cores, as its thread count (OMP_NUM_THREADS, which PyTorch, MKL and
 # OpenBLAS read): more threads than cores, and OpenMP's threads wait for one another (a chapter
 # ran 4.7 times slower so on the 2-core machine). The notebooks were recorded with every core,

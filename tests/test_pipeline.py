@@ -144,6 +144,7 @@ def test_the_generated_files_are_listed_as_generated():
     generated = [*tangler.package_files(chapters),
                  *(tangler.notebook_path(c).relative_to(ROOT).as_posix() for c in chapters),
                  "requirements.txt", "benchmarks/results/gpu-profile-on-cpu.json",
+                 "tests/file-seconds.json",
                  *(p.relative_to(ROOT).as_posix() for p in (ROOT / ".github").glob("tested-*/*"))]
     written_by_hand = ["chapters/01-queries-keys-values.md", "tools/tangle.py", "requirements.in",
                        "code/attnbook/data/python-3.11.7-topics.json.gz", "Makefile"]
