@@ -792,20 +792,31 @@ EXERCISES["3.3"] = Exercise("multi-head self-attention in NumPy", (
 
 
 # chapters/a7-exercise-cases.md, "Chapter 4"
+def _draw_qkv(rng: np.random.Generator, shape: tuple[int, int, int, int, int, int],
+              dtype: torch.dtype, nan_key: tuple[int, int] | None,
+              key_common: float) -> tuple[torch.Tensor, ...]:
+    """q (B, H, Lq, d), k and v (B, H_kv, Lk, d) for shape (B, H, H_kv, Lq, Lk, d): normal draws
+    rounded to dtype, in float64. `key_common`: the size of a part every key of a head shares
+    (each row's scores shift by one large constant); `nan_key`: (key/value head, position) of
+    sequence 0's key made NaN."""
+    batch, heads, kv_heads, lq, lk, d = shape
+    q_draw = rng.standard_normal((batch, heads, lq, d))
+    k_draw, v_draw = rng.standard_normal((2, batch, kv_heads, lk, d))
+    if key_common:
+        k_draw = k_draw + key_common * rng.standard_normal((batch, kv_heads, 1, d))
+    if nan_key is not None:
+        k_draw[(0, *nan_key, 0)] = np.nan
+    return tuple(torch.from_numpy(a).to(dtype).double() for a in (q_draw, k_draw, v_draw))
+
+
 def _ch4_grouped_case(batch: int, heads: int, kv_heads: int, length: int, d: int,
                       dtype: torch.dtype = torch.float64, nan_key: tuple[int, int] | None = None,
                       key_common: float = 0.0) -> Builder:
     def build(rng: np.random.Generator) -> Built:
         from attnbook.layers import attend, causal_mask
 
-        q_draw = rng.standard_normal((batch, heads, length, d))
-        k_draw, v_draw = rng.standard_normal((2, batch, kv_heads, length, d))
-        if key_common:  # a part every key of a head shares: each row's scores shift by one large constant
-            k_draw = k_draw + key_common * rng.standard_normal((batch, kv_heads, 1, d))
-        if nan_key is not None:  # (key/value head, position) of sequence 0
-            k_draw[(0, *nan_key, 0)] = np.nan
-        q, k, v = (torch.from_numpy(a).to(dtype).double()  # dtype's numbers
-                   for a in (q_draw, k_draw, v_draw))
+        q, k, v = _draw_qkv(rng, (batch, heads, kv_heads, length, length, d), dtype, nan_key,
+                            key_common)
         expected = attend(q, k, v, causal_mask(length))[0].to(dtype)
         return {"q": q.to(dtype), "k": k.to(dtype), "v": v.to(dtype)}, expected
     return build
@@ -1291,13 +1302,7 @@ def _ch19_alibi_case(batch: int, heads: int, lq: int, lk: int, d: int,
         from attnbook.layers import causal_mask
         from attnbook.positions import alibi_bias
 
-        q_draw = rng.standard_normal((batch, heads, lq, d))
-        k_draw, v_draw = rng.standard_normal((2, batch, heads, lk, d))
-        if key_common:  # a part every key of a head shares: each row's scores shift by one large constant
-            k_draw = k_draw + key_common * rng.standard_normal((batch, heads, 1, d))
-        if nan_key is not None:  # (head, position) of sequence 0
-            k_draw[(0, *nan_key, 0)] = np.nan
-        q, k, v = (torch.from_numpy(a).to(dtype).double() for a in (q_draw, k_draw, v_draw))
+        q, k, v = _draw_qkv(rng, (batch, heads, heads, lq, lk, d), dtype, nan_key, key_common)
         scores = q @ k.transpose(-2, -1) / d**0.5 + alibi_bias(heads, lq, lk, dtype=torch.float64)
         weights = scores.masked_fill(~causal_mask(lq, lk), float("-inf")).softmax(dim=-1)
         return {"q": q.to(dtype), "k": k.to(dtype), "v": v.to(dtype)}, (weights @ v).to(dtype)
