@@ -146,6 +146,6 @@ def test_a_float16_case_names_float16_arithmetic_only_where_it_catches_it():
     # inputs share a large common part), so their hints name float16 arithmetic as the mistake
     assert not check("2.3", lambda s, g: softmax_backward(s, g, work=s.dtype), show=False).passed
     assert not check("3.3", lambda *a: heads_numpy(*a, work=a[0].dtype), show=False).passed
-    for exercise_id in ("2.3", "3.3", "4.2", "11.1", "16.1"):
+    for exercise_id in ("2.3", "3.3", "4.2", "11.1", "16.1", "19.3"):
         hint = next(c.hint for c in EXERCISES[exercise_id].cases if c.name.startswith("float16"))
         assert hint.startswith(exercises._F16), exercise_id

@@ -1,4 +1,4 @@
-"""attnbook.exercises, appendix G: the float16 cases of 2.3, 3.3, 4.2, 11.1 and 16.1 catch an
+"""attnbook.exercises, appendix G: the float16 cases of 2.3, 3.3, 4.2, 11.1, 16.1 and 19.3 catch an
 answer computed in float16 arithmetic throughout (every intermediate rounded to float16), while
 one computed in float32 and rounded once passes at float16's tolerance. Their inputs share a
 large common part (a gradient near 1000, tokens or keys or values far from 0), so that float16
@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from test_exercises import assert_fails_with_hint
+from test_exercises_ch19 import alibi_by_positions
 from test_exercises_parts_1_2 import heads_numpy, softmax_backward
 
 from attnbook.attention import scaled_dot_product_attention as numpy_attention
@@ -21,7 +22,8 @@ CASES = {"2.3": "float16, 300 keys, gradients near 1000",
          "3.3": "float16, tokens with a large common part",
          "4.2": "float16, keys with a large common part",
          "11.1": "float16, keys with a large common part",
-         "16.1": "float16, keys and values with large common parts"}
+         "16.1": "float16, keys and values with large common parts",
+         "19.3": "float16, keys with a large common part"}
 
 
 def wider(*tensors):
@@ -122,6 +124,7 @@ FLOAT16_ARITHMETIC = [
     ("4.2", grouped_half_kernel_by_hand, "by_hand"),
     ("11.1", chapter11_cross, "chapter"),
     ("16.1", lambda *a: chapter16_backward(*a, widen=False), "chapter"),
+    ("19.3", lambda q, k, v: alibi_by_positions(q, k, v, work=q.dtype), "positions"),
 ]
 
 
@@ -142,13 +145,14 @@ RIGHT_IN_FLOAT32 = [
     ("4.2", lambda q, k, v: chapter4_grouped(q, k, v, widen=True)),
     ("11.1", lambda *a: chapter11_cross(*a, widen=True)),
     ("16.1", chapter16_backward),
+    ("19.3", alibi_by_positions),
     ("4.2", lambda q, k, v: F.scaled_dot_product_attention(  # PyTorch's CPU kernel: float32 inside
         q, *(t.repeat_interleave(q.shape[1] // k.shape[1], 1) for t in (k, v)), is_causal=True)),
 ]
 
 
 @pytest.mark.parametrize("exercise, candidate", RIGHT_IN_FLOAT32,
-                         ids=["2.3", "3.3", "4.2", "11.1", "16.1", "4.2-sdpa"])
+                         ids=["2.3", "3.3", "4.2", "11.1", "16.1", "19.3", "4.2-sdpa"])
 def test_the_chapters_solutions_computed_in_float32_pass_every_case(exercise, candidate):
     result = check(exercise, candidate, show=False)
     assert result.passed, result

@@ -83,7 +83,8 @@ FLOAT16 = {"2.3": "float16, 300 keys, gradients near 1000",
            "3.3": "float16, tokens with a large common part",
            "4.2": "float16, keys with a large common part", "8.2": "float16 tables",
            "11.1": "float16, keys with a large common part",
-           "16.1": "float16, keys and values with large common parts"}
+           "16.1": "float16, keys and values with large common parts",
+           "19.3": "float16, keys with a large common part"}
 
 
 @pytest.mark.parametrize("exercise", FLOAT16)

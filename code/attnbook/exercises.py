@@ -792,20 +792,31 @@ EXERCISES["3.3"] = Exercise("multi-head self-attention in NumPy", (
 
 
 # chapters/a7-exercise-cases.md, "Chapter 4"
+def _draw_qkv(rng: np.random.Generator, shape: tuple[int, int, int, int, int, int],
+              dtype: torch.dtype, nan_key: tuple[int, int] | None,
+              key_common: float) -> tuple[torch.Tensor, ...]:
+    """q (B, H, Lq, d), k and v (B, H_kv, Lk, d) for shape (B, H, H_kv, Lq, Lk, d): normal draws
+    rounded to dtype, in float64. `key_common`: the size of a part every key of a head shares
+    (each row's scores shift by one large constant); `nan_key`: (key/value head, position) of
+    sequence 0's key made NaN."""
+    batch, heads, kv_heads, lq, lk, d = shape
+    q_draw = rng.standard_normal((batch, heads, lq, d))
+    k_draw, v_draw = rng.standard_normal((2, batch, kv_heads, lk, d))
+    if key_common:
+        k_draw = k_draw + key_common * rng.standard_normal((batch, kv_heads, 1, d))
+    if nan_key is not None:
+        k_draw[(0, *nan_key, 0)] = np.nan
+    return tuple(torch.from_numpy(a).to(dtype).double() for a in (q_draw, k_draw, v_draw))
+
+
 def _ch4_grouped_case(batch: int, heads: int, kv_heads: int, length: int, d: int,
                       dtype: torch.dtype = torch.float64, nan_key: tuple[int, int] | None = None,
                       key_common: float = 0.0) -> Builder:
     def build(rng: np.random.Generator) -> Built:
         from attnbook.layers import attend, causal_mask
 
-        q_draw = rng.standard_normal((batch, heads, length, d))
-        k_draw, v_draw = rng.standard_normal((2, batch, kv_heads, length, d))
-        if key_common:  # a part every key of a head shares: each row's scores shift by one large constant
-            k_draw = k_draw + key_common * rng.standard_normal((batch, kv_heads, 1, d))
-        if nan_key is not None:  # (key/value head, position) of sequence 0
-            k_draw[(0, *nan_key, 0)] = np.nan
-        q, k, v = (torch.from_numpy(a).to(dtype).double()  # dtype's numbers
-                   for a in (q_draw, k_draw, v_draw))
+        q, k, v = _draw_qkv(rng, (batch, heads, kv_heads, length, length, d), dtype, nan_key,
+                            key_common)
         expected = attend(q, k, v, causal_mask(length))[0].to(dtype)
         return {"q": q.to(dtype), "k": k.to(dtype), "v": v.to(dtype)}, expected
     return build
@@ -1281,3 +1292,59 @@ EXERCISES["18.1"] = Exercise("unpatchify, the inverse of patchify", (
          "a NaN pixel is moved like any number: it lands at its own place in its own image, "
          "and nowhere else"),
 ), tolerance=(0.0, 0.0))
+
+
+# chapters/a7-exercise-cases.md, "Chapter 19"
+def _ch19_alibi_case(batch: int, heads: int, lq: int, lk: int, d: int,
+                     dtype: torch.dtype = torch.float64, nan_key: tuple[int, int] | None = None,
+                     key_common: float = 0.0) -> Builder:
+    def build(rng: np.random.Generator) -> Built:
+        from attnbook.layers import causal_mask
+        from attnbook.positions import alibi_bias
+
+        q, k, v = _draw_qkv(rng, (batch, heads, heads, lq, lk, d), dtype, nan_key, key_common)
+        scores = q @ k.transpose(-2, -1) / d**0.5 + alibi_bias(heads, lq, lk, dtype=torch.float64)
+        weights = scores.masked_fill(~causal_mask(lq, lk), float("-inf")).softmax(dim=-1)
+        return {"q": q.to(dtype), "k": k.to(dtype), "v": v.to(dtype)}, (weights @ v).to(dtype)
+    return build
+
+
+_CH19 = 'chapter 19, "BLOOM\'s weights"'
+_CH5_ALIBI = 'chapter 5, "ALiBi: a penalty for distance"'
+EXERCISES["19.3"] = Exercise("causal attention with ALiBi, as in BLOOM", (
+    Case("one head, one position", _ch19_alibi_case(1, 1, 1, 1, 4),
+         "one position reads only itself, at distance 0, where the bias is 0: the output is v_0"),
+    Case("one head, five positions, d = 1", _ch19_alibi_case(1, 1, 5, 5, 1),
+         "query i reads keys 0..i only, and each score q . k / sqrt(d) gets the bias "
+         "-m (i - j): a penalty, subtracted, that grows with the distance; one head's slope is "
+         "m = 2^-8: " + _CH5_ALIBI),
+    Case("one head, six positions, d = 16", _ch19_alibi_case(1, 1, 6, 6, 16),
+         "divide q . k by sqrt(d), then add the bias: the bias itself is not divided by sqrt(d): "
+         + _CH5_ALIBI),
+    Case("eight heads, seven positions", _ch19_alibi_case(1, 8, 7, 7, 4),
+         "for a power of two n, head h (from 0) has slope 2^(-8 (h + 1) / n): 1/2, 1/4, ..., "
+         "1/256 for eight heads, in that order; the first is not 1: " + _CH5_ALIBI),
+    Case("six heads, BLOOM's count in chapter 19", _ch19_alibi_case(1, 6, 7, 7, 4),
+         "six is not a power of two, and 2^(-8 (h + 1) / 6) is not BLOOM's rule: take the four "
+         "slopes of 4 heads, then every other slope of 8 heads (the first, the third) for the "
+         "two heads left: " + _CH19),
+    Case("one new query after nine cached keys", _ch19_alibi_case(1, 2, 1, 10, 4),
+         "the queries are the last Lq of the Lk positions, as after a KV cache: query i stands "
+         "at i + Lk - Lq, reads every key up to there, and its distance to key j is "
+         "i + Lk - Lq - j: " + _CH5_ALIBI),
+    Case("a batch of 2, 12 heads, 5 queries after 40 keys", _ch19_alibi_case(2, 12, 5, 40, 8),
+         "12 heads: the 8 slopes of 8 heads, then the first, third, fifth and seventh of 16 "
+         "heads', such as 2^-0.5, in the inputs' dtype (a float32 slope of 2^-0.5 is off by "
+         "1e-8): " + _CH19),
+    Case("float32", _ch19_alibi_case(2, 3, 9, 9, 8, torch.float32),
+         "float32 input: compute in float32 or wider, never in float16, and return float32"),
+    Case("float16, keys with a large common part", _ch19_alibi_case(
+        2, 4, 40, 40, 16, torch.float16, key_common=8.0),
+         _F16 + ": the keys share a large part, so the scores are large, and a score rounded "
+         "to float16 moves its weight by up to about 1%, several times float16's tolerance; "
+         "compute the scores, bias, softmax and sums in float32 (q.float()), then .half()"),
+    Case("a NaN in head 1's key at position 3", _ch19_alibi_case(2, 3, 7, 7, 4, nan_key=(1, 3)),
+         "a NaN key reaches the queries that read it, head 1's at positions 3 and later in "
+         "sequence 0, and no other: hide the later keys with masked_fill (a NaN plus -inf stays "
+         "NaN), and never replace a NaN (torch.nan_to_num)"),
+))

@@ -264,7 +264,7 @@ class GPT(nn.Module):
 
     # chapters/19-gpt-variants.md, "Llama's weights"
     @classmethod
-    def from_hf_llama(cls, model: nn.Module) -> "GPT":
+    def from_hf_llama(cls, model: Any) -> "GPT":  # a LlamaForCausalLM
         """A GPT with the weights, device, dtype and mode of a transformers LlamaForCausalLM
         (chapter 19, "Llama's weights"): RoPE, RMSNorm, SwiGLU and shared key/value heads."""
         hf, body = getattr(model, "config", None), getattr(model, "model", None)
@@ -299,13 +299,13 @@ class GPT(nn.Module):
         weight = body.embed_tokens.weight
         ours = cls(config).to(device=weight.device, dtype=weight.dtype)
         pairs = [(ours.tok_emb, body.embed_tokens), (ours.norm_f, body.norm)]
-        pairs += [] if config.tied else [(ours.lm_head, model.lm_head)]
-        for block, layer in zip(ours.blocks, body.layers, strict=True):
-            attn, mlp = layer.self_attn, layer.mlp
-            pairs += [(block.attn_norm, layer.input_layernorm), (block.self_attn.q_proj, attn.q_proj),
-                      (block.self_attn.k_proj, attn.k_proj), (block.self_attn.v_proj, attn.v_proj),
-                      (block.self_attn.out_proj, attn.o_proj), (block.ff_norm,
-                      layer.post_attention_layernorm), (block.ff.gate, mlp.gate_proj),
+        pairs += [] if ours.lm_head is None else [(ours.lm_head, model.lm_head)]  # None: tied
+        for block, layer in zip(cast("list[Block]", ours.blocks), body.layers, strict=True):
+            attn, mlp, sa = layer.self_attn, layer.mlp, block.self_attn
+            gate = cast(nn.Linear, block.ff.gate)  # the SwiGLU's: GPTConfig.llama chose it
+            pairs += [(block.attn_norm, layer.input_layernorm), (sa.q_proj, attn.q_proj),
+                      (sa.k_proj, attn.k_proj), (sa.v_proj, attn.v_proj), (sa.out_proj, attn.o_proj),
+                      (block.ff_norm, layer.post_attention_layernorm), (gate, mlp.gate_proj),
                       (block.ff.fc1, mlp.up_proj), (block.ff.fc2, mlp.down_proj)]
         for mine, theirs in pairs:
             mine.load_state_dict(theirs.state_dict())
@@ -313,7 +313,7 @@ class GPT(nn.Module):
 
     # chapters/19-gpt-variants.md, "BLOOM's weights"
     @classmethod
-    def from_hf_bloom(cls, model: nn.Module, context_length: int = 2048) -> "GPT":
+    def from_hf_bloom(cls, model: Any, context_length: int = 2048) -> "GPT":  # a BloomForCausalLM
         """A GPT with the weights, device, dtype and mode of a transformers BloomForCausalLM
         (chapter 19, "BLOOM's weights"): ALiBi, a LayerNorm on the embeddings, fused q, k, v.
         BLOOM has no table of positions: `context_length` is ours to choose."""
@@ -341,8 +341,9 @@ class GPT(nn.Module):
                            tied=hf.tie_word_embeddings)
         ours = cls(config).to(device=words.weight.device, dtype=words.weight.dtype)
         pairs = [(ours.tok_emb, words), (ours.emb_norm, body.word_embeddings_layernorm),
-                 (ours.norm_f, body.ln_f)] + ([] if config.tied else [(ours.lm_head, model.lm_head)])
-        for block, layer in zip(ours.blocks, body.h, strict=True):
+                 (ours.norm_f, body.ln_f)]
+        pairs += [] if ours.lm_head is None else [(ours.lm_head, model.lm_head)]  # None: tied
+        for block, layer in zip(cast("list[Block]", ours.blocks), body.h, strict=True):
             attn, mlp, sa = layer.self_attention, layer.mlp, block.self_attn
             pairs += [(block.attn_norm, layer.input_layernorm), (sa.out_proj, attn.dense),
                       (block.ff_norm, layer.post_attention_layernorm), (block.ff.fc1,
@@ -482,7 +483,7 @@ def _check_holds_weights(model: nn.Module) -> None:
                          "device (meta tensors hold shapes, no values): load its weights first")
 
 
-def _check_llama_sizes(hf, body: nn.Module, head_dim: int) -> None:
+def _check_llama_sizes(hf: Any, body: Any, head_dim: int) -> None:  # transformers'
     """Refuses a Llama config whose sizes its modules' weights contradict, by the config's name
     (set through its __dict__: transformers' own checks run when a field is set)."""
     (vocab, d), sizes = body.embed_tokens.weight.shape, {}
