@@ -19,6 +19,8 @@ __all__ = [
 # chapters/15-flash-attention-triton.md, "The Triton programming model"
 import contextlib
 import functools
+from collections.abc import Callable
+from typing import Any, cast  # noqa: F401 (cast: chapter 16)
 
 import torch
 import triton  # compiled, or interpreted after use_triton_interpreter() without a GPU
@@ -294,19 +296,26 @@ def _unit_stride_d(*tensors: torch.Tensor) -> list[torch.Tensor]:
     return [t if t.stride(-1) == 1 else t.contiguous() for t in tensors]
 
 
-def _vmap_rule(op, refuse):  # vmap's dimension (N, or none: shared) joins the batch's
-    def rule(info, dims, q, k, v, causal, scale):
-        n, qkv = info.batch_size, (t.movedim(at, 0) if at is not None else t.expand(
+_Outputs = tuple[torch.Tensor, ...]  # an operator's: O and the logsumexp, or dQ, dK and dV
+
+
+def _vmap_rule(op: Callable[..., _Outputs], refuse: Callable[..., None]
+               ) -> Callable[..., tuple[_Outputs, tuple[int, int]]]:
+    # vmap's dimension (N, or none: shared) joins the batch's
+    def rule(info: Any, dims: tuple[int | None, ...], q: torch.Tensor, k: torch.Tensor,
+             v: torch.Tensor, causal: bool, scale: float) -> tuple[_Outputs, tuple[int, int]]:
+        n, moved = info.batch_size, (t.movedim(at, 0) if at is not None else t.expand(
             info.batch_size, *t.shape) for t, at in zip((q, k, v), dims))  # each (N, B, H, L, D)
-        qkv = [t.flatten(0, 1) for t in qkv]  # each (N * B, H, L, D), unwrapped: grad's or
+        qkv = [t.flatten(0, 1) for t in moved]  # each (N * B, H, L, D), unwrapped: grad's or
         refuse(*qkv)  # jvp's around vmap, which chapter 16's _refuse_transforms refuses
         out = op(*qkv, causal, scale)
-        return tuple(t.unflatten(0, (n, -1)) for t in out), (0, 0)
+        return tuple(torch.unflatten(t, 0, (n, -1)) for t in out), (0, 0)
     return rule
 
 
-def _fake(q, k, v, *rest):  # the operators' outputs without a kernel; one device for all, since
-    # the dispatcher sends CPU arguments with a meta one here, not to the checked body
+def _fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *rest: object) -> _Outputs:
+    # The operators' outputs without a kernel; one device for all, since the dispatcher sends
+    # CPU arguments with a meta one here, not to the checked body.
     for name, t in zip(("k", "v", "o", "lse", "do"), (k, v, *rest[:-2])):
         check_tensor(name, t, device=q.device)
     if len(rest) == 2:  # the forward's: O and the logsumexp
@@ -314,7 +323,7 @@ def _fake(q, k, v, *rest):  # the operators' outputs without a kernel; one devic
     return tuple(t.new_empty(t.shape) for t in (q, k, v))  # the backward's: dQ, dK, dV
 
 
-def _device_guard(device: torch.device):
+def _device_guard(device: torch.device) -> contextlib.AbstractContextManager[object]:
     # Triton launches on the current CUDA device: make it the inputs' one (on the CPU, nothing).
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
@@ -335,7 +344,8 @@ def _check_mode(device: torch.device) -> None:
                            "imports triton")
 
 
-def _launch(kernel, name: str, q, k, causal: bool, *args) -> None:
+def _launch(kernel: Any, name: str, q: torch.Tensor, k: torch.Tensor, causal: bool,
+            *args: object) -> None:  # kernel: a @triton.jit function (Triton has no types)
     # One program per tile of rows (of keys for dK, dV, else of queries), for every (batch,
     # head), on _grid's grid, with a setting of launch_settings that fits the grid: the
     # first, or on a GPU and a large problem the fastest that compiles for its length bucket,
@@ -346,7 +356,7 @@ def _launch(kernel, name: str, q, k, causal: bool, *args) -> None:
     length = k.shape[2] if name == "dkdv" else q.shape[2]
     pairs = q.shape[0] * q.shape[1]
 
-    def run(setting):
+    def run(setting: tuple[int, int, int, int]) -> None:
         block_m, block_n, warps, stages = setting
         grid, tiles_first = _grid(length, block_n if name == "dkdv" else block_m, pairs)
         kernel[grid](*args, CAUSAL=causal, BLOCK_M=block_m, BLOCK_N=block_n,
@@ -363,7 +373,8 @@ def _launch(kernel, name: str, q, k, causal: bool, *args) -> None:
     run(setting)
 
 
-def _fitting(name: str, q, k, wide: bool) -> list[tuple[int, int, int, int]]:
+def _fitting(name: str, q: torch.Tensor, k: torch.Tensor, wide: bool
+             ) -> list[tuple[int, int, int, int]]:
     # launch_settings' candidates for `name` whose tiles and B * H fit one of _grid's orders,
     # the default first; a ValueError naming the tensor, its length and B * H if none does.
     capability = None if INTERPRETED else _capability(q.device)
@@ -396,10 +407,11 @@ def _check_tiles(kernel: str, arg: str, length: int, rows: int, pairs: int) -> N
                      f"{rows} rows number {tiles}; {_limit_passed(tiles, pairs)} ({fix})")
 
 
-def _fastest(name: str, settings, run) -> tuple[int, int, int, int]:
+def _fastest(name: str, settings: list[tuple[int, int, int, int]],
+             run: Callable[[tuple[int, int, int, int]], None]) -> tuple[int, int, int, int]:
     # The setting whose timed run is the fastest, skipping one that runs out of the GPU's
     # resources (shared memory, registers) when it compiles; a ValueError if every one does.
-    seconds = {}
+    seconds: dict[tuple[int, int, int, int], float] = {}
     for setting in settings:
         try:
             seconds[setting] = _seconds(functools.partial(run, setting))
@@ -408,10 +420,11 @@ def _fastest(name: str, settings, run) -> tuple[int, int, int, int]:
     if not seconds:
         raise ValueError(f"no launch setting of the {_KERNEL_NAMES[name]} kernel fits this GPU's "
                          f"resources: tried {settings}")
-    return min(seconds, key=seconds.get)
+    return min(seconds, key=seconds.__getitem__)
 
 
-_FASTEST = {}  # (kernel, Lq, Lk buckets, D, causal, dtype, capability, wide) -> its setting
+# (kernel, Lq, Lk buckets, D, causal, dtype, capability, wide) -> its setting
+_FASTEST: dict[tuple[object, ...], tuple[int, int, int, int]] = {}
 
 
 def _bucket(length: int) -> int:
@@ -425,10 +438,10 @@ def _autotuning() -> bool:
     return env_flag("ATTNBOOK_AUTOTUNE", True)
 
 
-def _seconds(run) -> float:
+def _seconds(run: Callable[[], None]) -> float:
     from triton.testing import do_bench  # on a GPU only: it times with CUDA events
 
-    return do_bench(run, return_mode="median")  # milliseconds, a median of many runs
+    return float(do_bench(run, return_mode="median"))  # milliseconds, a median of many runs
 
 
 @functools.cache
@@ -588,7 +601,8 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     return _attention(q, k, v, *_check_arguments(q, k, v, causal, scale))
 
 
-def _check_arguments(q, k, v, causal, scale) -> tuple[bool, float]:  # the operator's too
+def _check_arguments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                     scale: float | None) -> tuple[bool, float]:  # the operator's too
     _check_inputs(q, k, v)
     if scale is None:  # 1/sqrt(D), in range: symbolic under torch.compile(dynamic=True)
         return check_bool("causal", causal), check_scale(None, q.shape[-1])
@@ -602,15 +616,16 @@ def _flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: 
     return _attention(q, k, v, causal, scale)
 
 
-def _attention(q, k, v, causal: bool, scale: float) -> torch.Tensor:  # checked arguments
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+               scale: float) -> torch.Tensor:  # checked arguments, run by the unchecked twin
     q, k, v = _unit_stride_d(q, k, v)  # copied once if strided along D, not again for dQ...
     _refuse_transforms(q, k, v)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         _check_backward_lengths(q, k)
-    return torch.ops.attnbook._flash_attention(q, k, v, causal, scale)[0]  # the unchecked twin
+    return cast(torch.Tensor, torch.ops.attnbook._flash_attention(q, k, v, causal, scale)[0])
 
 
-def _refuse_transforms(*tensors) -> None:  # only loss.backward() reaches the backward kernels
+def _refuse_transforms(*tensors: torch.Tensor) -> None:  # backward kernels: by loss.backward() only
     functorch = torch._C._functorch  # vmap's tensors pass: its rule checks them unwrapped
     if not torch.compiler.is_compiling() and any(  # the compiler's tensors are neither
             not functorch.is_batchedtensor(t) and (functorch.is_functorch_wrapped_tensor(t)
@@ -625,17 +640,17 @@ def _checked_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: 
     return _forward(q, k, v, *_check_arguments(q, k, v, causal, scale))
 
 
-def _save(ctx, inputs, output) -> None:  # for the backward: O and one float per row, no matrix
-    ctx.save_for_backward(*inputs[:3], *output)  # q, k, v, O, the logsumexp
+def _save(ctx: Any, inputs: tuple[object, ...], output: tuple[torch.Tensor, ...]) -> None:
+    ctx.save_for_backward(*inputs[:3], *output)  # q, k, v, O, logsumexp: a float a row, no matrix
     ctx.causal, ctx.scale = inputs[3:]
     ctx.mark_non_differentiable(output[1])  # the logsumexp: a loss using it gets an error
 
 
-def _gradients(ctx, do, _dlse):  # dQ, dK, dV; none for causal and scale
+def _gradients(ctx: Any, do: torch.Tensor, _dlse: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
     if torch.is_grad_enabled():  # create_graph=True: a gradient of the gradient
         raise RuntimeError("flash_attention supports first-order gradients only, not create_graph")
     return (*torch.ops.attnbook._flash_attention_backward(*ctx.saved_tensors, do, ctx.causal,
-                                                          ctx.scale), None, None)
+                                                          ctx.scale), None, None)  # dQ, dK, dV
 
 
 def _checked_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
@@ -655,14 +670,13 @@ if not hasattr(torch.ops.attnbook, "flash_attention"):  # once a process: see be
         op.register_fake(_fake)
         op.register_autograd(_gradients, setup_context=_save)
         op.register_vmap(_vmap_rule(op, _refuse_transforms))
-    for twin, body in (("", _checked_backward), ("_", _backward)):  # as the forward's: checked
-        op = torch.library.custom_op(f"attnbook::{twin}flash_attention_backward", body,
-                                     mutates_args=())
-        op.register_fake(_fake)
+    for twin, backward in (("", _checked_backward), ("_", _backward)):  # as the forward's: checked
+        torch.library.custom_op(f"attnbook::{twin}flash_attention_backward", backward,
+                                mutates_args=()).register_fake(_fake)
 
 
-def _check_backward_lengths(q, k) -> None:  # before the forward, not in loss.backward()
-    _check_tiles("delta", "q", q.shape[2], 32, q.shape[0] * q.shape[1])
+def _check_backward_lengths(q: torch.Tensor, k: torch.Tensor) -> None:  # before the forward
+    _check_tiles("delta", "q", q.shape[2], 32, q.shape[0] * q.shape[1])  # not in loss.backward()
     for name in ("dkdv", "dq"):
         _fitting(name, q, k, _wide(q, k))
 
@@ -671,7 +685,7 @@ def _check_backward_lengths(q, k) -> None:  # before the forward, not in loss.ba
 _LARGEST_SCALE = torch.finfo(torch.float32).max / _LOG2E  # scale * log2(e) is a float32
 
 
-def _check_inputs(q, k, v) -> None:
+def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     for name, t in zip("qkv", (q, k, v)):
         check_tensor(name, t, ndim=4)
         if t.numel() == 0:
