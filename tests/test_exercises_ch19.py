@@ -158,3 +158,25 @@ def test_every_hint_that_names_a_section_names_one_of_its_chapter():
             assert f"## {section}\n" in source, (case.name, section)
             named += 1
     assert named >= 5
+
+
+def _chapters_listed(text, before):
+    """The chapter numbers of a list such as "chapters 2 to 4, 7, 18 and 19" after `before`."""
+    listed = re.search(before + r" chapters ((?:\d+(?: to \d+)?(?:, | and ))*\d+(?: to \d+)?)",
+                       " ".join(text.split()))
+    assert listed, before
+    numbers = set()
+    for part in re.split(r", | and ", listed.group(1)):
+        first, _, last = part.partition(" to ")
+        numbers |= set(range(int(first), int(last or first) + 1))
+    return numbers
+
+
+def test_appendix_f_and_the_readme_list_every_chapter_whose_exercise_appendix_g_checks():
+    root = Path(__file__).resolve().parents[1]
+    in_g = {int(n) for n in re.findall(r'^EXERCISES\["(\d+)\.\d+"\]',
+                                       (root / "chapters/a7-exercise-cases.md").read_text(), re.M)}
+    assert {2, 9, 10, 19} <= in_g
+    assert _chapters_listed((root / "chapters/a6-checking-exercises.md").read_text(),
+                            "appendix G adds those of") == in_g
+    assert _chapters_listed((root / "README.md").read_text(), "checkable exercises of") == in_g
