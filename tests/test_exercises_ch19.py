@@ -1,7 +1,8 @@
 """attnbook.exercises, appendix G's chapter 19 (causal attention with ALiBi, as in BLOOM): a right
-answer written without the package passes, and the wrong answers readers write fail at the case
-whose hint names their mistake (test_exercises_float16_arithmetic.py: the float16 case catches
-float16 arithmetic)."""
+answer written without the package passes, with transformers' formula for the slopes computed in
+Python floats (transformers' own float32 slopes fail on float64 input, as the exercise's dtype rule
+says), and the wrong answers readers write fail at the case whose hint names their mistake
+(test_exercises_float16_arithmetic.py: the float16 case catches float16 arithmetic)."""
 
 import math
 import re
@@ -26,7 +27,7 @@ def bloom_slopes(n):
 
 
 def alibi_by_positions(q, k, v, work=None, slopes=bloom_slopes, sign=-1.0, scale_bias=False,
-                       top_left=False):
+                       top_left=False, bias_at="scores"):
     """19.3: BLOOM's slopes, each key's bias from the positions, the later keys hidden with
     torch.where, in float32 or wider (or `work`); the keywords make the readers' mistakes."""
     (h, lq, d), lk = q.shape[1:], k.shape[2]
@@ -36,9 +37,14 @@ def alibi_by_positions(q, k, v, work=None, slopes=bloom_slopes, sign=-1.0, scale
     key_at = torch.arange(lk)[None, :]  # (1, Lk)
     bias = sign * torch.tensor(slopes(h), dtype=work)[:, None, None] * (query_at - key_at)
     scores = q2 @ k2.transpose(-2, -1)
-    scores = (scores + bias) / math.sqrt(d) if scale_bias else scores / math.sqrt(d) + bias
-    scores = torch.where(key_at <= query_at, scores, -math.inf)
-    return (torch.softmax(scores, dim=-1) @ v2).to(q.dtype)
+    if bias_at == "scores":  # "weights": added to the softmax's weights; None: left out
+        scores = (scores + bias) / math.sqrt(d) if scale_bias else scores / math.sqrt(d) + bias
+    else:
+        scores = scores / math.sqrt(d)
+    weights = torch.softmax(torch.where(key_at <= query_at, scores, -math.inf), dim=-1)
+    if bias_at == "weights":
+        weights = weights + torch.where(key_at <= query_at, bias, 0.0)
+    return (weights @ v2).to(q.dtype)
 
 
 def test_bloom_slopes_are_chapter_5s_for_1_to_64_heads():
@@ -58,6 +64,14 @@ def test_a_right_answer_written_another_way_passes():
 
 def alibi_rewarding_distance(q, k, v):  # + m (i - j): far keys favoured
     return alibi_by_positions(q, k, v, sign=1.0)
+
+
+def alibi_without_bias(q, k, v):  # the scores alone: causal attention
+    return alibi_by_positions(q, k, v, bias_at=None)
+
+
+def alibi_bias_after_softmax(q, k, v):  # the bias added to the weights
+    return alibi_by_positions(q, k, v, bias_at="weights")
 
 
 def alibi_not_causal(q, k, v):  # every key read, the bias |i - j| both ways
@@ -114,10 +128,12 @@ def alibi_nan_to_num(q, k, v):
 
 
 WRONG = [
-    ("19.3", alibi_rewarding_distance, "one head, five positions, d = 1", "a penalty, subtracted"),
-    ("19.3", alibi_not_causal, "one head, five positions, d = 1", "keys 0..i only"),
-    ("19.3", alibi_bias_scaled, "one head, six positions, d = 16", "not divided by sqrt(d)"),
-    ("19.3", alibi_slopes_from_one, "one head, five positions, d = 1", "slope is m = 2^-8"),
+    ("19.3", alibi_rewarding_distance, "one head, 200 positions, d = 1", "a penalty, subtracted"),
+    ("19.3", alibi_without_bias, "one head, 200 positions, d = 1", "gets the bias -m (i - j)"),
+    ("19.3", alibi_bias_after_softmax, "one head, 200 positions, d = 1", "before the softmax"),
+    ("19.3", alibi_not_causal, "one head, 200 positions, d = 1", "keys 0..i only"),
+    ("19.3", alibi_bias_scaled, "one head, 200 positions, d = 16", "not divided by sqrt(d)"),
+    ("19.3", alibi_slopes_from_one, "one head, 200 positions, d = 1", "slope is m = 2^-8"),
     ("19.3", alibi_slopes_reversed, "eight heads, seven positions", "in that order"),
     ("19.3", alibi_geometric_slopes, "six heads, BLOOM's count in chapter 19",
      "every other slope of 8 heads"),
@@ -133,6 +149,36 @@ WRONG = [
                          ids=[f"{e}-{c.__name__}" for e, c, _, _ in WRONG])
 def test_a_wrong_answer_fails_with_the_hint_for_its_mistake(exercise, candidate, case, words):
     assert_fails_with_hint(exercise, candidate, case, words)
+
+
+@pytest.mark.parametrize("candidate", [alibi_rewarding_distance, alibi_without_bias,
+                                       alibi_bias_after_softmax, alibi_bias_scaled])
+def test_a_wrong_bias_is_not_reported_as_rounding(candidate):
+    """A wrong bias moves the output far more than a rounding does, so the report does not tell
+    a reader who computes in float64 to compute in float64 (appendix G: the cases' 200
+    positions)."""
+    result = check("19.3", candidate, show=False)
+    assert not result.passed and result.case.startswith("one head, 200 positions"), result
+    assert "largest difference" in result.problem and "rounding" not in result.problem, result
+
+
+def test_transformers_float32_slopes_fail_the_float64_case_that_needs_float64_slopes():
+    """transformers' BLOOM builds its slopes in float32 (build_alibi_tensor): on float64 input
+    that is float32 rounding, which the exercise's dtype rule does not allow and the report
+    names; the same answer with Python-float slopes passes (above)."""
+    bloom = pytest.importorskip("transformers.models.bloom.modeling_bloom")
+
+    def alibi_with_transformers_bias(q, k, v):
+        (b, h, lq, d), lk = q.shape, k.shape[2]
+        work = torch.promote_types(q.dtype, torch.float32)
+        bias = bloom.build_alibi_tensor(torch.ones(b, lk), h, work).view(b, h, 1, lk)  # m_h j
+        scores = q.to(work) @ k.to(work).transpose(-2, -1) / math.sqrt(d) + bias  # a row shift
+        later = torch.arange(lk) > torch.arange(lq)[:, None] + lk - lq
+        return (scores.masked_fill(later, -math.inf).softmax(dim=-1) @ v.to(work)).to(q.dtype)
+
+    result = check("19.3", alibi_with_transformers_bias, show=False)
+    assert result.case == "a batch of 2, 12 heads, 5 queries after 40 keys", result
+    assert "in the inputs' dtype" in result.hint and "float32 rounding size" in result.problem
 
 
 def test_the_reference_is_the_models_alibi_attention():
@@ -158,3 +204,25 @@ def test_every_hint_that_names_a_section_names_one_of_its_chapter():
             assert f"## {section}\n" in source, (case.name, section)
             named += 1
     assert named >= 5
+
+
+def _chapters_listed(text, before):
+    """The chapter numbers of a list such as "chapters 2 to 4, 7, 18 and 19" after `before`."""
+    listed = re.search(before + r" chapters ((?:\d+(?: to \d+)?(?:, | and ))*\d+(?: to \d+)?)",
+                       " ".join(text.split()))
+    assert listed, before
+    numbers = set()
+    for part in re.split(r", | and ", listed.group(1)):
+        first, _, last = part.partition(" to ")
+        numbers |= set(range(int(first), int(last or first) + 1))
+    return numbers
+
+
+def test_appendix_f_and_the_readme_list_every_chapter_whose_exercise_appendix_g_checks():
+    root = Path(__file__).resolve().parents[1]
+    in_g = {int(n) for n in re.findall(r'^EXERCISES\["(\d+)\.\d+"\]',
+                                       (root / "chapters/a7-exercise-cases.md").read_text(), re.M)}
+    assert {2, 9, 10, 19} <= in_g
+    assert _chapters_listed((root / "chapters/a6-checking-exercises.md").read_text(),
+                            "appendix G adds those of") == in_g
+    assert _chapters_listed((root / "README.md").read_text(), "checkable exercises of") == in_g

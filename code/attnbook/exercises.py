@@ -1314,11 +1314,11 @@ _CH5_ALIBI = 'chapter 5, "ALiBi: a penalty for distance"'
 EXERCISES["19.3"] = Exercise("causal attention with ALiBi, as in BLOOM", (
     Case("one head, one position", _ch19_alibi_case(1, 1, 1, 1, 4),
          "one position reads only itself, at distance 0, where the bias is 0: the output is v_0"),
-    Case("one head, five positions, d = 1", _ch19_alibi_case(1, 1, 5, 5, 1),
+    Case("one head, 200 positions, d = 1", _ch19_alibi_case(1, 1, 200, 200, 1),
          "query i reads keys 0..i only, and each score q . k / sqrt(d) gets the bias "
-         "-m (i - j): a penalty, subtracted, that grows with the distance; one head's slope is "
-         "m = 2^-8: " + _CH5_ALIBI),
-    Case("one head, six positions, d = 16", _ch19_alibi_case(1, 1, 6, 6, 16),
+         "-m (i - j) before the softmax: a penalty, subtracted, that grows with the distance; "
+         "one head's slope is m = 2^-8: " + _CH5_ALIBI),
+    Case("one head, 200 positions, d = 16", _ch19_alibi_case(1, 1, 200, 200, 16),
          "divide q . k by sqrt(d), then add the bias: the bias itself is not divided by sqrt(d): "
          + _CH5_ALIBI),
     Case("eight heads, seven positions", _ch19_alibi_case(1, 8, 7, 7, 4),
