@@ -464,3 +464,13 @@ def test_env_flag_default_is_a_bool(monkeypatch):
     monkeypatch.delenv("ATTNBOOK_TEST_FLAG", raising=False)
     with pytest.raises(TypeError, match="^default must be True or False"):
         c.env_flag("ATTNBOOK_TEST_FLAG", "yes")
+
+
+def test_check_holds_weights_refuses_a_module_on_the_meta_device_by_its_name():
+    c.check_holds_weights("encoder", torch.nn.Linear(2, 2))  # weights with values: no error
+    c.check_holds_weights("encoder", torch.nn.ReLU())  # no parameters: nothing to hold
+    with torch.device("meta"):
+        empty = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="^encoder must hold its weights, got a Sequential on the "
+                                         r"meta device \(meta tensors hold shapes, no values\)"):
+        c.check_holds_weights("encoder", empty)

@@ -58,10 +58,24 @@ def test_a_block_gives_the_same_output_with_and_without_the_weights(norm_first, 
     assert with_weights[1].shape == (2, 2, 5, 5)
 
 
+@pytest.mark.parametrize("norm_first, cross", [(True, False), (False, False), (True, True)])
+def test_a_block_without_the_attributes_init_sets_still_takes_its_path(norm_first, cross):
+    """A Block unpickled from a state saved before `plain` was an attribute, or made by __new__,
+    lacked `plain` (an AttributeError in forward); it follows from the config."""
+    torch.manual_seed(5)
+    block = Block(BlockConfig(16, 2, norm_first=norm_first, cross_attention=cross)).eval()
+    state = {k: v for k, v in block.__dict__.items() if k != "plain"}
+    restored = Block.__new__(Block)
+    restored.__setstate__(state)
+    x, context = torch.randn(2, 5, 16), (torch.randn(2, 3, 16) if cross else None)
+    assert restored.plain == (norm_first and not cross)
+    torch.testing.assert_close(restored(x, None, True, context), block(x, None, True, context))
+
+
 @pytest.mark.parametrize("shape", [(0, 3), (2, 0)])
 def test_an_empty_batch_or_prompt_is_refused_by_name(shape):
     model = GPT(GPTConfig(vocab_size=10, context_length=8, d_model=16, num_layers=1, num_heads=2))
     for call in (lambda: model(torch.zeros(shape, dtype=torch.long)),
                  lambda: model.generate(torch.zeros(shape, dtype=torch.long), 2)):
-        with pytest.raises(ValueError, match=r"idx must have shape \(B, T\), B and T at least 1"):
+        with pytest.raises(ValueError, match=r"idx must hold at least one row and one token, got shape"):
             call()

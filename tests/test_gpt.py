@@ -139,6 +139,18 @@ def test_from_hf_gpt2_refuses_a_model_on_the_meta_device_by_name():
         GPT.from_hf_gpt2(theirs)
 
 
+def test_from_hf_gpt2_refuses_a_block_layernorm_eps_other_than_ln_fs_by_name():
+    # GPTConfig has one eps; load_state_dict copies a LayerNorm's weights but not its eps, so
+    # before, such a model converted with ln_f's eps in every block: other logits, silently
+    hf = random_hf_gpt2(1)
+    hf.transformer.h[1].ln_1.eps = 1e-2
+    with pytest.raises(ValueError, match=r"LayerNorms' eps \{'h\.1\.ln_1': 0\.01\} differ from "
+                                         r"its ln_f\.eps=1e-05"):
+        GPT.from_hf_gpt2(hf)
+    hf.transformer.h[1].ln_1.eps = hf.transformer.ln_f.eps  # all alike again: converted
+    assert GPT.from_hf_gpt2(hf).blocks[1].attn_norm.eps == hf.transformer.ln_f.eps
+
+
 # --- the model --------------------------------------------------------------------------------
 
 def test_causal_and_shapes():
@@ -311,10 +323,11 @@ def full_cache(batch):
 @pytest.mark.parametrize("call, error, match", [
     (lambda: MODEL(torch.zeros(2, 3)), TypeError, "idx must hold integer"),
     (lambda: MODEL([[1, 2]]), TypeError, "idx must be a torch.Tensor"),
-    (lambda: MODEL(torch.zeros(3, dtype=torch.long)), ValueError, r"idx must have shape"),
+    (lambda: MODEL(torch.zeros(3, dtype=torch.long)), ValueError,
+     r"^idx must have 2 dimensions, \(B, T\), got shape \(3,\)$"),
     (lambda: MODEL(torch.full((1, 3), 50)), ValueError, "vocab_size=50"),
     (lambda: MODEL(torch.zeros(1, 33, dtype=torch.long)), ValueError,
-     r"idx must have shape \(B, T\), .* at most context_length=32, .* got shape \(1, 33\)"),
+     r"^idx must be at most context_length=32 tokens long, got shape \(1, 33\)$"),
     (lambda: MODEL(torch.zeros(2, 3, dtype=torch.long), kv_cache=full_cache(2)), ValueError,
      r"idx of length 3 does not fit: kv_cache holds 30 .* capacity 32"),
     (lambda: MODEL(torch.zeros(2, 1, dtype=torch.long), kv_cache=MODEL.make_kv_cache(3)),
@@ -560,7 +573,7 @@ def test_conversion_refuses_another_kind_of_model_by_its_model_type():
 
 def test_idx_on_another_device_than_the_model_is_refused_by_name():
     model = tiny_gpt().to("meta")  # a device other than idx's, on any machine
-    with pytest.raises(ValueError, match="idx must .* on the model's device meta: got shape .* on cpu"):
+    with pytest.raises(ValueError, match="^idx must be on the model's device meta, got idx on cpu$"):
         model(torch.zeros(1, 3, dtype=torch.long))
 
 
@@ -631,3 +644,24 @@ def test_generate_on_a_gpu_takes_a_cuda_generator_and_refuses_a_cpu_one():
     drawn = [model.generate(prompt, 5, generator=torch.Generator("cuda").manual_seed(1))
              for _ in range(2)]
     assert torch.equal(*drawn) and drawn[0].shape == (1, 7)
+
+
+@pytest.mark.parametrize("idx, match", [
+    (torch.zeros(3, dtype=torch.long), r"^idx must have 2 dimensions, \(B, T\), got shape \(3,\)$"),
+    (torch.zeros(1, 0, dtype=torch.long), r"^idx must hold at least one row and one token, got "
+                                          r"shape \(1, 0\)$")])
+def test_each_rule_of_idx_has_its_own_message_with_a_cache_too(idx, match):
+    # one message covered every rule, and with a KV cache (no length limit of its own) it said
+    # "T at most context_length=inf"
+    for cache in (None, MODEL.make_kv_cache(len(idx) or 1)):
+        with pytest.raises(ValueError, match=match):
+            MODEL(idx, kv_cache=cache)
+
+
+def test_a_compiled_model_refuses_float_idx_as_eager_does():
+    # torch.compile without fullgraph runs the refusing check eagerly: the same TypeError. With
+    # fullgraph=True, Dynamo reports any exception raised while tracing as its own Unsupported
+    # error (the message is in its text): nothing the package can change
+    model = tiny_gpt().eval()
+    with pytest.raises(TypeError, match="^idx must hold integer ids, got dtype torch.float32$"):
+        torch.compile(model, backend="eager")(torch.zeros(1, 3))

@@ -27,6 +27,7 @@ from torch import nn
 from attnbook.attention import compute_dtype
 from attnbook.checks import (
     check_generator,  # noqa: F401 (chapter 9's mask_tokens, in this module, uses it)
+    check_holds_weights,
     check_instance,
     check_int,
     check_positive,
@@ -239,9 +240,7 @@ def _from_hf_bert(cls: type[BERT], model: Any) -> BERT:
     if not all(hasattr(model, a) for a in parts):
         raise TypeError("model must be a transformers BertForMaskedLM or BertModel, "
                         f"got {type(model).__name__}")
-    from attnbook.gpt import _check_holds_weights  # chapter 19's one check, used here too
-
-    _check_holds_weights(model)  # a model on the meta device: shapes, no values to copy
+    check_holds_weights("model", model)  # a model on the meta device: shapes, no values
     for name, wanted in (("hidden_act", "gelu"), ("is_decoder", False),
                          ("position_embedding_type", "absolute")):
         if (found := getattr(model.config, name, wanted)) != wanted:

@@ -23,6 +23,7 @@ __all__ = [
     "check_device",
     "check_generator",
     "check_float_dtype",
+    "check_holds_weights",
     "check_token_ids",
     "check_tensor",
     "check_mask",
@@ -246,6 +247,14 @@ def check_float_dtype(name: str, dtype: object) -> "torch.dtype":
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise type_error(name, dtype, "a floating-point torch.dtype")
     return dtype
+
+
+def check_holds_weights(name: str, model: "torch.nn.Module") -> None:
+    """`model` (transformers' too) with its weights: no parameter on the meta device, where a
+    model built before its weights are loaded keeps their shapes but no values."""
+    if any(p.is_meta for p in model.parameters()):
+        raise ValueError(f"{name} must hold its weights, got a {type(model).__name__} on the meta "
+                         "device (meta tensors hold shapes, no values): load its weights first")
 
 
 def check_token_ids(name: str, ids: object, vocab_size: int, shape: _Shape = None,

@@ -28,6 +28,7 @@ from attnbook.checks import (
     check_device,
     check_float_dtype,
     check_generator,
+    check_holds_weights,
     check_instance,
     check_int,
     check_positive,
@@ -162,10 +163,9 @@ class GPT(nn.Module):
         body: Any = getattr(model, "transformer", None)
         if getattr(hf, "model_type", None) != "gpt2" or not hasattr(model, "lm_head"):
             raise TypeError(f"model must be a GPT2LMHeadModel, got {type(model).__name__}")
-        _check_holds_weights(model)  # chapter 19's: a model on the meta device holds no values
-        supported = {"activation_function": ("gelu_new", "gelu_pytorch_tanh"),
-                     "scale_attn_weights": (True,), "scale_attn_by_inverse_layer_idx": (False,),
-                     "add_cross_attention": (False,)}
+        check_holds_weights("model", model)  # not built on the meta device, without values
+        supported = {"activation_function": ("gelu_new", "gelu_pytorch_tanh"), "scale_attn_weights": (True,),
+                     "scale_attn_by_inverse_layer_idx": (False,), "add_cross_attention": (False,)}
         for name, allowed in supported.items():
             if (value := getattr(hf, name)) not in allowed:
                 raise ValueError(f"model.config.{name}={value!r} is not supported (only {allowed})")
@@ -174,10 +174,12 @@ class GPT(nn.Module):
         (vocab, d), attn = body.wte.weight.shape, body.h[0].attn  # sizes from the modules
         if (d_ff := body.h[0].mlp.c_fc.weight.shape[1]) != 4 * d:
             raise ValueError(f"model's feed-forward width {d_ff} is not 4 * {d}, GPT-2's")
-        rates = {"resid_pdrop": attn.resid_dropout.p, "attn_pdrop": attn.attn_dropout.p,
-                 "embd_pdrop": body.drop.p}
+        rates = dict(resid_pdrop=attn.resid_dropout.p, attn_pdrop=attn.attn_dropout.p, embd_pdrop=body.drop.p)
         if len(set(rates.values())) > 1:
             raise ValueError(f"model's dropout rates differ, {rates}: GPTConfig has one rate")
+        norms = {f"h.{i}.{n}": getattr(h, n) for i, h in enumerate(body.h) for n in ("ln_1", "ln_2")}
+        if odd := {name: norm.eps for name, norm in norms.items() if norm.eps != body.ln_f.eps}:
+            raise ValueError(f"model's LayerNorms' eps {odd} differ from its ln_f.eps={body.ln_f.eps}")
         config = GPTConfig(vocab_size=vocab, context_length=body.wpe.weight.shape[0], d_model=d,
                            num_layers=len(body.h), num_heads=attn.num_heads, eps=body.ln_f.eps,
                            dropout=attn.resid_dropout.p)
@@ -271,7 +273,7 @@ class GPT(nn.Module):
         if hf is None or body is None or getattr(hf, "model_type", None) != "llama" \
                 or not hasattr(model, "lm_head"):
             raise TypeError(f"model must be a LlamaForCausalLM, got {type(model).__name__}")
-        _check_holds_weights(model)
+        check_holds_weights("model", model)
         rope = getattr(hf, "rope_parameters", None) or {"rope_theta": getattr(hf, "rope_theta", None),
                                                         **(getattr(hf, "rope_scaling", None) or {})}
         d, heads = body.embed_tokens.weight.shape[1], hf.num_attention_heads  # d: the weights'
@@ -321,7 +323,7 @@ class GPT(nn.Module):
         if hf is None or body is None or getattr(hf, "model_type", None) != "bloom" \
                 or not hasattr(model, "lm_head"):
             raise TypeError(f"model must be a BloomForCausalLM, got {type(model).__name__}")
-        _check_holds_weights(model)
+        check_holds_weights("model", model)
         for name in ("apply_residual_connection_post_layernorm", "hidden_dropout",
                      "attention_dropout"):  # ours: pre-norm residuals, dropout on the embeddings
             if value := getattr(hf, name):
@@ -362,10 +364,17 @@ def _check_idx(model: "GPT", idx: object, longest: float = math.inf) -> torch.Te
     """idx (B, T) as int64 ids of the vocabulary on the model's device, T at most `longest`."""
     idx, device = check_token_ids("idx", idx, model.config.vocab_size), model.tok_emb.weight.device
     if (idx.dim(), 0 in idx.shape, idx.device) != (2, False, device) or idx.shape[1] > longest:
-        raise ValueError(f"idx must have shape (B, T), B and T at least 1, T at most context_length="
-                         f"{longest}, on the model's device {device}: got shape "
-                         f"{tuple(idx.shape)} on {idx.device}")
+        raise _idx_error(tuple(idx.shape), idx.device, device, longest)  # which rule: only here
     return idx
+
+
+def _idx_error(shape: tuple[int, ...], on: object, device: object, longest: float) -> ValueError:
+    """The error of the first rule of _check_idx that idx, of `shape` on `on`, breaks."""
+    return ValueError(  # whole strings: torch.compile cannot add two strings while tracing
+        f"idx must have 2 dimensions, (B, T), got shape {shape}" if len(shape) != 2 else
+        f"idx must hold at least one row and one token, got shape {shape}" if 0 in shape else
+        f"idx must be at most context_length={longest} tokens long, got shape {shape}"
+        if shape[1] > longest else f"idx must be on the model's device {device}, got idx on {on}")
 
 
 # chapters/10-gpt.md, "GPT-2's weights"
@@ -390,12 +399,11 @@ class KVCache:
         self.keys, self.values = (torch.zeros(shape, dtype=dtype, device=device) for _ in range(2))
         self.layers = [LayerCache._over(k, v) for k, v in zip(self.keys, self.values)]  # views
         self.capacity = shape[3]
-        self.attention_mask = None  # once a call had padding: (B, capacity), False at padding
+        self.attention_mask: torch.Tensor | None = None  # (B, capacity) after padding, False there
 
     @property
     def length(self) -> int:
-        """The positions filled: the same in every layer, since each call reaches them all
-        (GPT.forward checks it, once a call: a compiled step reads one plain integer)."""
+        """The positions filled, in every layer alike (GPT.forward checks it, once a call)."""
         return self.layers[0].length
 
     @property
@@ -428,8 +436,7 @@ def _check_kv_cache(model: "GPT", kv_cache: object, idx: torch.Tensor) -> int:
     check_tensor("kv_cache.keys", cache.keys, dtype=weight.dtype, device=weight.device,
                  shape=(None, None, c.kv_heads, None, c.head_dim))
     if any(layer.length != cache.length for layer in cache.layers):  # only an interrupted call
-        raise RuntimeError(f"the layers hold {[layer.length for layer in cache.layers]} "
-                           "positions: reset() the cache")
+        raise RuntimeError(f"the layers hold {[layer.length for layer in cache.layers]} positions: reset()")
     if cache.length + n > min(cache.capacity, c.context_length):  # one made by hand may hold more
         raise ValueError(f"idx of length {n} does not fit: kv_cache holds {cache.length} positions "
                          f"of its capacity {cache.capacity}, at most context_length={c.context_length}")
@@ -476,13 +483,6 @@ class CharTokenizer:
 
 
 # chapters/19-gpt-variants.md, "Llama's weights"
-def _check_holds_weights(model: nn.Module) -> None:
-    """Refuses a model (transformers') whose parameters are on the meta device: no values."""
-    if any(p.is_meta for p in model.parameters()):
-        raise ValueError(f"model must hold its weights, got a {type(model).__name__} on the meta "
-                         "device (meta tensors hold shapes, no values): load its weights first")
-
-
 def _check_llama_sizes(hf: Any, body: Any, head_dim: int) -> None:  # transformers'
     """Refuses a Llama config whose sizes its modules' weights contradict, by the config's name
     (set through its __dict__: transformers' own checks run when a field is set)."""
@@ -538,8 +538,8 @@ def _padded(real: torch.Tensor, start: int, t: int,
     real token, and the keys' mask (B, 1, 1, start + t), from `real` (B, >= start + t); a
     `kv_cache` keeps the mask for the calls that follow."""
     real = real[:, -(start + t):]  # generate's grows past the window that the cache holds
-    if kv_cache is not None and kv_cache.attention_mask is None:  # (B, capacity), one shape
-        kv_cache.attention_mask = real.new_ones(len(real), kv_cache.capacity)
     if kv_cache is not None:
+        if kv_cache.attention_mask is None:  # (B, capacity), one shape
+            kv_cache.attention_mask = real.new_ones(len(real), kv_cache.capacity)
         kv_cache.attention_mask[:, :start + t] = real  # the padding its positions hold
     return (real.cumsum(-1) - 1).clamp(min=0)[:, -t:], real[:, None, None, :]  # padding: 0

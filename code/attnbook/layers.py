@@ -706,7 +706,10 @@ class Block(nn.Module):
         self.ff = SwiGLU(c.d_model, c.d_ff, ff_dropout, c.bias) if c.activation == "swiglu" \
             else FeedForward(c.d_model, c.d_ff, c.activation, ff_dropout, c.bias)
         self.ff_norm, self.dropout = _make_norm(c), nn.Dropout(c.dropout)
-        self.plain = c.norm_first and not c.cross_attention  # forward's own path, else _sublayers
+
+    @property
+    def plain(self) -> bool:  # forward's own path (pre-norm, self-attention only), else _sublayers
+        return (self.config.norm_first, self.config.cross_attention) == (True, False)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None,
                 is_causal: bool = False, context: torch.Tensor | None = None,
