@@ -471,6 +471,16 @@ def test_check_holds_weights_refuses_a_module_on_the_meta_device_by_its_name():
     c.check_holds_weights("encoder", torch.nn.ReLU())  # no parameters: nothing to hold
     with torch.device("meta"):
         empty = torch.nn.Sequential(torch.nn.Linear(2, 2))
-    with pytest.raises(ValueError, match="^encoder must hold its weights, got a Sequential on the "
-                                         r"meta device \(meta tensors hold shapes, no values\)"):
+    with pytest.raises(ValueError, match=r"^encoder must hold its weights, got a Sequential whose "
+                                         r"parameters \['0.weight', '0.bias'\] \(2 in all\) are on "
+                                         r"the meta device \(meta tensors hold shapes, no values\)"):
         c.check_holds_weights("encoder", empty)
+    partly = torch.nn.Sequential(torch.nn.Linear(2, 2), empty[0])  # one layer loaded, one not
+    with pytest.raises(ValueError, match=r"parameters \['1.weight', '1.bias'\] \(2 in all\)"):
+        c.check_holds_weights("encoder", partly)
+
+
+@pytest.mark.parametrize("model", [None, torch.zeros(2), {"weight": torch.zeros(2)}])
+def test_check_holds_weights_refuses_what_is_not_a_module_by_its_name(model):
+    with pytest.raises(TypeError, match="^encoder must be an instance of Module, got "):
+        c.check_holds_weights("encoder", model)

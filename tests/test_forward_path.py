@@ -72,6 +72,21 @@ def test_a_block_without_the_attributes_init_sets_still_takes_its_path(norm_firs
     torch.testing.assert_close(restored(x, None, True, context), block(x, None, True, context))
 
 
+def test_both_paths_of_a_block_run_the_layers_it_holds_after_its_config_is_replaced():
+    """forward and its return_weights path agree on a Block whose config was replaced after it was
+    built: both apply the cross-attention it holds (`plain` once read the config, and so skipped
+    it on the plain path only)."""
+    import dataclasses
+
+    torch.manual_seed(6)
+    block = Block(BlockConfig(16, 2, cross_attention=True)).eval()
+    block.config = dataclasses.replace(block.config, cross_attention=False)
+    x, context = torch.randn(2, 5, 16), torch.randn(2, 3, 16)
+    out = block(x, None, True, context)
+    torch.testing.assert_close(out, block(x, None, True, context, return_weights=True)[0])
+    assert not torch.allclose(out, block(x, None, True, torch.zeros(2, 3, 16)))  # context read
+
+
 @pytest.mark.parametrize("shape", [(0, 3), (2, 0)])
 def test_an_empty_batch_or_prompt_is_refused_by_name(shape):
     model = GPT(GPTConfig(vocab_size=10, context_length=8, d_model=16, num_layers=1, num_heads=2))

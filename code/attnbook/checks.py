@@ -252,9 +252,13 @@ def check_float_dtype(name: str, dtype: object) -> "torch.dtype":
 def check_holds_weights(name: str, model: "torch.nn.Module") -> None:
     """`model` (transformers' too) with its weights: no parameter on the meta device, where a
     model built before its weights are loaded keeps their shapes but no values."""
-    if any(p.is_meta for p in model.parameters()):
-        raise ValueError(f"{name} must hold its weights, got a {type(model).__name__} on the meta "
-                         "device (meta tensors hold shapes, no values): load its weights first")
+    import torch  # here, not at the top: the NumPy chapters import this module without torch
+
+    named = check_instance(name, model, torch.nn.Module).named_parameters()
+    if meta := [n for n, p in named if p.is_meta]:
+        raise ValueError(f"{name} must hold its weights, got a {type(model).__name__} whose "
+                         f"parameters {meta[:3]} ({len(meta)} in all) are on the meta device (meta "
+                         "tensors hold shapes, no values): load its weights first")
 
 
 def check_token_ids(name: str, ids: object, vocab_size: int, shape: _Shape = None,

@@ -709,7 +709,7 @@ class Block(nn.Module):
 
     @property
     def plain(self) -> bool:  # forward's own path (pre-norm, self-attention only), else _sublayers
-        return (self.config.norm_first, self.config.cross_attention) == (True, False)
+        return (self.config.norm_first, self.cross_attn is None) == (True, True)  # the layers held
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None,
                 is_causal: bool = False, context: torch.Tensor | None = None,
