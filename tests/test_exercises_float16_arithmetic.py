@@ -1,8 +1,9 @@
-"""attnbook.exercises, appendix G: the float16 cases of 2.3, 3.3, 4.2, 11.1, 16.1 and 19.3 catch an
-answer computed in float16 arithmetic throughout (every intermediate rounded to float16), while
-one computed in float32 and rounded once passes at float16's tolerance. Their inputs share a
-large common part (a gradient near 1000, tokens or keys or values far from 0), so that float16
-rounds large intermediates whose differences are what the answer is made of."""
+"""attnbook.exercises, appendices F and G: the float16 cases of 2.3, 3.3, 4.2, 5.1, 8.2, 11.1, 16.1
+and 19.3 catch an answer computed in float16 arithmetic throughout (every intermediate rounded to
+float16), while one computed in float32 and rounded once passes at float16's tolerance. Their
+inputs share a large common part (a gradient near 1000, tokens, coordinates, word vectors, keys
+or values far from 0), so that float16 rounds large intermediates whose differences are what the
+answer is made of."""
 
 import math
 
@@ -12,15 +13,18 @@ import torch
 import torch.nn.functional as F
 from test_exercises import assert_fails_with_hint
 from test_exercises_ch19 import alibi_by_positions
-from test_exercises_parts_1_2 import heads_numpy, softmax_backward
+from test_exercises_parts_1_2 import bert_input, heads_numpy, softmax_backward
 
 from attnbook.attention import scaled_dot_product_attention as numpy_attention
 from attnbook.attention import softmax
+from attnbook.efficient import elu_feature_map
 from attnbook.exercises import _F16, _OVERFLOW_HINT, EXERCISES, TOLERANCES, check
 
 CASES = {"2.3": "float16, 300 keys, gradients near 1000",
          "3.3": "float16, tokens with a large common part",
          "4.2": "float16, keys with a large common part",
+         "5.1": "float16 at positions 3000 to 3006, coordinates with a large common part",
+         "8.2": "float16 tables, word vectors with a large common part",
          "11.1": "float16, keys with a large common part",
          "16.1": "float16, keys and values with large common parts",
          "19.3": "float16, keys with a large common part"}
@@ -65,6 +69,19 @@ def chapter4_grouped(q, k, v, widen=False):
     causal = torch.ones(length, length, dtype=torch.bool).tril()
     weights = scores.masked_fill(~causal, float("-inf")).softmax(-1)
     return (weights @ v[:, :, None]).reshape(b, h, length, d).to(dtype)
+
+
+def chapter5_rope(x, positions, work=torch.float64):
+    """Chapter 5's solution: the angles in float64, the turn in `work` (the solution's float16 x
+    times float64 cos and sin is float64), rounded to x's dtype once."""
+    d = x.shape[-1]
+    angle = positions.double()[:, None] * 10000.0 ** (-torch.arange(0, d, 2).double() / d)
+    cos, sin = angle.cos().to(work), angle.sin().to(work)
+    even, odd = x[..., 0::2].to(work), x[..., 1::2].to(work)
+    out = torch.empty_like(x)
+    out[..., 0::2] = even * cos - odd * sin
+    out[..., 1::2] = even * sin + odd * cos
+    return out
 
 
 def chapter11_cross(q, k, v, src_keep, widen=False):
@@ -122,6 +139,8 @@ FLOAT16_ARITHMETIC = [
     ("3.3", heads_softmax_unshifted, "unshifted"),
     ("4.2", chapter4_grouped, "chapter"),
     ("4.2", grouped_half_kernel_by_hand, "by_hand"),
+    ("5.1", lambda x, p: chapter5_rope(x, p, work=x.dtype), "turn"),  # float64 angles
+    ("8.2", lambda *a: bert_input(*a, widen=False), "chapter"),  # sum in float16, F.layer_norm
     ("11.1", chapter11_cross, "chapter"),
     ("16.1", lambda *a: chapter16_backward(*a, widen=False), "chapter"),
     ("19.3", lambda q, k, v: alibi_by_positions(q, k, v, work=q.dtype), "positions"),
@@ -143,6 +162,8 @@ RIGHT_IN_FLOAT32 = [
     ("2.3", lambda s, g: chapter2_backward(s, g, work=np.promote_types(s.dtype, np.float32))),
     ("3.3", lambda *a: chapter3_heads(*a, work=np.promote_types(a[0].dtype, np.float32))),
     ("4.2", lambda q, k, v: chapter4_grouped(q, k, v, widen=True)),
+    ("5.1", lambda x, p: chapter5_rope(x, p, work=torch.promote_types(x.dtype, torch.float32))),
+    ("8.2", bert_input),
     ("11.1", lambda *a: chapter11_cross(*a, widen=True)),
     ("16.1", chapter16_backward),
     ("19.3", alibi_by_positions),
@@ -152,7 +173,8 @@ RIGHT_IN_FLOAT32 = [
 
 
 @pytest.mark.parametrize("exercise, candidate", RIGHT_IN_FLOAT32,
-                         ids=["2.3", "3.3", "4.2", "11.1", "16.1", "19.3", "4.2-sdpa"])
+                         ids=["2.3", "3.3", "4.2", "5.1", "8.2", "11.1", "16.1", "19.3",
+                              "4.2-sdpa"])
 def test_the_chapters_solutions_computed_in_float32_pass_every_case(exercise, candidate):
     result = check(exercise, candidate, show=False)
     assert result.passed, result
@@ -171,3 +193,25 @@ def test_a_float32_answer_rounded_once_stays_within_half_the_float16_tolerance(e
     for g, e in zip(*((x,) if not isinstance(x, tuple) else x for x in (got, expected))):
         g, e = (torch.as_tensor(x).double() for x in (g, e))
         assert ((g - e).abs() / (atol + rtol * e.abs())).max() < 0.6
+
+
+def linear_running_means_in_float16(q, k, v, eps=1e-6):
+    """17.3 in float16 arithmetic that never overflows: running means, not running sums."""
+    fq, fk = elu_feature_map(q), elu_feature_map(k)
+    state = torch.zeros(*q.shape[:-2], q.shape[-1], v.shape[-1], dtype=q.dtype)  # (..., D, Dv)
+    norm = torch.zeros(*q.shape[:-2], q.shape[-1], dtype=q.dtype)  # (..., D)
+    outputs = []
+    for i in range(q.shape[-2]):
+        state = state + (fk[..., i, :, None] * v[..., i, None, :] - state) / (i + 1)
+        norm = norm + (fk[..., i, :] - norm) / (i + 1)
+        outputs.append((fq[..., i, None, :] @ state)[..., 0, :]
+                       / ((fq[..., i, :] * norm).sum(-1, keepdim=True) + eps / (i + 1)))
+    return torch.stack(outputs, dim=-2)  # (..., L, Dv)
+
+
+def test_17_3s_float16_case_catches_float16_arithmetic_that_does_not_overflow():
+    """17.3's case was left as it is: over 2048 positions, a float16 answer that avoids the
+    overflow of its running sums still rounds them too coarsely (about 10 times the tolerance)."""
+    result = check("17.3", linear_running_means_in_float16, show=False)
+    assert not result.passed and result.case == "float16, 2048 positions", result
+    assert result.max_diff > 0.02 and "round to float16 once" in result.problem

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from test_exercises import assert_fails_with_hint
-from test_exercises_parts_1_2 import heads_numpy, rms_norm, softmax_backward
+from test_exercises_parts_1_2 import bert_input, heads_numpy, rms_norm, softmax_backward
 from test_exercises_parts_3_4 import attention_backward, unpatchify
 
 from attnbook.exercises import check
@@ -24,11 +24,6 @@ def _nan_to_zero(candidate):
         return torch.nan_to_num(out, nan=0.0) if torch.is_tensor(out) else np.nan_to_num(out)
     swallowed.__name__ = f"{candidate.__name__}_without_nan"
     return swallowed
-
-
-def bert_input(ids, segments, word, position, token_type, gamma, beta):
-    x = F.embedding(ids, word) + position[: ids.shape[1]] + F.embedding(segments, token_type)
-    return F.layer_norm(x, x.shape[-1:], gamma, beta, eps=1e-12)
 
 
 def cross_attention_nan_to_num(q, k, v, src_keep):  # the attacker's F1 answer, in float32

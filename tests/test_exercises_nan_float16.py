@@ -81,7 +81,8 @@ def test_the_right_answers_keep_the_nan_where_the_chapters_say():
 
 FLOAT16 = {"2.3": "float16, 300 keys, gradients near 1000",
            "3.3": "float16, tokens with a large common part",
-           "4.2": "float16, keys with a large common part", "8.2": "float16 tables",
+           "4.2": "float16, keys with a large common part",
+           "8.2": "float16 tables, word vectors with a large common part",
            "11.1": "float16, keys with a large common part",
            "16.1": "float16, keys and values with large common parts",
            "19.3": "float16, keys with a large common part"}
@@ -118,10 +119,14 @@ def backward_kept_in_float32(q, k, v, dout, causal):
 
 
 def test_a_float16_layer_norm_in_float16_arithmetic_fails_with_its_hint():
-    assert_fails_with_hint("8.2", bert_input_normalised_in_float16, "float16 tables",
+    assert_fails_with_hint("8.2", bert_input_normalised_in_float16,
+                           "float16 tables, word vectors with a large common part",
                            "normalise in float32")
     result = check("8.2", bert_input_normalised_in_float16, show=False)
-    assert "compute in float32 and round to float16 once" in result.problem
+    # the word vectors near 200 move the answer far past a few roundings: the hint, not a note
+    # on rounding in the problem, says to compute in float32
+    assert result.hint.startswith("float16 input: compute in float32 and round to float16 once")
+    assert "round" not in result.problem and result.max_diff > 0.1
 
 
 @pytest.mark.parametrize("exercise, candidate", [

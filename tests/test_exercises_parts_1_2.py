@@ -58,10 +58,15 @@ def rms_norm(x, weight, eps=1e-6):
     return (F.rms_norm(work, (x.shape[-1],), eps=eps) * weight.to(work.dtype)).to(x.dtype)
 
 
-def bert_input(ids, segments, word, position, token_type, gamma, beta):
-    """8.2 with torch.nn.functional.embedding and layer_norm."""
+def bert_input(ids, segments, word, position, token_type, gamma, beta, widen=True):
+    """8.2 with torch.nn.functional.embedding and layer_norm, in float32 or wider (widen=False:
+    in the tables' dtype, whose float16 sum loses what the LayerNorm keeps)."""
+    dtype = word.dtype
+    if widen:
+        word, position, token_type, gamma, beta = (t.to(torch.promote_types(dtype, torch.float32))
+                                                   for t in (word, position, token_type, gamma, beta))
     x = F.embedding(ids, word) + position[: ids.shape[1]] + F.embedding(segments, token_type)
-    return F.layer_norm(x, x.shape[-1:], gamma, beta, eps=1e-12)
+    return F.layer_norm(x, x.shape[-1:], gamma, beta, eps=1e-12).to(dtype)
 
 
 def cross_attention(q, k, v, src_keep):

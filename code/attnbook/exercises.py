@@ -418,15 +418,18 @@ def _rope_interleaved(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
 
 
 def _rope_case(shape: tuple[int, ...], first_position: int = 0,
-               dtype: npt.DTypeLike = np.float64) -> Builder:
+               dtype: npt.DTypeLike = np.float64, common: float = 0.0) -> Builder:
     def build(rng: np.random.Generator) -> Built:
-        x = torch.from_numpy(rng.standard_normal(shape).astype(dtype))
+        x = torch.from_numpy((rng.standard_normal(shape) + common).astype(dtype))
         positions = torch.arange(first_position, first_position + shape[-2])
         return {"x": x, "positions": positions}, _rope_interleaved(x, positions)
     return build
 
 
 _CH5 = 'chapter 5, "Rotary position embeddings (RoPE)"'
+_F16 = ("float16 input: compute in float32 and round to float16 once, at the end: float16 "
+        "arithmetic rounds every intermediate result to 11 bits, and here that moves the answer "
+        "by more than a few float16 roundings")
 EXERCISES["5.1"] = Exercise("RoPE with interleaved pairs", (
     Case("position 0", _rope_case((1, 2)),
          "at position 0 every angle is 0: the output is x unchanged"),
@@ -438,9 +441,11 @@ EXERCISES["5.1"] = Exercise("RoPE with interleaved pairs", (
          "the pairing and the frequencies: " + _CH5),
     Case("37 positions, 16 coordinates, batch and heads", _rope_case((2, 3, 37, 16)),
          "a batch and heads in front: rotate the last axis, positions along the one before it"),
-    Case("float16 at positions 3000 to 3006", _rope_case((2, 7, 16), 3000, dtype=np.float16),
-         "float16 input: compute the angles in float32 or wider (float16 rounds an angle near "
-         "3000 to a multiple of 2)"),
+    Case("float16 at positions 3000 to 3006, coordinates with a large common part",
+         _rope_case((2, 7, 16), 3000, dtype=np.float16, common=300.0),
+         _F16 + ": compute the angles in float32 or wider (float16 rounds an angle near 3000 to a "
+         "multiple of 2), and the turn too: the coordinates are near 300, where float16's steps "
+         "are 0.25, and x_2i cos - x_2i+1 sin nearly cancels where cos is near sin"),
 ))
 
 
@@ -701,9 +706,6 @@ def _ch2_backward_case(shape: tuple[int, ...], dtype: npt.DTypeLike = np.float64
 
 
 _CH2 = 'chapter 2, "What saturation does to gradients"'
-_F16 = ("float16 input: compute in float32 and round to float16 once, at the end: float16 "
-        "arithmetic rounds every intermediate result to 11 bits, and here that moves the answer "
-        "by more than a few float16 roundings")
 EXERCISES["2.3"] = Exercise("the gradient through the softmax", (
     Case("one key", _ch2_backward_case((1,)),
          "with one key p = 1 whatever the score, so no gradient reaches it: p * (g - p . g) is 0"),
@@ -894,7 +896,8 @@ EXERCISES["7.1"] = Exercise("RMSNorm as a function", (
 
 # chapters/a7-exercise-cases.md, "Chapter 8"
 def _ch8_embedding_case(batch: int, length: int, vocab: int = 20, d: int = 8,
-                        dtype: torch.dtype = torch.float64, nan_word: bool = False) -> Builder:
+                        dtype: torch.dtype = torch.float64, nan_word: bool = False,
+                        word_common: float = 0.0) -> Builder:
     def build(rng: np.random.Generator) -> Built:
         from attnbook.bert import BERTConfig, BERTEmbeddings
 
@@ -906,6 +909,7 @@ def _ch8_embedding_case(batch: int, length: int, vocab: int = 20, d: int = 8,
         tables = {name: torch.from_numpy(rng.standard_normal(shape)) for name, shape in
                   (("word", (vocab, d)), ("position", (64, d)), ("token_type", (2, d)),
                    ("gamma", (d,)), ("beta", (d,)))}
+        tables["word"] += word_common  # LayerNorm subtracts it again: the answer ignores it
         tables = {name: t.to(dtype).double() for name, t in tables.items()}  # dtype's numbers
         if nan_word:  # a NaN in the vector of the first token's id
             tables["word"][ids[0, 0], 0] = float("nan")
@@ -931,9 +935,11 @@ EXERCISES["8.2"] = Exercise("BERT's input layer", (
          "every sequence uses positions 0..L-1, and the LayerNorm is over the last axis only"),
     Case("float32 tables", _ch8_embedding_case(2, 9, dtype=torch.float32),
          "float32 tables: compute in float32 or wider, never in float16"),
-    Case("float16 tables", _ch8_embedding_case(2, 9, d=64, dtype=torch.float16),
-         "float16 tables: add the three vectors and normalise in float32, then return float16: "
-         "eps = 1e-12 is 0 in float16 and a float16 mean over 64 features keeps 11 bits"),
+    Case("float16 tables, word vectors with a large common part", _ch8_embedding_case(
+        2, 9, d=64, dtype=torch.float16, word_common=200.0),
+         _F16 + ": add the three vectors and normalise in float32 (tables.float()), then .half(): "
+         "the word vectors are near 200, where float16's steps are 0.125, so a float16 sum loses "
+         "what LayerNorm keeps once it subtracts the mean; eps = 1e-12 is 0 in float16"),
     Case("a NaN in one word's vector", _ch8_embedding_case(2, 6, nan_word=True),
          "a NaN in a word's row of the table makes every token with that id NaN after the "
          "LayerNorm, and no other token: never replace a NaN"),
