@@ -151,7 +151,7 @@ class GPT(nn.Module):
         x = self.emb_norm(self.tok_emb(idx))  # (B, T, d_model)
         x = self.drop(x + (0 if self.pos_emb is None else self.pos_emb(position_ids)))
         for block, cache in zip(self.blocks, caches):
-            x = block(x, mask, True, cache=cache, position_ids=position_ids)  # (B, T, d_model)
+            x = block(x, mask, is_causal=True, cache=cache, position_ids=position_ids)  # (B,T,d)
         head = self.tok_emb.weight if self.lm_head is None else self.lm_head.weight  # tied?
         return F.linear(self.norm_f(x), head)  # (B, T, vocab_size)
 
@@ -214,7 +214,7 @@ class GPT(nn.Module):
         idx = _check_idx(self, idx, self.config.context_length if kv_cache is None else math.inf)
         cached = 0 if kv_cache is None else _check_kv_cache(self, kv_cache, idx)
         real = None if attention_mask is None and getattr(kv_cache, "attention_mask", None) is None \
-            else _check_padding(attention_mask, idx, cached, kv_cache=kv_cache)  # noqa: F821
+            else _check_padding(attention_mask, idx, cached, kv_cache=kv_cache)  # noqa: F821 (ch. 19)
         with torch.set_grad_enabled(torch.is_grad_enabled() and kv_cache is None):  # cache: none
             return self._logits(idx, kv_cache, real)
 
@@ -242,7 +242,7 @@ class GPT(nn.Module):
         temperature = check_real("temperature", temperature, 0.0)
         top_k = None if top_k is None else check_int("top_k", top_k, 1)
         generator = check_generator("generator", generator, seq.device)  # before any sampling
-        real = None if attention_mask is None else _check_padding(attention_mask, seq, 0, True)  # noqa: F821
+        real = None if attention_mask is None else _check_padding(attention_mask, seq, 0, True)  # noqa: F821 (ch. 19)
         size = min(limit, seq.shape[1] + max_new_tokens)  # no more than the tokens it will hold
         cache = self.make_kv_cache(len(seq), size) if check_bool("use_cache", use_cache) else None
         finite = torch.ones((), dtype=torch.bool, device=seq.device)  # stays on the device
