@@ -442,10 +442,10 @@ EXERCISES["5.1"] = Exercise("RoPE with interleaved pairs", (
     Case("37 positions, 16 coordinates, batch and heads", _rope_case((2, 3, 37, 16)),
          "a batch and heads in front: rotate the last axis, positions along the one before it"),
     Case("float16 at positions 3000 to 3006, coordinates with a large common part",
-         _rope_case((2, 7, 16), 3000, dtype=np.float16, common=300.0),
+         _rope_case((2, 7, 16), 3000, dtype=np.float16, common=30.0),
          _F16 + ": compute the angles in float32 or wider (float16 rounds an angle near 3000 to a "
-         "multiple of 2), and the turn too: the coordinates are near 300, where float16's steps "
-         "are 0.25, and x_2i cos - x_2i+1 sin nearly cancels where cos is near sin"),
+         "multiple of 2), and the turn too: the coordinates are near 30, where float16's steps "
+         "are 1/64 and 1/32, and x_2i cos - x_2i+1 sin nearly cancels where cos is near sin"),
 ))
 
 
