@@ -153,6 +153,14 @@ XDIST := $(if $(filter-out 0,$(WORKERS)),-n $(WORKERS) --dist loadfile --no-load
 # already set in the environment is kept. `=`, not `:=`: Python runs only when a recipe uses it.
 WORKER_THREADS = $(if $(XDIST),$(shell python3 -c 'import os; print(max(1, (os.cpu_count() or 1) // $(WORKERS)))'))
 
+# Where attnbook.compile_check keeps the reports of the kernels it compiles for GPUs, so that
+# tests/test_compile_check.py and appendix D's notebook compile each kernel once between them
+# (keyed by the kernels' source and the Triton: a change compiles again; see appendix D). The
+# notebook runs late (conftest.py's order), after the tests have filled it. Set empty to compile
+# everything every time.
+ATTNBOOK_COMPILE_CACHE ?= $(CURDIR)/_build/compile-check
+export ATTNBOOK_COMPILE_CACHE
+
 ## pytest: package tests, then every notebook re-executed and compared by nbval
 pytest: $(STAMP)
 	$(if $(WORKER_THREADS),OMP_NUM_THREADS=$${OMP_NUM_THREADS:-$(WORKER_THREADS)}) $(VENV)/bin/pytest tests notebooks $(NBVAL) $(XDIST) --durations=5

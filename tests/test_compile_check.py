@@ -7,12 +7,13 @@ so a change to a kernel that makes it spill, or no longer fit a T4, fails here w
 Compiling is slow (from under a second to half a minute per kernel and GPU: ptxas is slow on
 kernels that spill), so the module compiles each request once, and only those that can change
 what a test checks (see _tile_table_plan). The `compiler` fixture gathers the requests of the
-selected tests and compiles them in as few batches as it can, and keeps each report on disk in
-_build/compile-check/ (`make clean` removes it) under a key made of the request, the source of
-attnbook.kernels and attnbook.compile_check, the Triton version, the Python version and the
-TRITON_* environment. A repeated run reads the reports back; a fresh clone, or any change to the
-kernels, to compile_check or to Triton, compiles again. ATTNBOOK_COMPILE_CACHE=0 turns the disk
-cache off.
+selected tests and compiles them in as few batches as it can. compile_kernels keeps each report
+in the folder ATTNBOOK_COMPILE_CACHE names (here _build/compile-check/ unless it names another;
+`make clean` removes it) under a key made of the request, the source of attnbook.kernels and
+attnbook.compile_check, the Triton version, the Python version and the TRITON_* environment. A
+repeated run reads the reports back, and so does appendix D's notebook when `make test` runs it
+after this module; a fresh clone, or any change to the kernels, to compile_check or to Triton,
+compiles again. ATTNBOOK_COMPILE_CACHE= (empty) turns the disk cache off.
 
 The tile table and the launch settings were chosen with the Triton that requirements.txt pins,
 and another release allocates registers differently. So what the compiler decides (spills, shared
@@ -24,14 +25,13 @@ tests pass on a release nobody here chose. README, "Tested versions", says how s
 becomes a new tile table.
 """
 
-import hashlib
 import json
 import os
 import re
 import sys
 import threading
 import warnings
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -65,15 +65,9 @@ def _request(kernel, gpu, dtype, head_dim, causal=True, block=None, block_n=None
     """A request with its defaults filled in as compile_kernels fills them (block None: the
     launcher's settings on that GPU; a block alone: square tiles, 4 warps, 2 stages), so that
     equal compilations have equal requests."""
-    if block is None:
-        default = kernels.launch_settings(kernel, ELEMENT_SIZE[dtype], head_dim, GPUS[gpu],
-                                          wide)[0]
-    else:
-        default = (block, block, kernels.NUM_WARPS, kernels.NUM_STAGES)
-    block, block_n, warps, stages = (given or d for given, d in
-                                     zip((block, block_n, warps, stages), default))
-    return dict(kernel=kernel, gpu=gpu, dtype=dtype, head_dim=head_dim, causal=causal,
-                block=block, block_n=block_n, warps=warps, stages=stages, wide=wide)
+    return compile_check._checked(dict(kernel=kernel, gpu=gpu, dtype=dtype, head_dim=head_dim,
+                                       causal=causal, block=block, block_n=block_n, warps=warps,
+                                       stages=stages, wide=wide))
 
 
 def _clean(r: Compiled) -> bool:
@@ -83,50 +77,20 @@ def _clean(r: Compiled) -> bool:
 
 
 class _Compiler:
-    """compile_kernels, remembered: in memory for the session and, unless `cache` is None, on
-    disk across runs, keyed by the request with the sources and the Triton that compile it."""
+    """compile_kernels, remembered for the session (and across runs by compile_kernels itself,
+    in the folder that ATTNBOOK_COMPILE_CACHE names)."""
 
-    def __init__(self, cache: Path | None):
-        self.cache, self.reports = cache, {}
-        sources = b"".join(Path(m.__file__).read_bytes() for m in (kernels, compile_check))
-        environment = sorted((k, v) for k, v in os.environ.items() if k.startswith("TRITON"))
-        self.salt = json.dumps([hashlib.sha256(sources).hexdigest(), kernels.triton.__version__,
-                                sys.version, environment])
-
-    def _path(self, key: str) -> Path:
-        return self.cache / (hashlib.sha256((self.salt + key).encode()).hexdigest() + ".json")
-
-    def _read(self, key: str) -> Compiled | None:
-        if self.cache is None or not self._path(key).exists():
-            return None
-        try:
-            return Compiled(**json.loads(self._path(key).read_text()))
-        except (ValueError, TypeError):  # unreadable: compile again
-            return None
-
-    def _write(self, key: str, report: Compiled) -> None:
-        if self.cache is not None:
-            self.cache.mkdir(parents=True, exist_ok=True)
-            path = self._path(key)
-            partial = path.with_name(f"{path.name}.{os.getpid()}")
-            partial.write_text(json.dumps(asdict(report)))
-            partial.replace(path)  # atomic: a concurrent run never reads half a file
+    def __init__(self):
+        self.reports = {}
 
     def __call__(self, requests: list[dict]) -> list[Compiled]:
         keys = [json.dumps(_request(**r), sort_keys=True) for r in requests]
-        todo = {}  # key -> the request as given (block None stays None for compile_kernels)
-        for key, r in zip(keys, requests):
-            if key not in self.reports and key not in todo:
-                report = self._read(key)
-                if report is None:
-                    todo[key] = r
-                else:
-                    self.reports[key] = report
+        # key -> the request as given (block None stays None for compile_kernels)
+        todo = {key: r for key, r in zip(keys, requests) if key not in self.reports}
         for key, report in zip(todo, compile_kernels(list(todo.values()))):
             # compile_kernels reports what _request filled in (block None: the launcher's tile)
             assert {f: getattr(report, f) for f in json.loads(key)} == json.loads(key), report
             self.reports[key] = report
-            self._write(key, report)
         return [self.reports[key] for key in keys]
 
 
@@ -260,7 +224,7 @@ def compiler(request):
     """One _Compiler for the module. It has compiled, in as few batches as it can, what the
     selected tests of the module compile: their own requests in one batch with the first GPU of
     every larger tile, then the larger tiles that GPU accepted, on the next GPU, and so on."""
-    compiler = _Compiler(None if os.environ.get("ATTNBOOK_COMPILE_CACHE") == "0" else CACHE)
+    compiler = _Compiler()
     first, larger = [], []
     for item in request.session.items:
         if getattr(item, "module", None) is not request.module:  # nbval cells have none
@@ -280,8 +244,10 @@ def compiler(request):
     # compile_kernels deals the requests out to its processes in turn: the slowest first (the
     # larger tiles, which spill heavily, biggest first), so that they are dealt out evenly
     first.sort(key=lambda r: -(r.get("block") or 0) ** 2 * r["head_dim"])
-    compiler(first)
-    _larger_tiles(compiler, larger)  # only the second GPU on: the first was in the batch above
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("ATTNBOOK_COMPILE_CACHE", os.environ.get("ATTNBOOK_COMPILE_CACHE", str(CACHE)))
+        compiler(first)
+        _larger_tiles(compiler, larger)  # only the second GPU on: the first was in the batch
     return compiler
 
 
@@ -530,7 +496,7 @@ def test_compiling_in_an_interpreting_process_is_refused():
     if not kernels.INTERPRETED:
         pytest.skip("the kernels are compiled in this process")
     with pytest.raises(RuntimeError, match="interpreted mode"):
-        _compile_here("forward", "T4", "float16", 64, True, None)
+        _compile_here("forward", "T4", "float16", 64, True, 64, 64, 4, 2, False)
 
 
 # What the launcher passes for each parameter of a typical call, as a table written out by hand
@@ -621,6 +587,7 @@ json.dump(answers, sys.stdout)
 
 
 def test_a_child_that_writes_much_to_stderr_does_not_deadlock(tmp_path, monkeypatch):
+    monkeypatch.delenv("ATTNBOOK_COMPILE_CACHE", raising=False)  # compile, and keep nothing
     (tmp_path / "child.py").write_text(CHATTY_CHILD)
     python = tmp_path / "python"
     python.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{tmp_path / "child.py"}"\n')
@@ -635,3 +602,39 @@ def test_a_child_that_writes_much_to_stderr_does_not_deadlock(tmp_path, monkeypa
     worker.join(timeout=60)
     assert not worker.is_alive(), "compile_kernels is stuck reading its children's output"
     assert [(r.kernel, r.block, r.registers) for r in done[0]] == [(k, 32, 32) for k in KERNELS]
+
+
+# A stand-in for the child process that counts its requests in a file beside it.
+COUNTING_CHILD = """import json, pathlib, sys
+requests = json.load(sys.stdin)
+with open(pathlib.Path(__file__).with_name("count"), "a") as f:
+    f.write("x" * len(requests))
+json.dump([dict(r, shared_bytes=1024, registers=32, spill_bytes=0, tensor_cores=True)
+           for r in requests], sys.stdout)
+"""
+
+
+def test_reports_are_kept_where_attnbook_compile_cache_says(tmp_path, monkeypatch):
+    (tmp_path / "child.py").write_text(COUNTING_CHILD)
+    python = tmp_path / "python"
+    python.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{tmp_path / "child.py"}"\n')
+    python.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(python))
+    compiled = lambda: (tmp_path / "count").read_text().count("x")  # noqa: E731
+    first = [dict(kernel=k, gpu="A100", dtype="float16", head_dim=64, block=32) for k in KERNELS]
+    monkeypatch.delenv("ATTNBOOK_COMPILE_CACHE", raising=False)
+    assert compile_kernels(first, workers=2) == compile_kernels(first, workers=2)
+    assert compiled() == 6  # no folder: every call compiles
+    monkeypatch.setenv("ATTNBOOK_COMPILE_CACHE", str(tmp_path / "reports"))
+    reports = compile_kernels(first, workers=2)
+    assert compile_kernels(first[::-1], workers=2) == reports[::-1]
+    assert compiled() == 6 + 3  # read back the second time, in the order asked
+    # the launcher's settings left out or named (the H100's at D = 64): one compilation
+    launcher = dict(kernel="dq", gpu="H100", dtype="float16", head_dim=64)
+    assert compile_kernels([launcher]) == compile_kernels(
+        [dict(launcher, block=64, block_n=64, warps=4, stages=3)]) and compiled() == 10
+    for path in (tmp_path / "reports").iterdir():
+        path.write_text("{")  # damaged: compiled again
+    assert compile_kernels(first) == reports and compiled() == 13
+    monkeypatch.setenv("TRITON_DEBUG", "1")  # another setting of Triton: compiled again
+    assert compile_kernels(first) == reports and compiled() == 16

@@ -19,6 +19,7 @@ __all__ = [
 
 # chapters/a4-compiling.md, "Appendix D: Compiling for GPUs the machine does not have"
 import contextlib
+import hashlib
 import inspect
 import io
 import json
@@ -29,6 +30,7 @@ import sys
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 from attnbook.checks import (  # noqa: F811 (notebook)
     check_bool,
@@ -122,23 +124,15 @@ def _ptxas_usage(log: str) -> tuple[int, int]:
     return int(registers.group(1)), int(spills.group(1)) if spills else 0
 
 
-def _compile_here(kernel: str, gpu: str, dtype: str, head_dim: int, causal: bool,
-                  block: int | None, block_n: int | None = None, warps: int | None = None,
-                  stages: int | None = None, wide: bool = False) -> Compiled:
+def _compile_here(kernel: str, gpu: str, dtype: str, head_dim: int, causal: bool, block: int,
+                  block_n: int, warps: int, stages: int, wide: bool) -> Compiled:
     # Compile in this process, which must have imported the kernels in compiled mode.
-    import torch
     import triton
 
     from attnbook import kernels
 
     if kernels.INTERPRETED:
         raise RuntimeError("the kernels were imported in interpreted mode: use compile_kernels")
-    # block None: the launcher's settings on this GPU; a block alone: square, 4 warps, 2 stages
-    size = getattr(torch, dtype).itemsize
-    default = (kernels.launch_settings(kernel, size, head_dim, GPUS[gpu], wide)[0] if block is None
-               else (block, block, kernels.NUM_WARPS, kernels.NUM_STAGES))
-    block, block_n, warps, stages = (given or d for given, d in
-                                     zip((block, block_n, warps, stages), default))
     signature, constants, attrs = _signature(kernel, dtype)
     # WIDE False: 32-bit rows, every tensor under 2**31 elements; TILES_FIRST False: the
     # (B * H, tiles) grid that every length under 65,536 tiles launches on
@@ -164,13 +158,17 @@ def compile_kernels(requests: Sequence[dict[str, object]], workers: int | None =
     KERNELS, GPUS, DTYPES), head_dim, and optionally causal (True), block and block_n (rows
     of the query and key tiles), warps and stages (all the launcher's, or block alone: square
     tiles, NUM_WARPS and NUM_STAGES), and wide (False: 32-bit rows; True: the launch of a
-    tensor spanning 2**31 elements or more)."""
+    tensor spanning 2**31 elements or more). Reports are kept in the folder that
+    $ATTNBOOK_COMPILE_CACHE names, if it names one, and read back rather than compiled again."""
     requests = [_checked(r) for r in check_instance("requests", requests, (list, tuple))]
     workers = (os.cpu_count() or 1) if workers is None else check_int("workers", workers, 1)
-    n = min(workers, len(requests), 4)  # processes, each compiling every n-th request
     # Compiled mode; compile even what Triton has cached, so that ptxas runs and reports.
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_ALWAYS_COMPILE": "1",
            "TRITON_DUMP_PTXAS_LOG": "1", "TRITON_DEFAULT_FP_FUSION": "1"}
+    paths = _report_paths(requests, env)
+    reports = [_read_report(path) for path in paths]
+    todo = [i for i, report in enumerate(reports) if report is None]
+    n = min(workers, len(todo), 4)  # processes, each compiling every n-th request
 
     def compile_in_child(chunk: Sequence[dict[str, object]]) -> list[Compiled]:
         child = subprocess.run([sys.executable, "-c", _CHILD], input=json.dumps(chunk), env=env,
@@ -180,36 +178,82 @@ def compile_kernels(requests: Sequence[dict[str, object]], workers: int | None =
         return [Compiled(**result) for result in json.loads(child.stdout)]
 
     with ThreadPoolExecutor(max(n, 1)) as pool:
-        done = list(pool.map(compile_in_child, (requests[i::n] for i in range(n))))
-    return [done[i % n][i // n] for i in range(len(requests))]
+        done = list(pool.map(compile_in_child, ([requests[i] for i in todo[j::n]]
+                                                for j in range(n))))
+    for k, i in enumerate(todo):
+        report = reports[i] = done[k % n][k // n]
+        _write_report(paths[i], report)
+    return [report for report in reports if report is not None]  # every one, by now
+
+
+def _report_paths(requests: Sequence[dict[str, object]], env: dict[str, str]
+                  ) -> list[Path | None]:
+    # Where $ATTNBOOK_COMPILE_CACHE keeps each request's report (None: unset or empty), under a
+    # key made of the request and of all that the child's compilation depends on: the source of
+    # the kernels and of this module, the Triton and Python releases, the TRITON_* settings.
+    folder = os.environ.get("ATTNBOOK_COMPILE_CACHE")
+    if not folder:
+        return [None] * len(requests)
+    import triton
+
+    from attnbook import compile_check, kernels
+
+    sources = "".join(inspect.getsource(module) for module in (kernels, compile_check))
+    triton_settings = sorted((k, v) for k, v in env.items() if k.startswith("TRITON"))
+    salt = json.dumps([hashlib.sha256(sources.encode()).hexdigest(), triton.__version__,
+                       sys.version, triton_settings])
+    return [Path(folder) / (hashlib.sha256((salt + json.dumps(r, sort_keys=True)).encode())
+                            .hexdigest() + ".json") for r in requests]
+
+
+def _read_report(path: Path | None) -> Compiled | None:
+    try:
+        return None if path is None else Compiled(**json.loads(path.read_text()))
+    except (OSError, ValueError, TypeError):  # absent or unreadable: compile it
+        return None
+
+
+def _write_report(path: Path | None, report: Compiled) -> None:
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f"{path.name}.{os.getpid()}")
+        partial.write_text(json.dumps(asdict(report)))
+        partial.replace(path)  # at once: a run beside this one never reads half a report
 
 
 _CHILD = "from attnbook.compile_check import _main; _main()"
 _KEYS = ("kernel", "gpu", "dtype", "head_dim", "causal", "block", "block_n", "warps", "stages",
          "wide")
 _SIZES = (16, 32, 64, 128)  # of a head, or of a tile's rows
+_ELEMENT_SIZE = {"float16": 2, "bfloat16": 2, "float32": 4}  # bytes, by dtype
 
 
 def _checked(request: dict[str, object]) -> dict[str, object]:
-    # The request with its defaults, checked here, since the child process takes it as it is.
+    # The request checked, with its defaults, since the child process takes it as it is.
     if not isinstance(request, dict) or not set(_KEYS[:4]) <= set(request):
         raise ValueError(f"a request must be a dict with kernel, gpu, dtype, head_dim: {request!r}")
     for key in request:
         check_choice("request key", key, _KEYS)
     r = {"causal": True, "block": None, "block_n": None, "warps": None, "stages": None,
          "wide": False, **request}
-    for key, allowed in (("kernel", KERNELS), ("gpu", GPUS), ("dtype", DTYPES)):
-        check_choice(f"request {key}", r[key], allowed)
-    r["causal"] = check_bool("request causal", r["causal"])
-    r["wide"] = check_bool("request wide", r["wide"])
-    r["head_dim"] = _check_size("request head_dim", r["head_dim"])
-    for key in ("block", "block_n"):
-        r[key] = None if r[key] is None else _check_size(f"request {key}", r[key])
-    if r["warps"] is not None:
-        r["warps"] = _check_size("request warps", r["warps"], (1, 2, 4, 8, 16))
-    if r["stages"] is not None:
-        r["stages"] = check_int("request stages", r["stages"], 1, 6)
-    return r
+    kernel, gpu, dtype = (check_choice(f"request {key}", r[key], allowed) for key, allowed in
+                          (("kernel", KERNELS), ("gpu", GPUS), ("dtype", DTYPES)))
+    head_dim = _check_size("request head_dim", r["head_dim"])
+    causal, wide = check_bool("request causal", r["causal"]), check_bool("request wide", r["wide"])
+    block, block_n = (None if r[key] is None else _check_size(f"request {key}", r[key])
+                      for key in ("block", "block_n"))
+    warps = None if r["warps"] is None else _check_size("request warps", r["warps"],
+                                                        (1, 2, 4, 8, 16))
+    stages = None if r["stages"] is None else check_int("request stages", r["stages"], 1, 6)
+    from attnbook import kernels
+
+    # block None: the launcher's settings on this GPU; a block alone: square, 4 warps, 2 stages
+    default = (kernels.launch_settings(kernel, _ELEMENT_SIZE[dtype], head_dim, GPUS[gpu], wide)[0]
+               if block is None else (block, block, kernels.NUM_WARPS, kernels.NUM_STAGES))
+    block, block_n, warps, stages = (given or d for given, d in
+                                     zip((block, block_n, warps, stages), default))
+    return dict(kernel=kernel, gpu=gpu, dtype=dtype, head_dim=head_dim, causal=causal,
+                block=block, block_n=block_n, warps=warps, stages=stages, wide=wide)
 
 
 def _check_size(name: str, value: object, sizes: tuple[int, ...] = _SIZES) -> int:
