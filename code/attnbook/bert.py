@@ -150,6 +150,8 @@ class BERT(nn.Module):
         # encode's computation, on inputs already checked; real: (B, L) bool, or None
         mask = None if real is None else real[:, None, None, :]  # (B, 1, 1, L): keys only
         x: torch.Tensor = self.embeddings(input_ids, token_type_ids)  # (B, L, d_model)
+        if real is not None:  # padding's vectors, NaN ones too, never reach a real token
+            x = x.masked_fill(~real[..., None], 0.0)
         for layer in self.layers:
             x = layer(x, mask=mask)
         return x
