@@ -150,6 +150,8 @@ class BERT(nn.Module):
         # encode's computation, on inputs already checked; real: (B, L) bool, or None
         mask = None if real is None else real[:, None, None, :]  # (B, 1, 1, L): keys only
         x: torch.Tensor = self.embeddings(input_ids, token_type_ids)  # (B, L, d_model)
+        if real is not None:  # padding's vectors, NaN ones too, never reach a real token
+            x = x.masked_fill(~real[..., None], 0.0)
         for layer in self.layers:
             x = layer(x, mask=mask)
         return x
@@ -245,9 +247,9 @@ def _from_hf_bert(cls: type[BERT], model: Any) -> BERT:
                          ("position_embedding_type", "absolute")):
         if (found := getattr(model.config, name, wanted)) != wanted:
             raise ValueError(f"model.config.{name} must be {wanted!r}, got {found!r}")
-    theirs = model.state_dict()
-    if encoder_only:  # BertModel's names lack the prefix "bert."; its pooler is not used
-        theirs = {f"bert.{key}": value for key, value in theirs.items()}
+    prefix = "bert." if encoder_only else ""  # BertModel's names lack "bert."; no pooler used
+    theirs = {prefix + key.replace("_orig_mod.", ""): value  # "_orig_mod.": added by torch.compile
+              for key, value in model.state_dict().items()}  # (of the model or of a part of it)
     layers = {key.split(".")[3] for key in theirs if key.startswith("bert.encoder.layer.")}
     names = _hf_bert_names(max(len(layers), 1))
     if encoder_only:  # no MLM head to copy: ours keeps its random initialisation

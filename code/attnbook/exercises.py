@@ -383,6 +383,7 @@ def _tokens(length: int, d_model: int, d_k: int, d_v: int, dtype: npt.DTypeLike 
 
 
 _CH1 = 'chapter 1, "{}"'
+_F32 = "float32 input: compute in float32 or wider, never in float16, and return float32"
 EXERCISES = {"1.2": Exercise("causal self-attention, one position at a time", (
     Case("one position", _tokens(1, 4, 4, 4),
          "with one position the output is its own value v_0 = x_0 W_V: position i reads "
@@ -399,8 +400,7 @@ EXERCISES = {"1.2": Exercise("causal self-attention, one position at a time", (
     Case("scores in the thousands", _tokens(5, 8, 8, 4, scale=30.0),
          "e^s overflows a float64 once s > 709.78: subtract each row's largest score before "
          "exponentiating: " + _CH1.format("Scores, softmax and the weighted sum")),
-    Case("float32", _tokens(9, 8, 8, 8, np.float32),
-         "float32 input: compute in float32 or wider, never in float16"),
+    Case("float32", _tokens(9, 8, 8, 8, np.float32), _F32),
     Case("a NaN in token 3", _tokens(6, 4, 4, 4, nan_at=3),
          "a NaN in token 3 reaches the outputs that read it (positions 3 and later) and no "
          "earlier one: keep each position from reading later ones, and never replace a NaN "
@@ -498,13 +498,11 @@ def _workers(lq: int, split: int, lk: int, d: int, scale: float = 1.0,
         with np.errstate(invalid="ignore"):
             first, second, whole = (_partial(Q, K[r], V[r]) for r in
                                     (slice(0, split), slice(split, lk), slice(0, lk)))
-        if idle:  # the first worker saw no keys
+        if idle:  # the first worker saw no keys: the merge is the second worker's sums
             first = (np.full(lq, -np.inf, dtype), np.zeros(lq, dtype), np.zeros((lq, 4), dtype))
+            if both_idle:  # and for query 0, neither did the second
+                second[0][0], second[1][0], second[2][0] = -np.inf, 0.0, 0.0
             whole = second
-        if both_idle:  # and for query 0, neither did the second: the merge saw no keys either
-            second, whole = (tuple(x.copy() for x in part) for part in (second, whole))
-            for part in (second, whole):
-                part[0][0], part[1][0], part[2][0] = -np.inf, 0.0, 0.0
         return {"part1": first, "part2": second}, whole
     return build
 
@@ -526,8 +524,7 @@ EXERCISES["13.2"] = Exercise("merging two workers' partial softmaxes", (
     Case("a query neither worker saw a key for", _workers(3, 4, 9, 8, idle=True, both_idle=True),
          "with no keys on either side the merge is (-inf, 0, 0), as a row with no allowed key: "
          "e^(-inf - (-inf)) is NaN, so subtract 0 where m = -inf: " + _CH13),
-    Case("float32", _workers(4, 6, 11, 8, dtype=np.float32),
-         "float32 input: keep the arithmetic in float32 or wider, never in float16"),
+    Case("float32", _workers(4, 6, 11, 8, dtype=np.float32), _F32),
     Case("a NaN in one key", _workers(3, 4, 9, 8, nan_key=2),
          "a NaN in a key makes every query's scores NaN, and the merge must keep it: "
          "np.maximum keeps a NaN, np.fmax and max() drop it"),
@@ -624,20 +621,9 @@ def _judge(done: dict[str, Any], inputs: dict[str, Any], kept: dict[str, Any], e
     """(problem, largest difference, its index) for one call, or None when it is right."""
     if not done:
         return f"no answer after {timeout:g} s (it goes on in the background until it returns)", None, None
-    if done.get("stopped"):
-        return f"no answer after {timeout:g} s: its process was stopped", None, None
-    if "unsendable" in done:
-        return (f"output is {done['unsendable']}, which cannot leave its child process: return "
-                f"a tensor", None, None)
-    if "too_large" in done:
-        return (f"answered in {done['too_large']:.3g} s, but the answer was too large to send "
-                f"back from its child process within {timeout:g} s", None, None)
-    if "crashed" in done:
-        return (f"its process crashed ({done['crashed']}) on this case, with no answer; your "
-                f"notebook goes on", None, None)
-    if "exited" in done:
-        return (f"its process exited with code {done['exited']} (os._exit or sys.exit) before "
-                f"answering; your notebook goes on", None, None)
+    for outcome, problem in _CHILD_OUTCOMES.items():  # a child process that gave no answer
+        if outcome in done:
+            return problem.format(timeout=timeout, **done), None, None
     if "error" in done:  # from a child process, the exception comes as text
         error = done["error"]
         return f"raised {error if isinstance(error, str) else _raised(error)}", None, None
@@ -650,6 +636,18 @@ def _judge(done: dict[str, Any], inputs: dict[str, Any], kept: dict[str, Any], e
     narrowest = _narrowest(kept)
     return _difference(done["value"], expected, tolerance or TOLERANCES[narrowest],
                        narrowest=narrowest)
+
+
+_CHILD_OUTCOMES = {  # _call_in_child's outcomes other than an answer or an error, in words
+    "stopped": "no answer after {timeout:g} s: its process was stopped",
+    "unsendable": "output is {unsendable}, which cannot leave its child process: return a tensor",
+    "too_large": "answered in {too_large:.3g} s, but the answer was too large to send back from "
+                 "its child process within {timeout:g} s",
+    "crashed": "its process crashed ({crashed}) on this case, with no answer; your notebook "
+               "goes on",
+    "exited": "its process exited with code {exited} (os._exit or sys.exit) before answering; "
+              "your notebook goes on",
+}
 
 
 def _hint(found: _Found, done: dict[str, Any], case: Case, exercise: Exercise,
@@ -722,8 +720,7 @@ EXERCISES["2.3"] = Exercise("the gradient through the softmax", (
     Case("a row with every key masked", _ch2_backward_case((1, 2), masked=slice(None)),
          "a row with no allowed key has p = 0 (the package's rule), so its gradient is 0, not "
          "NaN: a stable softmax subtracts a maximum of -inf; subtract 0 there: " + _CH2),
-    Case("float32", _ch2_backward_case((5, 9), np.float32),
-         "float32 input: compute in float32 or wider, never in float16"),
+    Case("float32", _ch2_backward_case((5, 9), np.float32), _F32),
     Case("float16, 300 keys, gradients near 1000", _ch2_backward_case(
         (4, 300), np.float16, spread=4.0, grad_offset=1000.0),
          _F16 + ": g and p . g are near 1000, where float16's steps are 0.5, while their "
@@ -751,16 +748,13 @@ def _ch3_heads_case(batch: int, length: int, d_model: int, heads: int,
             x[nan_at + (0,)] = np.nan
         weights = rng.standard_normal((4, d_model, d_model)) / np.sqrt(d_model)
         weights[:2] *= qk_scale
-        x, weights = x.astype(dtype).astype(np.float64), weights.astype(dtype).astype(np.float64)
-        W_Q, W_K, W_V, W_O = weights  # the inputs' numbers, rounded to dtype, in float64
-        layer = MultiHeadAttention(d_model, heads, bias=False).double()
+        x, weights = x.astype(dtype), weights.astype(dtype)  # the inputs, rounded to dtype
+        layer = MultiHeadAttention(d_model, heads, bias=False).double()  # float64; weight = W.T
+        names = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "out_proj.weight")
+        layer.load_state_dict(dict(zip(names, (torch.from_numpy(W.T) for W in weights))))
         with torch.no_grad():
-            for linear, W in zip((layer.q_proj, layer.k_proj, layer.v_proj, layer.out_proj),
-                                 (W_Q, W_K, W_V, W_O)):
-                linear.weight.copy_(torch.from_numpy(W.T))  # nn.Linear computes x @ weight.T
-            expected = layer(torch.from_numpy(x)).numpy()
-        inputs = dict(zip(("x", "W_Q", "W_K", "W_V", "W_O"),
-                          (a.astype(dtype) for a in (x, W_Q, W_K, W_V, W_O))))
+            expected = layer(torch.from_numpy(x).double()).numpy()
+        inputs = dict(zip(("x", "W_Q", "W_K", "W_V", "W_O"), (x, *weights)))
         return {**inputs, "num_heads": heads}, expected.astype(dtype)
     return build
 
@@ -778,8 +772,7 @@ EXERCISES["3.3"] = Exercise("multi-head self-attention in NumPy", (
          + _CH3),
     Case("a batch of 3, 37 positions, 8 heads", _ch3_heads_case(3, 37, 32, 8),
          "a batch in front: split and join the heads of every sequence the same way"),
-    Case("float32", _ch3_heads_case(2, 9, 16, 4, np.float32),
-         "float32 input: compute in float32 or wider, never in float16"),
+    Case("float32", _ch3_heads_case(2, 9, 16, 4, np.float32), _F32),
     Case("float16, tokens with a large common part", _ch3_heads_case(
         2, 33, 32, 4, np.float16, common=3.0, qk_scale=2.0),
          _F16 + ": the tokens share a large part, so the scores reach tens, where "
@@ -825,6 +818,10 @@ def _ch4_grouped_case(batch: int, heads: int, kv_heads: int, length: int, d: int
 
 
 _CH4 = 'chapter 4, "Sharing keys and values"'
+_F16_KEYS = (_F16 + ": the keys share a large part, so the scores are large, and a score rounded "
+             "to float16 moves its weight by up to about 1%, several times float16's tolerance; "
+             "compute the scores (and any bias), softmax and sums in float32 (q.float()), then "
+             ".half()")  # 4.2, 11.1 and 19.3
 EXERCISES["4.2"] = Exercise("causal grouped-query attention", (
     Case("one position", _ch4_grouped_case(1, 2, 1, 1, 4),
          "one position reads only itself: each query head's output is its group's v_0"),
@@ -837,13 +834,9 @@ EXERCISES["4.2"] = Exercise("causal grouped-query attention", (
     Case("a batch of 2, 12 heads, 3 key/value heads, 37 positions",
          _ch4_grouped_case(2, 12, 3, 37, 8),
          "a batch in front: group the heads of every sequence the same way"),
-    Case("float32", _ch4_grouped_case(2, 6, 2, 9, 8, torch.float32),
-         "float32 input: compute in float32 or wider, never in float16"),
+    Case("float32", _ch4_grouped_case(2, 6, 2, 9, 8, torch.float32), _F32),
     Case("float16, keys with a large common part", _ch4_grouped_case(
-        2, 8, 2, 40, 16, torch.float16, key_common=8.0),
-         _F16 + ": the keys share a large part, so the scores are large, and a score rounded "
-         "to float16 moves its weight by up to about 1%, several times float16's tolerance; "
-         "compute the scores, softmax and sums in float32 (q.float()), then .half()"),
+        2, 8, 2, 40, 16, torch.float16, key_common=8.0), _F16_KEYS),
     Case("a NaN in key/value head 1's key at position 3", _ch4_grouped_case(
         2, 6, 2, 7, 4, nan_key=(1, 3)),
          "a NaN key reaches the outputs that read it, group 1's query heads at positions 3 and "
@@ -901,8 +894,7 @@ def _ch8_embedding_case(batch: int, length: int, vocab: int = 20, d: int = 8,
     def build(rng: np.random.Generator) -> Built:
         from attnbook.bert import BERTConfig, BERTEmbeddings
 
-        ids = torch.from_numpy(rng.integers(0, vocab, (batch, length)))
-        segments = torch.from_numpy(rng.integers(0, 2, (batch, length)))
+        ids, segments = (torch.from_numpy(rng.integers(0, n, (batch, length))) for n in (vocab, 2))
         config = BERTConfig(vocab_size=vocab, d_model=d, num_layers=1, num_heads=1, d_ff=d,
                             context_length=64, dropout=0.0)
         layer = BERTEmbeddings(config).double().eval()
@@ -913,11 +905,10 @@ def _ch8_embedding_case(batch: int, length: int, vocab: int = 20, d: int = 8,
         tables = {name: t.to(dtype).double() for name, t in tables.items()}  # dtype's numbers
         if nan_word:  # a NaN in the vector of the first token's id
             tables["word"][ids[0, 0], 0] = float("nan")
+        layer.load_state_dict(dict(zip(  # the tables, in order, under the layer's own names
+            ("word.weight", "position.weight", "token_type.weight", "norm.weight", "norm.bias"),
+            tables.values())))
         with torch.no_grad():
-            for name in ("word", "position", "token_type"):
-                getattr(layer, name).weight.copy_(tables[name])
-            layer.norm.weight.copy_(tables["gamma"])
-            layer.norm.bias.copy_(tables["beta"])
             expected = layer(ids, segments).to(dtype)
         tables = {name: t.to(dtype) for name, t in tables.items()}
         return {"ids": ids, "segments": segments, **tables}, expected
@@ -933,8 +924,7 @@ EXERCISES["8.2"] = Exercise("BERT's input layer", (
          "the position table is indexed by the positions 0..L-1, not by the ids: " + _CH8),
     Case("a batch of 3 sequences of 37 tokens", _ch8_embedding_case(3, 37),
          "every sequence uses positions 0..L-1, and the LayerNorm is over the last axis only"),
-    Case("float32 tables", _ch8_embedding_case(2, 9, dtype=torch.float32),
-         "float32 tables: compute in float32 or wider, never in float16"),
+    Case("float32 tables", _ch8_embedding_case(2, 9, dtype=torch.float32), _F32),
     Case("float16 tables, word vectors with a large common part", _ch8_embedding_case(
         2, 9, d=64, dtype=torch.float16, word_common=200.0),
          _F16 + ": add the three vectors and normalise in float32 (tables.float()), then .half(): "
@@ -985,8 +975,7 @@ EXERCISES["9.3"] = Exercise("the masked-language-model loss", (
          "e^s overflows a float64 once s > 709.78: subtract each position's largest logit "
          "before exponentiating (torch.logsumexp does)"),
     Case("float32 logits", _ch9_mlm_case([[True, True, False], [False, True, True]],
-                                         dtype=torch.float32),
-         "float32 logits: compute in float32 or wider, and return a float32 loss"),
+                                         dtype=torch.float32), _F32),
     Case("no chosen position", _ch9_mlm_case([[False, False], [False, False]]),
          "with no chosen position the loss has no mean: NaN (0 / 0, as cross_entropy gives), "
          "not 0, which would read as a perfect model"),
@@ -1039,22 +1028,16 @@ EXERCISES["10.2"] = Exercise("the warm-up and cosine learning-rate schedule", (
 
 # chapters/a7-exercise-cases.md, "Chapter 11"
 def _ch11_cross_case(lengths: list[int], lt: int, heads: int = 2, d: int = 4,
-                     dtype: torch.dtype = torch.float64, nan_key: bool = False,
+                     dtype: torch.dtype = torch.float64, nan_key: tuple[int, int] | None = None,
                      key_common: float = 0.0) -> Builder:
-    def build(rng: np.random.Generator) -> Built:
+    def build(rng: np.random.Generator) -> Built:  # q, k, v drawn as chapter 4's (one group)
         from attnbook.layers import attend
 
         batch, ls = len(lengths), max(lengths)
-        q = torch.from_numpy(rng.standard_normal((batch, heads, lt, d))).to(dtype)
-        k, v = rng.standard_normal((2, batch, heads, ls, d))
-        if key_common:  # a part every key of a head shares: each row's scores shift by one large constant
-            k = k + key_common * rng.standard_normal((batch, heads, 1, d))
-        k, v = torch.from_numpy(k).to(dtype), torch.from_numpy(v).to(dtype)
-        if nan_key:  # a NaN in sequence 0's first key of head 0, a real source token
-            k[0, 0, 0, 0] = float("nan")
+        q, k, v = _draw_qkv(rng, (batch, heads, heads, lt, ls, d), dtype, nan_key, key_common)
         src_keep = torch.arange(ls)[None, :] < torch.tensor(lengths)[:, None]  # (B, Ls)
-        expected = attend(q.double(), k.double(), v.double(), src_keep[:, None, None, :])[0]
-        return {"q": q, "k": k, "v": v, "src_keep": src_keep}, expected.to(dtype)
+        inputs = {"q": q.to(dtype), "k": k.to(dtype), "v": v.to(dtype), "src_keep": src_keep}
+        return inputs, attend(q, k, v, src_keep[:, None, None, :])[0].to(dtype)
     return build
 
 
@@ -1071,14 +1054,10 @@ EXERCISES["11.1"] = Exercise("cross-attention over a padded source", (
     Case("a source that is all padding", _ch11_cross_case([0, 3], 2),
          "a target position with no source token to read gets zeros (the package's rule), not "
          "NaN from masking with -inf nor the mean of v from masking with -1e9: " + _CH11),
-    Case("float32", _ch11_cross_case([9, 4], 5, dtype=torch.float32),
-         "float32 input: compute in float32 or wider, never in float16, and return float32"),
+    Case("float32", _ch11_cross_case([9, 4], 5, dtype=torch.float32), _F32),
     Case("float16, keys with a large common part", _ch11_cross_case(
-        [40, 17], 16, heads=2, d=16, dtype=torch.float16, key_common=16.0),
-         _F16 + ": the keys share a large part, so the scores are large, and a score rounded "
-         "to float16 moves its weight by up to about 1%, several times float16's tolerance; "
-         "compute the scores, softmax and sums in float32 (q.float()), then .half()"),
-    Case("a NaN in a source key", _ch11_cross_case([4, 3], 3, nan_key=True),
+        [40, 17], 16, heads=2, d=16, dtype=torch.float16, key_common=16.0), _F16_KEYS),
+    Case("a NaN in a source key", _ch11_cross_case([4, 3], 3, nan_key=(0, 0)),
          "a NaN in a real source token's key makes that head's scores, and so its outputs for "
          "that sequence, NaN: never replace a NaN (torch.nan_to_num)"),
 ))
@@ -1223,8 +1202,7 @@ def _ch16_backward_case(shape: tuple[int, ...], lq: int, lk: int, causal: bool =
         if nan_query is not None:
             q[..., nan_query, 0] = float("nan")
         wide = [x.double().requires_grad_() for x in (q, k, v)]
-        mask = causal_mask(lq, lk) if causal else None
-        out = attend(wide[0], wide[1], wide[2], mask=mask)[0]
+        out = attend(wide[0], wide[1], wide[2], mask=causal_mask(lq, lk) if causal else None)[0]
         grads = torch.autograd.grad(out, wide, dout.double())
         return ({"q": q, "k": k, "v": v, "dout": dout, "causal": causal},
                 tuple(g.to(q.dtype) for g in grads))
@@ -1252,8 +1230,7 @@ EXERCISES["16.1"] = Exercise("the backward pass of attention", (
          + _CH16),
     Case("a batch of 2, 3 heads, 70 positions", _ch16_backward_case((2, 3, 16), 70, 70, True),
          "a batch and heads in front: transpose the last two axes only (k.transpose(-2, -1))"),
-    Case("float32", _ch16_backward_case((1, 2, 16), 33, 40, True, np.float32),
-         "float32 input: compute in float32 or wider, and return float32 gradients"),
+    Case("float32", _ch16_backward_case((1, 2, 16), 33, 40, True, np.float32), _F32),
     Case("float16, keys and values with large common parts", _ch16_backward_case(
         (1, 2, 16), 33, 40, True, np.float16, common=(4.0, 30.0)),
          _F16 + ": with values far from 0, dP = dout v^T is large and dP - delta nearly cancels, "
@@ -1342,13 +1319,9 @@ EXERCISES["19.3"] = Exercise("causal attention with ALiBi, as in BLOOM", (
          "12 heads: the 8 slopes of 8 heads, then the first, third, fifth and seventh of 16 "
          "heads', such as 2^-0.5, in the inputs' dtype (a float32 slope of 2^-0.5 is off by "
          "1e-8): " + _CH19),
-    Case("float32", _ch19_alibi_case(2, 3, 9, 9, 8, torch.float32),
-         "float32 input: compute in float32 or wider, never in float16, and return float32"),
+    Case("float32", _ch19_alibi_case(2, 3, 9, 9, 8, torch.float32), _F32),
     Case("float16, keys with a large common part", _ch19_alibi_case(
-        2, 4, 40, 40, 16, torch.float16, key_common=8.0),
-         _F16 + ": the keys share a large part, so the scores are large, and a score rounded "
-         "to float16 moves its weight by up to about 1%, several times float16's tolerance; "
-         "compute the scores, bias, softmax and sums in float32 (q.float()), then .half()"),
+        2, 4, 40, 40, 16, torch.float16, key_common=8.0), _F16_KEYS),
     Case("a NaN in head 1's key at position 3", _ch19_alibi_case(2, 3, 7, 7, 4, nan_key=(1, 3)),
          "a NaN key reaches the queries that read it, head 1's at positions 3 and later in "
          "sequence 0, and no other: hide the later keys with masked_fill (a NaN plus -inf stays "
