@@ -2,10 +2,13 @@
 WORLD_SIZE=1 alone trains on one process, as without torchrun; WORLD_SIZE>1 without the variables
 torchrun sets with it (RANK, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) is refused in one line, exit
 status 1, naming what is missing, with nothing written; so is a variable torchrun would not set
-(AT53-L: not a whole number, out of range, an empty MASTER_ADDR), at once, by every process."""
+(AT53-L: not a whole number, out of range, an empty MASTER_ADDR), at once, by every process; and
+TORCHELASTIC_USE_AGENT_STORE=True, where no torchrun agent serves the store it names, is refused at
+once instead of waiting for that store."""
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -23,12 +26,13 @@ FULL = {"WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0
         "MASTER_PORT": "29500"}  # what torchrun sets for one process
 
 
-def installed(out: Path, *more: str, **env: str) -> subprocess.CompletedProcess[str]:
+def installed(out: Path, *more: str, timeout: float = 240,
+              **env: str) -> subprocess.CompletedProcess[str]:
     """`attnbook-train gpt` for 2 steps into `out` (options `more` last), with torchrun's
     variables replaced by `env`."""
     clean = {k: v for k, v in os.environ.items() if k not in TORCHRUN}
     return subprocess.run([str(COMMAND), "gpt", *TINY, "--steps", "2", "--out", str(out), *more],
-                          capture_output=True, text=True, timeout=240,
+                          capture_output=True, text=True, timeout=timeout,
                           env={**clean, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1", **env})
 
 
@@ -106,3 +110,14 @@ def test_world_size_is_read_once_as_a_whole_number(tmp_path):
     # environment is what is wrong
     refused_in_one_line(installed(tmp_path / "two", "--global-batch", "3", WORLD_SIZE="2"),
                         "WORLD_SIZE=2 is set, as torchrun sets it, but not RANK, ")
+
+
+def test_an_agent_store_that_no_agent_serves_is_refused_at_once(tmp_path):
+    with socket.socket() as probe:  # a port that nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {**FULL, "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True"}
+    done = installed(tmp_path / "run", timeout=90, **env)  # it used to wait for the store
+    refused_in_one_line(done, "TORCHELASTIC_USE_AGENT_STORE=True ")
+    assert "no store answers at MASTER_ADDR:MASTER_PORT" in done.stderr
+    assert not (tmp_path / "run").exists()

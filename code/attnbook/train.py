@@ -38,6 +38,7 @@ import pickle
 import re
 import shlex
 import shutil
+import socket
 import sys
 import time
 import warnings
@@ -142,16 +143,12 @@ def train(options: argparse.Namespace, on_step: Callable[[int], object] | None =
     overwrite), or whose run or checkpoint is damaged, of other options, or beyond options.steps.
     """
     rank, processes, device = _start_processes()
-    lock = None
-    try:
-        lock = _lock(options.out, rank)  # released when the run ends, or its process does
-        _train(options, on_step, rank, processes, device)
+    try:  # the lock is released when the run ends, or its process does
+        with _lock(options.out, rank) or contextlib.nullcontext():
+            _train(options, on_step, rank, processes, device)
     except BaseException:  # an error, a refusal or Ctrl-C: no collective may wait for the others
         _leave_processes(orderly=False)
         raise
-    finally:
-        if lock is not None:
-            lock.close()
     _leave_processes(orderly=True)
 
 
@@ -196,9 +193,7 @@ def _train(options: argparse.Namespace, on_step: Callable[[int], object] | None,
                 log.flush()
             progress.step(line, seconds)
             if options.checkpoint_every and step % options.checkpoint_every == 0:
-                save_checkpoint(options.out, step, model, optimizer, options)
-                if rank == 0:  # never the one just written
-                    _prune_checkpoints(options.out, options.keep_checkpoints)
+                save_checkpoint(options.out, step, model, optimizer, options)  # and prunes
             if on_step:
                 on_step(step)
     _save_model(options, model, tokenizer, rank)
@@ -212,20 +207,20 @@ def run(options: argparse.Namespace, argv: list[str]) -> int:
     0 when it succeeds; 1, with one line on stderr, for a refusal, a damaged file, a folder
     that cannot be used or a step whose loss or gradient norm is not finite; 130 for Ctrl-C, saying where the last checkpoint is and which command
     resumes from it."""
-    first = True  # the process that speaks for all: rank 0, or the one process
+    env = None  # torchrun's variables: its rank 0, or the one process, speaks for all
     try:
         if options.command == "sample":
             print(sample(options.run, options.prompt, options.tokens, options.temperature,
                          options.seed, options.top_k))
         else:
-            first = (torchrun_environment() or {"RANK": 0})["RANK"] == 0  # or a ValueError
+            env = torchrun_environment()  # or a ValueError
             train(options)
     except KeyboardInterrupt:
-        if first:
-            print(_interrupted(options, argv), file=sys.stderr, flush=True)
+        if (env or {"RANK": 0})["RANK"] == 0:
+            print(_interrupted(options, env is not None), file=sys.stderr, flush=True)
         return 130
     except (ValueError, OSError) as error:
-        if first:
+        if (env or {"RANK": 0})["RANK"] == 0:
             print(f"{PROGRAM}: error: {_why(error, options)}", file=sys.stderr, flush=True)
         return 1
     return 0
@@ -241,15 +236,12 @@ def _why(error: Exception, options: argparse.Namespace) -> str:
             f"can write to, on a disk with room")
 
 
-def _interrupted(options: argparse.Namespace, argv: list[str]) -> str:
+def _interrupted(options: argparse.Namespace, torchrun: bool) -> str:
     """What Ctrl-C leaves, and the command that continues from it (which reads the run's own
-    options from the folder)."""
+    options from the folder), started by torchrun or not."""
     if options.command == "sample":
         return "stopped by Ctrl-C"
     again = ["gpt", "--resume", "--out", str(options.out)]
-    torchrun = False
-    with contextlib.suppress(ValueError):  # a bad torchrun environment: refused at the start
-        torchrun = torchrun_environment() is not None
     launcher = "torchrun <the same torchrun options> -m attnbook.train" if torchrun else PROGRAM
     return (f"stopped by Ctrl-C: {_last_checkpoint(options.out)}. To resume:\n  {launcher} "
             f"{shlex.join(again)}")
@@ -284,6 +276,13 @@ def _start_processes() -> tuple[int, int, torch.device]:
     # a restarted process could read a dead one's (pytorch/pytorch#167288). A prefix of the
     # attempt's number keeps each attempt's keys apart.
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    try:  # torchrun's agent serves its store before it starts the processes: do not wait for one
+        if agent_store:
+            socket.create_connection((env["MASTER_ADDR"], env["MASTER_PORT"]), timeout=10).close()
+    except OSError as error:
+        raise ValueError(f"TORCHELASTIC_USE_AGENT_STORE=True (set by torchrun's agent), but no "
+                         f"store answers at MASTER_ADDR:MASTER_PORT ({error.strerror or error}): "
+                         f"start it with torchrun, or unset TORCHELASTIC_USE_AGENT_STORE") from None
     store = dist.TCPStore(env["MASTER_ADDR"], env["MASTER_PORT"], processes,
                           is_master=rank == 0 and not agent_store)
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
@@ -562,7 +561,8 @@ class _Progress:
 def save_checkpoint(out: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
                     options: argparse.Namespace | None = None) -> Path:
     """Save everything a resumed run needs as out/checkpoints/step-<step>/, by every process,
-    with a manifest.json (by rank 0) of the step, the run's `options` and every file's SHA-256."""
+    with a manifest.json (by rank 0) of the step, the run's `options` and every file's SHA-256;
+    then, given `options`, keep only the latest options.keep_checkpoints."""
     path = out / "checkpoints" / f"step-{step:08d}"
     partial = path.with_name(path.name + ".partial")
     if _rank() == 0:
@@ -584,6 +584,8 @@ def save_checkpoint(out: Path, step: int, model: nn.Module, optimizer: torch.opt
             {**manifest, "sha256": _manifest_digest(manifest)}, indent=1))
         shutil.rmtree(path, ignore_errors=True)
         partial.rename(path)  # complete: only now can a run resume from it
+        if options is not None:  # never the one just written
+            _prune_checkpoints(out, options.keep_checkpoints)
     _barrier()
     return path
 
