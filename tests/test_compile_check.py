@@ -10,10 +10,11 @@ what a test checks (see _tile_table_plan). The `compiler` fixture gathers the re
 selected tests and compiles them in as few batches as it can. compile_kernels keeps each report
 in the folder ATTNBOOK_COMPILE_CACHE names (here _build/compile-check/ unless it names another;
 `make clean` removes it) under a key made of the request, the source of attnbook.kernels and
-attnbook.compile_check, the Triton version, the Python version and the TRITON_* environment. A
-repeated run reads the reports back, and so does appendix D's notebook when `make test` runs it
-after this module; a fresh clone, or any change to the kernels, to compile_check or to Triton,
-compiles again. ATTNBOOK_COMPILE_CACHE= (empty) turns the disk cache off.
+attnbook.compile_check, what Triton keys its own cache on (its sources and library, ptxas's
+version, the environment variables it lists) and the Python version. A repeated run reads the
+reports back, and so does appendix D's notebook when `make test` runs it after this module; a
+fresh clone, or any change to the kernels, to compile_check or to Triton, compiles again.
+ATTNBOOK_COMPILE_CACHE= (empty) turns the disk cache off.
 
 The tile table and the launch settings were chosen with the Triton that requirements.txt pins,
 and another release allocates registers differently. So what the compiler decides (spills, shared
@@ -633,8 +634,17 @@ def test_reports_are_kept_where_attnbook_compile_cache_says(tmp_path, monkeypatc
     launcher = dict(kernel="dq", gpu="H100", dtype="float16", head_dim=64)
     assert compile_kernels([launcher]) == compile_kernels(
         [dict(launcher, block=64, block_n=64, warps=4, stages=3)]) and compiled() == 10
-    for path in (tmp_path / "reports").iterdir():
+    kept = {json.loads(path.read_text())["kernel"]: path
+            for path in (tmp_path / "reports").iterdir() if "H100" not in path.read_text()}
+    for path in kept.values():
         path.write_text("{")  # damaged: compiled again
     assert compile_kernels(first) == reports and compiled() == 13
-    monkeypatch.setenv("TRITON_DEBUG", "1")  # another setting of Triton: compiled again
-    assert compile_kernels(first) == reports and compiled() == 16
+    forward = json.loads(kept["forward"].read_text())
+    kept["dkdv"].write_text(json.dumps(forward))  # another request's report: compiled again
+    kept["dq"].write_text(json.dumps(dict(forward, kernel="dq", registers="32")))  # a str: again
+    assert compile_kernels(first) == reports and compiled() == 15
+    monkeypatch.setenv("DISABLE_PTXAS_OPT", "1")  # a setting Triton's own cache is keyed on
+    assert compile_kernels(first) == reports and compiled() == 18
+    monkeypatch.setenv("ATTNBOOK_COMPILE_CACHE", str(kept["forward"]))  # a file: refused by name
+    with pytest.raises(ValueError, match="ATTNBOOK_COMPILE_CACHE=.* must name a folder"):
+        compile_kernels(first)

@@ -27,6 +27,7 @@ import os  # noqa: F811 (notebook)
 import re
 import subprocess
 import sys
+import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -158,69 +159,34 @@ def compile_kernels(requests: Sequence[dict[str, object]], workers: int | None =
     KERNELS, GPUS, DTYPES), head_dim, and optionally causal (True), block and block_n (rows
     of the query and key tiles), warps and stages (all the launcher's, or block alone: square
     tiles, NUM_WARPS and NUM_STAGES), and wide (False: 32-bit rows; True: the launch of a
-    tensor spanning 2**31 elements or more). Reports are kept in the folder that
-    $ATTNBOOK_COMPILE_CACHE names, if it names one, and read back rather than compiled again."""
+    tensor spanning 2**31 elements or more). With $ATTNBOOK_COMPILE_CACHE set, reports are
+    kept in the folder it names and read back rather than compiled again (see below)."""
     requests = [_checked(r) for r in check_instance("requests", requests, (list, tuple))]
     workers = (os.cpu_count() or 1) if workers is None else check_int("workers", workers, 1)
-    # Compiled mode; compile even what Triton has cached, so that ptxas runs and reports.
-    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_ALWAYS_COMPILE": "1",
-           "TRITON_DUMP_PTXAS_LOG": "1", "TRITON_DEFAULT_FP_FUSION": "1"}
-    paths = _report_paths(requests, env)
-    reports = [_read_report(path) for path in paths]
+    env = {**os.environ, **_COMPILED_MODE}
+    paths = _report_paths(requests)
+    reports = [_read_report(path, r) for path, r in zip(paths, requests)]
     todo = [i for i, report in enumerate(reports) if report is None]
     n = min(workers, len(todo), 4)  # processes, each compiling every n-th request
 
-    def compile_in_child(chunk: Sequence[dict[str, object]]) -> list[Compiled]:
-        child = subprocess.run([sys.executable, "-c", _CHILD], input=json.dumps(chunk), env=env,
-                               capture_output=True, text=True)  # reads stdout and stderr at once
+    def compile_in_child(chunk: list[int]) -> None:
+        child = subprocess.run([sys.executable, "-c", _CHILD], env=env, capture_output=True,
+                               input=json.dumps([requests[i] for i in chunk]),
+                               text=True)  # reads stdout and stderr at once
         if child.returncode != 0:
             raise RuntimeError(f"compiling the kernels failed:\n{child.stderr[-3000:]}")
-        return [Compiled(**result) for result in json.loads(child.stdout)]
+        for i, result in zip(chunk, json.loads(child.stdout)):
+            report = reports[i] = Compiled(**result)
+            _write_report(paths[i], report)
 
     with ThreadPoolExecutor(max(n, 1)) as pool:
-        done = list(pool.map(compile_in_child, ([requests[i] for i in todo[j::n]]
-                                                for j in range(n))))
-    for k, i in enumerate(todo):
-        report = reports[i] = done[k % n][k // n]
-        _write_report(paths[i], report)
+        list(pool.map(compile_in_child, (todo[j::n] for j in range(n))))
     return [report for report in reports if report is not None]  # every one, by now
 
 
-def _report_paths(requests: Sequence[dict[str, object]], env: dict[str, str]
-                  ) -> list[Path | None]:
-    # Where $ATTNBOOK_COMPILE_CACHE keeps each request's report (None: unset or empty), under a
-    # key made of the request and of all that the child's compilation depends on: the source of
-    # the kernels and of this module, the Triton and Python releases, the TRITON_* settings.
-    folder = os.environ.get("ATTNBOOK_COMPILE_CACHE")
-    if not folder:
-        return [None] * len(requests)
-    import triton
-
-    from attnbook import compile_check, kernels
-
-    sources = "".join(inspect.getsource(module) for module in (kernels, compile_check))
-    triton_settings = sorted((k, v) for k, v in env.items() if k.startswith("TRITON"))
-    salt = json.dumps([hashlib.sha256(sources.encode()).hexdigest(), triton.__version__,
-                       sys.version, triton_settings])
-    return [Path(folder) / (hashlib.sha256((salt + json.dumps(r, sort_keys=True)).encode())
-                            .hexdigest() + ".json") for r in requests]
-
-
-def _read_report(path: Path | None) -> Compiled | None:
-    try:
-        return None if path is None else Compiled(**json.loads(path.read_text()))
-    except (OSError, ValueError, TypeError):  # absent or unreadable: compile it
-        return None
-
-
-def _write_report(path: Path | None, report: Compiled) -> None:
-    if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_name(f"{path.name}.{os.getpid()}")
-        partial.write_text(json.dumps(asdict(report)))
-        partial.replace(path)  # at once: a run beside this one never reads half a report
-
-
+# Compiled mode; compile even what Triton has cached, so that ptxas runs and reports.
+_COMPILED_MODE = {"TRITON_INTERPRET": "0", "TRITON_ALWAYS_COMPILE": "1",
+                  "TRITON_DUMP_PTXAS_LOG": "1", "TRITON_DEFAULT_FP_FUSION": "1"}
 _CHILD = "from attnbook.compile_check import _main; _main()"
 _KEYS = ("kernel", "gpu", "dtype", "head_dim", "causal", "block", "block_n", "warps", "stages",
          "wide")
@@ -266,6 +232,56 @@ def _check_size(name: str, value: object, sizes: tuple[int, ...] = _SIZES) -> in
 def _main() -> None:
     # Child process: JSON requests on stdin, JSON results on stdout.
     json.dump([asdict(_compile_here(**r)) for r in json.load(sys.stdin)], sys.stdout)
+
+
+# chapters/a4-compiling.md, "Appendix D: Compiling for GPUs the machine does not have"
+def _report_paths(requests: Sequence[dict[str, object]]) -> list[Path | None]:
+    # Where $ATTNBOOK_COMPILE_CACHE keeps each request's report; None where it is unset or empty,
+    # or where this Triton does not say what its cache is keyed on.
+    folder = os.environ.get("ATTNBOOK_COMPILE_CACHE")
+    try:
+        from triton._C.libtriton import get_cache_invalidating_env_vars
+        from triton.backends.nvidia.compiler import get_ptxas_version
+        from triton.runtime.cache import triton_key
+    except ImportError:
+        folder = None
+    if not folder:
+        return [None] * len(requests)
+    try:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ValueError(f"ATTNBOOK_COMPILE_CACHE={folder!r} must name a folder that can be "
+                         f"written: {error}") from None
+    from attnbook import compile_check, kernels
+
+    sources = "".join(inspect.getsource(module) for module in (kernels, compile_check))
+    settings = {k: v for k, v in get_cache_invalidating_env_vars().items()
+                if k not in _COMPILED_MODE}  # the child's: this process's, but for those
+    salt = json.dumps([hashlib.sha256(sources.encode()).hexdigest(), triton_key(),
+                       get_ptxas_version(), sys.version, sorted(settings.items())])
+    return [Path(folder) / (hashlib.sha256((salt + json.dumps(r, sort_keys=True)).encode())
+                            .hexdigest() + ".json") for r in requests]
+
+
+def _read_report(path: Path | None, request: dict[str, object]) -> Compiled | None:
+    # The report kept for `request`, if it is one: None (compile it) for anything else.
+    try:
+        report = asdict(Compiled(**json.loads(path.read_text()))) if path else None
+    except (OSError, ValueError, TypeError):
+        return None
+    if (report is None or {k: report[k] for k in request} != request
+            or any(type(report[k]) is not int for k in ("shared_bytes", "registers",
+                                                        "spill_bytes"))):
+        return None
+    return Compiled(**report)
+
+
+def _write_report(path: Path | None, report: Compiled) -> None:
+    if path is not None:
+        partial = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}")
+        with contextlib.suppress(OSError):  # a report not kept is compiled again next time
+            partial.write_text(json.dumps(asdict(report)))
+            partial.replace(path)  # at once: a run beside this one never reads half a report
 
 
 # chapters/a4-compiling.md, "Appendix D: Compiling for GPUs the machine does not have"
