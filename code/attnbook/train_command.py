@@ -42,8 +42,9 @@ TRUST = ("What is trusted: nothing in --out or --run is run as code. --resume re
 
 def parse_options(argv: list[str] | None = None) -> argparse.Namespace:
     """The options of `attnbook-train gpt ...` (training) or `... sample ...` (see --help); a bad
-    one exits naming it. For `gpt`, `options.given` lists the RUN_OPTIONS and RESUMABLE given on
-    the command line: the others hold defaults, which a resumed run replaces by its checkpoint's."""
+    one exits naming it, and for `gpt` a bad torchrun environment is a ValueError naming it. For
+    `gpt`, `options.given` lists the RUN_OPTIONS and RESUMABLE given on the command line: the
+    others hold defaults, which a resumed run replaces by its checkpoint's."""
     parser = argparse.ArgumentParser(
         prog=PROGRAM, epilog=TRUST,
         description="Train the book's character-level GPT (chapter 10) on the book's corpus, on "
@@ -70,10 +71,7 @@ def parse_options(argv: list[str] | None = None) -> argparse.Namespace:
     options.given = [name for name in DEFAULTS if getattr(options, name) is not None]
     for name in set(DEFAULTS) - set(options.given):
         setattr(options, name, DEFAULTS[name])
-    try:
-        count = (torchrun_environment() or {"WORLD_SIZE": 1})["WORLD_SIZE"]
-    except ValueError:  # a bad torchrun environment: run refuses it, in one line
-        count = 1
+    count = (torchrun_environment() or {"WORLD_SIZE": 1})["WORLD_SIZE"]  # or a ValueError
     if options.global_batch % count:
         gpt.error(f"argument --global-batch: {options.global_batch} sequences cannot be shared "
                   f"equally by {count} processes")
@@ -227,12 +225,16 @@ def _number(kind: type[int] | type[float], low: float, high: float = math.inf,
 # chapters/a5-training-command.md, "The command and its options"
 def main(argv: list[str] | None = None) -> None:  # noqa: F811 (notebook)
     """`attnbook-train ...` (or `python -m attnbook.train ...`), alone or under torchrun: reads
-    the options (--help, --version and a bad option end here, before PyTorch loads), then runs
-    the command with attnbook.train.run and exits with its status if that is not 0."""
+    the options (--help, --version, a bad option and a bad torchrun environment end here,
+    before PyTorch loads), then runs the command with attnbook.train.run and exits with its
+    status if that is not 0."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    options = parse_options(argv)
     try:
+        options = parse_options(argv)
         from attnbook import train  # PyTorch loads here
+    except ValueError as error:  # torchrun's variables: refused by every process alike
+        print(f"{PROGRAM}: error: {error}", file=sys.stderr)
+        raise SystemExit(1) from None
     except KeyboardInterrupt:
         print(f"{PROGRAM}: stopped by Ctrl-C before it began", file=sys.stderr)
         raise SystemExit(130) from None
