@@ -67,7 +67,7 @@ def test_from_hf_bert_still_refuses_a_compiled_model_of_another_kind():
     gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(
         vocab_size=50, n_positions=16, n_embd=32, n_layer=1, n_head=4))
     with pytest.raises(TypeError, match="model must be a transformers BertForMaskedLM or "
-                                        "BertModel, got OptimizedModule"):
+                                        "BertModel, got GPT2LMHeadModel"):
         BERT.from_hf_bert(torch.compile(gpt2))
 
 

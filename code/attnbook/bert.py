@@ -241,7 +241,7 @@ def _from_hf_bert(cls: type[BERT], model: Any) -> BERT:
     parts = ("config", "state_dict", "training") + (() if encoder_only else ("bert", "cls"))
     if not all(hasattr(model, a) for a in parts):
         raise TypeError("model must be a transformers BertForMaskedLM or BertModel, "
-                        f"got {type(model).__name__}")
+                        f"got {type(getattr(model, '_orig_mod', model)).__name__}")  # compiled
     check_holds_weights("model", model)  # a model on the meta device: shapes, no values
     for name, wanted in (("hidden_act", "gelu"), ("is_decoder", False),
                          ("position_embedding_type", "absolute")):
