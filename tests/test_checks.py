@@ -484,3 +484,35 @@ def test_check_holds_weights_refuses_a_module_on_the_meta_device_by_its_name():
 def test_check_holds_weights_refuses_what_is_not_a_module_by_its_name(model):
     with pytest.raises(TypeError, match="^encoder must be an instance of Module, got "):
         c.check_holds_weights("encoder", model)
+
+
+def test_check_holds_weights_refuses_a_name_that_is_not_a_string_by_type():
+    # before: the module passed first was taken as the name, and the error printed its repr
+    with pytest.raises(TypeError, match=r"^name must be an instance of str, got name=Linear\(in_"):
+        c.check_holds_weights(torch.nn.Linear(2, 2), "model")
+
+
+@pytest.mark.parametrize("mask, left, match", [
+    (torch.tensor([[1, 2]]), False, "hold only 0 and 1"),
+    (torch.tensor([[0, 0]]), False, r"have a real token \(a 1\) in every row"),
+    (torch.tensor([[1, 0]]), True, "pad on the left only"),
+    (torch.tensor([[1.0, 1.0]]), False, r"be a bool or integer tensor of shape \(1, 2\) on cpu, got "
+                                        "torch.float32"),
+    (torch.tensor([[1, 1, 1]]), False, r"of shape \(1, 2\) on cpu, got shape \(1, 3\)"),
+])
+def test_check_padding_mask_refuses_a_bad_mask_by_name(mask, left, match):
+    with pytest.raises((TypeError, ValueError), match=f"^attention_mask must .*{match}"):
+        c.check_padding_mask("attention_mask", mask, torch.zeros(1, 2, dtype=torch.long), left=left)
+
+
+def test_check_padding_mask_gives_the_padding_or_none_where_there_is_none():
+    ids = torch.zeros(2, 3, dtype=torch.long)
+    mask = torch.tensor([[0, 1, 1], [1, 1, 1]])
+    assert torch.equal(c.check_padding_mask("m", mask, ids, left=True), mask == 1)
+    assert c.check_padding_mask("m", torch.ones(2, 3, dtype=torch.bool), ids) is None
+    assert c.check_padding_mask("m", None, ids) is None
+    held = torch.tensor([[False, True, True, True], [True, True, True, True]])  # a cache's
+    after = c.check_padding_mask("m", None, ids[:, :1], cached=2, held=held)  # its padding kept
+    assert torch.equal(after, torch.tensor([[False, True, True], [True, True, True]]))
+    with pytest.raises(ValueError, match="^m must agree with kv_cache's mask"):
+        c.check_padding_mask("m", torch.ones(2, 3, dtype=torch.long), ids[:, :1], 2, held)

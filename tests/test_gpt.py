@@ -24,9 +24,9 @@ def tiny_gpt(seed=0, context=32, dtype=torch.float32, **sizes):
 
 def random_hf_gpt2(seed=0, spread=0.2, **overrides):
     torch.manual_seed(seed)
-    config = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=100,
-                                     n_positions=64, bos_token_id=0, eos_token_id=0,
-                                     **overrides)
+    config = transformers.GPT2Config(**dict(n_layer=2, n_head=2, n_embd=32, vocab_size=100,
+                                            n_positions=64, bos_token_id=0, eos_token_id=0)
+                                     | overrides)
     model = transformers.GPT2LMHeadModel(config).eval()
     if spread:
         with torch.no_grad():
@@ -144,11 +144,41 @@ def test_from_hf_gpt2_refuses_a_block_layernorm_eps_other_than_ln_fs_by_name():
     # before, such a model converted with ln_f's eps in every block: other logits, silently
     hf = random_hf_gpt2(1)
     hf.transformer.h[1].ln_1.eps = 1e-2
-    with pytest.raises(ValueError, match=r"LayerNorms' eps \{'h\.1\.ln_1': 0\.01\} differ from "
-                                         r"its ln_f\.eps=1e-05"):
+    with pytest.raises(ValueError, match=r"LayerNorms must each hold a weight and a bias and "
+                                         r"have ln_f's eps=1e-05 .* unlike \['h\.1\.ln_1\.eps=0\.01'\] "
+                                         r"\(1 in all\)"):
         GPT.from_hf_gpt2(hf)
     hf.transformer.h[1].ln_1.eps = hf.transformer.ln_f.eps  # all alike again: converted
     assert GPT.from_hf_gpt2(hf).blocks[1].attn_norm.eps == hf.transformer.ln_f.eps
+
+
+def test_from_hf_gpt2_names_two_of_many_layernorms_whose_eps_differ_and_counts_them():
+    hf = random_hf_gpt2(spread=0, n_layer=48, n_embd=8)  # before: all 96 listed, ~2,000 characters
+    for block in hf.transformer.h:
+        block.ln_1.eps = block.ln_2.eps = 1e-3
+    with pytest.raises(ValueError) as refused:
+        GPT.from_hf_gpt2(hf)
+    message = str(refused.value)
+    assert "['h.0.ln_1.eps=0.001', 'h.0.ln_2.eps=0.001'] (96 in all)" in message
+    assert "h.1.ln_1" not in message and len(message) < 300
+
+
+@pytest.mark.parametrize("strip", ["elementwise_affine", "del weight", "del bias"])
+def test_from_hf_gpt2_refuses_a_layernorm_without_weights_by_name(strip):
+    # before: a raw RuntimeError of load_state_dict (missing keys), or an AttributeError
+    hf = random_hf_gpt2(spread=0)
+    if strip == "elementwise_affine":
+        hf.transformer.h[1].ln_2 = torch.nn.LayerNorm(32, elementwise_affine=False)
+    else:
+        delattr(hf.transformer.h[1].ln_2, strip.split()[1])
+    with pytest.raises(ValueError, match=r"LayerNorms must each hold a weight and a bias .* "
+                                         r"unlike \['h\.1\.ln_2\.eps=1e-05'\] \(1 in all\)"):
+        GPT.from_hf_gpt2(hf)
+
+
+def test_from_hf_gpt2_refuses_a_model_without_blocks_by_its_config_field():
+    with pytest.raises(ValueError, match=r"^model.config.n_layer=0 is not supported"):
+        GPT.from_hf_gpt2(random_hf_gpt2(spread=0, n_layer=0))  # before: a raw IndexError
 
 
 # --- the model --------------------------------------------------------------------------------
@@ -451,6 +481,11 @@ def test_conversion_refuses_gpt2_dropout_rates_that_differ():
     hf = random_hf_gpt2(spread=0, embd_pdrop=0.0, attn_pdrop=0.2, resid_pdrop=0.3)
     with pytest.raises(ValueError, match="dropout rates differ"):
         GPT.from_hf_gpt2(hf)
+    later = random_hf_gpt2(spread=0, embd_pdrop=0.1, attn_pdrop=0.1, resid_pdrop=0.1, n_layer=3)
+    later.transformer.h[2].mlp.dropout.p = 0.5  # before: only layer 0's rates were read
+    with pytest.raises(ValueError, match=r"dropout rates differ from its drop\.p=0\.1: "
+                                         r"\['h\.2\.mlp\.dropout'\] \(1 in all\)"):
+        GPT.from_hf_gpt2(later)
     same = GPT.from_hf_gpt2(random_hf_gpt2(spread=0, embd_pdrop=0.2, attn_pdrop=0.2,
                                            resid_pdrop=0.2))
     assert (same.drop.p, same.blocks[1].self_attn.config.dropout, same.blocks[1].dropout.p) == \

@@ -27,6 +27,7 @@ __all__ = [
     "check_token_ids",
     "check_tensor",
     "check_mask",
+    "check_padding_mask",
     "check_writable",
 ]
 
@@ -254,7 +255,7 @@ def check_holds_weights(name: str, model: "torch.nn.Module") -> None:
     model built before its weights are loaded keeps their shapes but no values."""
     import torch  # here, not at the top: the NumPy chapters import this module without torch
 
-    named = check_instance(name, model, torch.nn.Module).named_parameters()
+    named = check_instance(check_text("name", name), model, torch.nn.Module).named_parameters()
     if meta := [n for n, p in named if p.is_meta]:
         raise ValueError(f"{name} must hold its weights, got a {type(model).__name__} whose "
                          f"parameters {meta[:3]} ({len(meta)} in all) are on the meta device (meta "
@@ -365,6 +366,42 @@ def check_mask(name: str, mask: object, shape: tuple[int, ...],
                          f"{tuple(shape)}")
     _check_shape_and_device(name, mask, None, device)
     return mask
+
+
+def check_padding_mask(name: str, mask: object, ids: "torch.Tensor", cached: int = 0,
+                       held: "torch.Tensor | None" = None, left: bool = False) -> "torch.Tensor | None":
+    """`mask` (B, cached + T) of the token ids (B, T) that follow `cached` positions, bool or 0/1
+    (1 at a real token, 0 at padding), as bool: a real token in every row, with `left` padding
+    only before one, and over the cached positions the padding that `held` (B, >= cached), a KV
+    cache's mask, holds there (none if None); a mask of None: real tokens after them. One read
+    of the device, none when compiled. None (not compiled) where there is no padding to apply."""
+    import torch
+
+    held = None if held is None else held[:, :cached]
+    if mask is None and held is not None:  # the cached padding, then real tokens
+        mask = torch.cat([held, torch.ones_like(ids, dtype=held.dtype)], dim=1)
+    if mask is None:
+        return None
+    shape = (len(ids), cached + ids.shape[1])
+    wanted = f"{name} must be a bool or integer tensor of shape {shape} on {ids.device}"
+    if not isinstance(mask, torch.Tensor) or mask.is_floating_point() or mask.is_complex():
+        raise TypeError(f"{wanted}, got {getattr(mask, 'dtype', type(mask).__name__)}")
+    if tuple(mask.shape) != shape or mask.device != ids.device:
+        raise ValueError(f"{wanted}, got shape {tuple(mask.shape)} on {mask.device}")
+    real = mask != 0
+    faults = {"hold only 0 and 1": (real & (mask != 1)).any(),  # (B, L) -> ()
+              "have a real token (a 1) in every row": ~real.any(dim=-1).all(),
+              "pad on the left only: no 0 after a 1": left & (real[:, :-1] > real[:, 1:]).any(),
+              "agree with kv_cache's mask over the positions it holds":
+                  (real[:, :cached] != (True if held is None else held)).any()}
+    if torch.compiler.is_compiling():  # a RuntimeError when the graph runs
+        for fact, fault in faults.items():
+            torch._assert_async(~fault, f"{name} must {fact}")
+        return real
+    *bad, every = torch.stack([*faults.values(), real.all()]).tolist()  # one read of the device
+    if any(bad):
+        raise ValueError(f"{name} must {next(f for f, b in zip(faults, bad) if b)}")
+    return None if every and held is None else real  # no padding: the path without a mask
 
 
 def check_writable(name: str, x: "torch.Tensor") -> "torch.Tensor":

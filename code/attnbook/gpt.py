@@ -31,6 +31,7 @@ from attnbook.checks import (
     check_holds_weights,
     check_instance,
     check_int,
+    check_padding_mask,
     check_positive,
     check_probability,
     check_real,
@@ -171,18 +172,22 @@ class GPT(nn.Module):
                 raise ValueError(f"model.config.{name}={value!r} is not supported (only {allowed})")
         if not torch.equal(model.lm_head.weight, body.wte.weight):
             raise ValueError("model.lm_head.weight must equal model.transformer.wte.weight (tied)")
+        if len(body.h) == 0:  # nothing to read the sizes below from
+            raise ValueError(f"model.config.n_layer={hf.n_layer} is not supported (a GPT has a block)")
         (vocab, d), attn = body.wte.weight.shape, body.h[0].attn  # sizes from the modules
         if (d_ff := body.h[0].mlp.c_fc.weight.shape[1]) != 4 * d:
             raise ValueError(f"model's feed-forward width {d_ff} is not 4 * {d}, GPT-2's")
-        rates = dict(resid_pdrop=attn.resid_dropout.p, attn_pdrop=attn.attn_dropout.p, embd_pdrop=body.drop.p)
-        if len(set(rates.values())) > 1:
-            raise ValueError(f"model's dropout rates differ, {rates}: GPTConfig has one rate")
+        if odd := [n for n, m in body.named_modules() if isinstance(m, nn.Dropout) and m.p != body.drop.p]:
+            raise ValueError(f"model's dropout rates differ from its drop.p={body.drop.p}: {odd[:2]} "
+                             f"({len(odd)} in all); GPTConfig has one rate")  # every layer's
         norms = {f"h.{i}.{n}": getattr(h, n) for i, h in enumerate(body.h) for n in ("ln_1", "ln_2")}
-        if odd := {name: norm.eps for name, norm in norms.items() if norm.eps != body.ln_f.eps}:
-            raise ValueError(f"model's LayerNorms' eps {odd} differ from its ln_f.eps={body.ln_f.eps}")
+        if odd := [f"{n}.eps={m.eps}" for n, m in {**norms, "ln_f": body.ln_f}.items()
+                   if m.eps != body.ln_f.eps or m.state_dict().keys() != {"weight", "bias"}]:
+            raise ValueError(f"model's LayerNorms must each hold a weight and a bias and have ln_f's eps="
+                             f"{body.ln_f.eps} (GPTConfig has one), unlike {odd[:2]} ({len(odd)} in all)")
         config = GPTConfig(vocab_size=vocab, context_length=body.wpe.weight.shape[0], d_model=d,
                            num_layers=len(body.h), num_heads=attn.num_heads, eps=body.ln_f.eps,
-                           dropout=attn.resid_dropout.p)
+                           dropout=body.drop.p)
         ours = cls(config).to(device=body.wte.weight.device, dtype=body.wte.weight.dtype)
         with torch.no_grad():
             ours.tok_emb.weight.copy_(body.wte.weight)
@@ -213,8 +218,8 @@ class GPT(nn.Module):
         """forward with a KV cache or a padded batch's attention_mask."""
         idx = _check_idx(self, idx, self.config.context_length if kv_cache is None else math.inf)
         cached = 0 if kv_cache is None else _check_kv_cache(self, kv_cache, idx)
-        real = None if attention_mask is None and getattr(kv_cache, "attention_mask", None) is None \
-            else _check_padding(attention_mask, idx, cached, kv_cache=kv_cache)  # noqa: F821 (ch. 19)
+        real = check_padding_mask("attention_mask", attention_mask, idx, cached,
+                                  getattr(kv_cache, "attention_mask", None))  # None: no padding
         with torch.set_grad_enabled(torch.is_grad_enabled() and kv_cache is None):  # cache: none
             return self._logits(idx, kv_cache, real)
 
@@ -224,8 +229,11 @@ class GPT(nn.Module):
         start, caches = (0, [None] * len(self.blocks)) if kv_cache is None else \
             (kv_cache.length, kv_cache.layers)
         position_ids, mask = torch.arange(start, start + idx.shape[1], device=idx.device)[None], None
-        if real is not None:  # a padded batch: each row's own positions, padding masked
-            position_ids, mask = _padded(real, start, idx.shape[1], kv_cache)  # noqa: F821 (ch. 19)
+        if real is not None:  # a padded batch: each row's positions from its first real token
+            real = real[:, -(start + idx.shape[1]):]  # generate's grows past the cache's window
+            if kv_cache is not None:  # it keeps its positions' padding, (B, capacity), for later calls
+                kv_cache.attention_mask = F.pad(real, (0, kv_cache.capacity - real.shape[1]), value=True)
+            position_ids, mask = (real.cumsum(-1) - 1).clamp(min=0)[:, start:], real[:, None, None, :]
         return self._run(idx, position_ids, mask, caches)
 
     # chapters/10-gpt.md, "Generating text"
@@ -242,7 +250,7 @@ class GPT(nn.Module):
         temperature = check_real("temperature", temperature, 0.0)
         top_k = None if top_k is None else check_int("top_k", top_k, 1)
         generator = check_generator("generator", generator, seq.device)  # before any sampling
-        real = None if attention_mask is None else _check_padding(attention_mask, seq, 0, True)  # noqa: F821 (ch. 19)
+        real = check_padding_mask("attention_mask", attention_mask, seq, left=True)  # None: no padding
         size = min(limit, seq.shape[1] + max_new_tokens)  # no more than the tokens it will hold
         cache = self.make_kv_cache(len(seq), size) if check_bool("use_cache", use_cache) else None
         finite = torch.ones((), dtype=torch.bool, device=seq.device)  # stays on the device
@@ -494,52 +502,3 @@ def _check_llama_sizes(hf: Any, body: Any, head_dim: int) -> None:  # transforme
         if (value := getattr(hf, name, None)) != size:
             raise ValueError(f"model.config.{name}={value!r} disagrees with the model's weights, "
                              f"which give {size}")
-
-
-# chapters/19-gpt-variants.md, "Prompts of different lengths"
-def _check_padding(mask: object, idx: torch.Tensor, cached: int, left: bool = False,
-                   kv_cache: "KVCache | None" = None) -> torch.Tensor | None:
-    """GPT's attention_mask (B, cached + T), bool or 0/1, as bool: a real token in every row,
-    its first `cached` entries the padding `kv_cache` holds and, with `left` (generate), padding
-    only before a real token (chapter 19). One read, none when compiled. None, the path without
-    a mask, for no mask or (not compiled) one with no 0 while the cache holds no padding; for no
-    mask and a cache that holds padding, its padding and T real tokens."""
-    held = None if kv_cache is None or kv_cache.attention_mask is None else \
-        kv_cache.attention_mask[:, :cached]  # (B, cached): the padding it holds
-    if mask is None and held is not None:  # a cached call without a mask keeps the padding
-        mask = torch.cat([held, held.new_ones(len(idx), idx.shape[1])], dim=1)
-    if mask is None:
-        return None
-    shape = (len(idx), cached + idx.shape[1])
-    wanted = f"attention_mask must be a bool or integer tensor of shape {shape} on {idx.device}"
-    if not isinstance(mask, torch.Tensor) or mask.is_floating_point() or mask.is_complex():
-        raise TypeError(f"{wanted}, got {getattr(mask, 'dtype', type(mask).__name__)}")
-    if tuple(mask.shape) != shape or mask.device != idx.device:
-        raise ValueError(f"{wanted}, got shape {tuple(mask.shape)} on {mask.device}")
-    real = mask != 0
-    faults = {"hold only 0 and 1": (real & (mask != 1)).any(),  # (B, L) -> ()
-              "have a real token (a 1) in every row": ~real.any(dim=-1).all(),
-              "pad on the left only: no 0 after a 1": left & (real[:, :-1] > real[:, 1:]).any(),
-              "agree with kv_cache's mask over the positions it holds":
-                  (real[:, :cached] != (True if held is None else held)).any()}
-    if torch.compiler.is_compiling():  # a RuntimeError when the graph runs (appendix A)
-        for fact, fault in faults.items():
-            torch._assert_async(~fault, f"attention_mask must {fact}")
-        return real
-    *bad, every = torch.stack([*faults.values(), real.all()]).tolist()  # one read of the device
-    if any(bad):
-        raise ValueError(f"attention_mask must {next(f for f, b in zip(faults, bad) if b)}")
-    return None if every and held is None else real  # no padding: the path without a mask
-
-
-def _padded(real: torch.Tensor, start: int, t: int,
-            kv_cache: "KVCache | None" = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The positions (B, t) of t tokens after `start` cached ones, counted from each row's first
-    real token, and the keys' mask (B, 1, 1, start + t), from `real` (B, >= start + t); a
-    `kv_cache` keeps the mask for the calls that follow."""
-    real = real[:, -(start + t):]  # generate's grows past the window that the cache holds
-    if kv_cache is not None:
-        if kv_cache.attention_mask is None:  # (B, capacity), one shape
-            kv_cache.attention_mask = real.new_ones(len(real), kv_cache.capacity)
-        kv_cache.attention_mask[:, :start + t] = real  # the padding its positions hold
-    return (real.cumsum(-1) - 1).clamp(min=0)[:, -t:], real[:, None, None, :]  # padding: 0
