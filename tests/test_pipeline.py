@@ -854,3 +854,53 @@ def test_what_a_continuing_cell_may_hold_runs_alike_in_chapter_and_module(tmp_pa
     for cls in (module.Counter, _run_as_chapter(chapter)["Counter"]):
         assert (repr(cls()), cls.twice(3), cls().grad_free(), cls.count) == ("Counter(2)", 6,
                                                                              False, 1)
+
+
+DATACLASS_OVER_CELLS = '''---
+attnbook:
+  module: extra
+---
+
+# Extra
+
+```{code-cell} ipython3
+:tags: [export]
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """Two sizes."""
+
+    width: int = 2
+    depth: int = 1
+```
+
+## A preset
+
+```{code-cell} ipython3
+:tags: [export]
+
+# continues Sizes
+@classmethod
+def wide(cls, **fields):
+    return cls(**{"width": 8, **fields})
+
+
+Sizes.wide = wide
+```
+'''
+
+
+def test_a_dataclass_takes_methods_from_later_cells_but_no_dunder(tmp_path):
+    """@dataclass reads only the fields and the dunder methods when it makes the class: a
+    classmethod added by a later cell behaves the same in the class body (chapter 19 adds
+    GPTConfig.llama so); a __post_init__ is still refused (test above)."""
+    chapter = _chapter_from_text(DATACLASS_OVER_CELLS)
+    source = tangler.package_files([chapter])["code/attnbook/extra.py"]
+    module = _import_module(source, tmp_path)
+    assert module.Sizes.wide(depth=3) == module.Sizes(8, 3) and "Sizes.wide = wide" not in source
+    assert module.Sizes.wide.__qualname__ == "Sizes.wide"
+    namespace = _run_as_chapter(chapter)
+    assert namespace["Sizes"].wide(depth=3) == namespace["Sizes"](8, 3)

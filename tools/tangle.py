@@ -443,13 +443,18 @@ def _check_continued_class(chapter: Chapter, cell: ExportCell, state: _Continued
     if node.body[0].lineno == node.lineno:
         raise _refuse(chapter, cell, f"class {name} ({state.where}) has its body on the line of "
                       "`class`: write the body on lines of its own")
-    if node.decorator_list or node.keywords or any(
+    tree = ast.parse(cell.source)
+    functions, _ = _functions_and_attaching_lines(chapter, cell, tree)
+    # @dataclass reads the fields and the methods whose names start with "__" (__post_init__,
+    # __eq__, ...) when it makes the class; a dataclass may take any other method later
+    dataclass_only = all(re.fullmatch(r"(dataclasses\.)?dataclass(\(.*\))?", ast.unparse(d))
+                         for d in node.decorator_list)
+    if (node.decorator_list and not (dataclass_only and not any(
+            f.startswith("__") for f in functions))) or node.keywords or any(
             ast.unparse(base) in ("ABC", "abc.ABC") for base in node.bases):
         raise _refuse(chapter, cell, f"class {name} ({state.where}) is decorated, has a "
                       "metaclass or is an ABC, which reads the body when the class is made: "
                       "define its methods in the class's cell")
-    tree = ast.parse(cell.source)
-    functions, _ = _functions_and_attaching_lines(chapter, cell, tree)
     for function in functions.values():
         if function.name in abstract:
             raise _refuse(chapter, cell, f"{function.name} is an abstract method of the module, "

@@ -97,6 +97,7 @@ class GPTConfig:
                            ff_dropout=0.0, backend=self.backend, rope_base=self.rope_base,
                            positions={"learned": "none"}.get(self.positions, self.positions))
 
+    # chapters/19-gpt-variants.md, "What changes"
     @classmethod
     def llama(cls, **fields: Any) -> "GPTConfig":
         """Llama's choices, then `fields`: RoPE, RMSNorm, SwiGLU, no biases, untied, no dropout,
