@@ -962,6 +962,30 @@ def test_a_checkpoint_restores_the_random_state_dropout_draws_from(tmp_path, dev
     torch.testing.assert_close(torch.rand(16, device=device), unbroken, rtol=0, atol=0)
 
 
+def test_save_checkpoint_keeps_the_one_it_writes_and_checks_keep_before_writing(tmp_path,
+                                                                              monkeypatch):
+    # R-N55: saving step 3 beside steps 5 and 6 with 2 kept deleted step 3 at once and returned
+    # its path; keep_checkpoints=-1 deleted every checkpoint; 2.5 raised after writing
+    model = GPT(GPTConfig(vocab_size=8, context_length=4, d_model=8, num_layers=1, num_heads=2))
+    optimizer = torch.optim.AdamW(model.parameters())
+    kept = lambda: sorted(p.name for p in (tmp_path / "checkpoints").iterdir())  # noqa: E731
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    options = train.parse_options(["gpt", *TINY, "--out", str(tmp_path)])
+    for step in (5, 6):
+        train.save_checkpoint(tmp_path, step, model, optimizer)  # no options: none deleted
+    options.keep_checkpoints = 2
+    assert train.save_checkpoint(tmp_path, 3, model, optimizer, options).exists()
+    assert kept() == ["step-00000003", "step-00000006"]
+    options.keep_checkpoints = 1
+    train.save_checkpoint(tmp_path, 7, model, optimizer, options)
+    assert kept() == ["step-00000007"]
+    for bad in (-1, 0, 2.5, None):
+        options.keep_checkpoints = bad
+        with pytest.raises((ValueError, TypeError), match="options.keep_checkpoints"):
+            train.save_checkpoint(tmp_path, 8, model, optimizer, options)
+        assert kept() == ["step-00000007"]  # nothing written, nothing deleted
+
+
 def test_a_step_of_the_command_reads_the_device_twice(tmp_path, monkeypatch):
     """The command's loop reads its step's loss and gradient norm in one transfer from the
     device; the model's check of its token ids reads once more. Counted from outside, as every

@@ -562,7 +562,9 @@ def save_checkpoint(out: Path, step: int, model: nn.Module, optimizer: torch.opt
                     options: argparse.Namespace | None = None) -> Path:
     """Save everything a resumed run needs as out/checkpoints/step-<step>/, by every process,
     with a manifest.json (by rank 0) of the step, the run's `options` and every file's SHA-256;
-    then, given `options`, keep only the latest options.keep_checkpoints."""
+    then, given `options`, keep it and the latest options.keep_checkpoints - 1 others."""
+    keep = None if options is None else check_int("options.keep_checkpoints",
+                                                  options.keep_checkpoints, 1)
     path = out / "checkpoints" / f"step-{step:08d}"
     partial = path.with_name(path.name + ".partial")
     if _rank() == 0:
@@ -584,8 +586,8 @@ def save_checkpoint(out: Path, step: int, model: nn.Module, optimizer: torch.opt
             {**manifest, "sha256": _manifest_digest(manifest)}, indent=1))
         shutil.rmtree(path, ignore_errors=True)
         partial.rename(path)  # complete: only now can a run resume from it
-        if options is not None:  # never the one just written
-            _prune_checkpoints(out, options.keep_checkpoints)
+        if keep is not None:
+            _prune_checkpoints(out, keep, path)
     _barrier()
     return path
 
@@ -625,9 +627,10 @@ def _checkpoints(out: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name[5:]))
 
 
-def _prune_checkpoints(out: Path, keep: int) -> None:
-    """Delete all but the latest `keep` complete checkpoints."""
-    for old in _checkpoints(out)[:-keep]:
+def _prune_checkpoints(out: Path, keep: int, written: Path) -> None:
+    """Delete the complete checkpoints but `written` and the latest `keep` - 1 others."""
+    others = [c for c in _checkpoints(out) if c != written]
+    for old in others[:max(len(others) - keep + 1, 0)]:
         shutil.rmtree(old)
 
 
