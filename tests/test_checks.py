@@ -516,3 +516,21 @@ def test_check_padding_mask_gives_the_padding_or_none_where_there_is_none():
     assert torch.equal(after, torch.tensor([[False, True, True], [True, True, True]]))
     with pytest.raises(ValueError, match="^m must agree with kv_cache's mask"):
         c.check_padding_mask("m", torch.ones(2, 3, dtype=torch.long), ids[:, :1], 2, held)
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(left=2), TypeError, "^left must be True or False"),  # before: 2 & True == 0, accepted
+    (dict(left=np.bool_(True)), None, None),  # before: a raw NotImplementedError
+    (dict(cached=-1), ValueError, "^cached must be at least 0"),
+    (dict(held="x"), TypeError, "^held must be an instance of Tensor"),
+    (dict(ids="x"), TypeError, "^ids must be an instance of Tensor"),
+])
+def test_check_padding_mask_checks_its_other_arguments_by_name(kwargs, error, match):
+    # R-E55: public since chapter 10 uses it; its other arguments raised raw errors
+    args = {"mask": torch.tensor([[1, 0]]), "ids": torch.zeros(1, 2, dtype=torch.long), **kwargs}
+    if error is None:
+        with pytest.raises(ValueError, match="pad on the left only"):  # left=np.True_ is True
+            c.check_padding_mask("attention_mask", **args)
+        return
+    with pytest.raises(error, match=match):
+        c.check_padding_mask("attention_mask", **args)

@@ -643,8 +643,19 @@ def test_reports_are_kept_where_attnbook_compile_cache_says(tmp_path, monkeypatc
     kept["dkdv"].write_text(json.dumps(forward))  # another request's report: compiled again
     kept["dq"].write_text(json.dumps(dict(forward, kernel="dq", registers="32")))  # a str: again
     assert compile_kernels(first) == reports and compiled() == 15
+    for bad in (dict(forward, registers=-5), dict(forward, head_dim=64.0),
+                dict(forward, causal=1), dict(forward, tensor_cores="no")):
+        kept["forward"].write_text(json.dumps(bad))  # equal in Python, not as JSON: again
+        assert compile_kernels(first) == reports
+    assert compiled() == 15 + 4
     monkeypatch.setenv("DISABLE_PTXAS_OPT", "1")  # a setting Triton's own cache is keyed on
-    assert compile_kernels(first) == reports and compiled() == 18
+    assert compile_kernels(first) == reports and compiled() == 22
+    monkeypatch.setenv("PTXAS_OPTIONS", "-O0")  # one it leaves out, which ptxas reads
+    assert compile_kernels(first) == reports and compiled() == 25
     monkeypatch.setenv("ATTNBOOK_COMPILE_CACHE", str(kept["forward"]))  # a file: refused by name
+    with pytest.raises(ValueError, match="ATTNBOOK_COMPILE_CACHE=.* must name a folder"):
+        compile_kernels(first)
+    monkeypatch.setenv("ATTNBOOK_COMPILE_CACHE", str(tmp_path / "reports"))
+    monkeypatch.setattr(os, "access", lambda *args: False)  # a folder this user cannot write
     with pytest.raises(ValueError, match="ATTNBOOK_COMPILE_CACHE=.* must name a folder"):
         compile_kernels(first)

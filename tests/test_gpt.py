@@ -172,13 +172,18 @@ def test_from_hf_gpt2_refuses_a_layernorm_without_weights_by_name(strip):
     else:
         delattr(hf.transformer.h[1].ln_2, strip.split()[1])
     with pytest.raises(ValueError, match=r"LayerNorms must each hold a weight and a bias .* "
-                                         r"unlike \['h\.1\.ln_2\.eps=1e-05'\] \(1 in all\)"):
+                                         r"unlike \['h\.1\.ln_2 without a weight or bias'\] "
+                                         r"\(1 in all\)"):  # not its eps, which is ln_f's
         GPT.from_hf_gpt2(hf)
 
 
-def test_from_hf_gpt2_refuses_a_model_without_blocks_by_its_config_field():
-    with pytest.raises(ValueError, match=r"^model.config.n_layer=0 is not supported"):
+def test_from_hf_gpt2_refuses_a_model_without_blocks_by_name():
+    with pytest.raises(ValueError, match=r"^model.transformer.h must hold at least one block"):
         GPT.from_hf_gpt2(random_hf_gpt2(spread=0, n_layer=0))  # before: a raw IndexError
+    hf = random_hf_gpt2(spread=0)
+    hf.transformer.h = torch.nn.ModuleList()  # the config still says 2: the modules are read
+    with pytest.raises(ValueError, match=r"^model.transformer.h must hold at least one block"):
+        GPT.from_hf_gpt2(hf)
 
 
 # --- the model --------------------------------------------------------------------------------
@@ -484,7 +489,7 @@ def test_conversion_refuses_gpt2_dropout_rates_that_differ():
     later = random_hf_gpt2(spread=0, embd_pdrop=0.1, attn_pdrop=0.1, resid_pdrop=0.1, n_layer=3)
     later.transformer.h[2].mlp.dropout.p = 0.5  # before: only layer 0's rates were read
     with pytest.raises(ValueError, match=r"dropout rates differ from its drop\.p=0\.1: "
-                                         r"\['h\.2\.mlp\.dropout'\] \(1 in all\)"):
+                                         r"\['h\.2\.mlp\.dropout\.p=0\.5'\] \(1 in all\)"):
         GPT.from_hf_gpt2(later)
     same = GPT.from_hf_gpt2(random_hf_gpt2(spread=0, embd_pdrop=0.2, attn_pdrop=0.2,
                                            resid_pdrop=0.2))

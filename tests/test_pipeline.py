@@ -782,6 +782,10 @@ COUNTER = "class Counter:\n    count = 1"
     (("import functools", COUNTER, "# continues Counter\n@functools.cached_property\n"
       "def big(self):\n    return 42\n\n\nCounter.big = big"),
      r"big is decorated with @functools.cached_property; a continuing cell allows only"),
+    # an annotation naming the class itself: unbound in the class body, the module fails
+    ((COUNTER, "# continues Counter\ndef clone(self) -> Counter:\n    return self\n\n\n"
+      "Counter.clone = clone"),
+     r"clone's decorators, defaults or annotations name Counter, which its class body cannot"),
     # a default naming a global bound after the class: the module fails to import
     ((COUNTER, "LIMIT = 7", "# continues Counter\ndef f(self, n=LIMIT):\n    return n\n\n\n"
       "Counter.f = f"),

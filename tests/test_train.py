@@ -979,11 +979,13 @@ def test_save_checkpoint_keeps_the_one_it_writes_and_checks_keep_before_writing(
     options.keep_checkpoints = 1
     train.save_checkpoint(tmp_path, 7, model, optimizer, options)
     assert kept() == ["step-00000007"]
+    with pytest.raises(ValueError, match="^step must be at least 0"):  # R-ME55: all deleted
+        train.save_checkpoint(tmp_path, -1, model, optimizer, options)
     for bad in (-1, 0, 2.5, None):
         options.keep_checkpoints = bad
         with pytest.raises((ValueError, TypeError), match="options.keep_checkpoints"):
             train.save_checkpoint(tmp_path, 8, model, optimizer, options)
-        assert kept() == ["step-00000007"]  # nothing written, nothing deleted
+    assert kept() == ["step-00000007"]  # nothing written, nothing deleted
 
 
 def test_a_step_of_the_command_reads_the_device_twice(tmp_path, monkeypatch):

@@ -466,6 +466,10 @@ def _check_continued_class(chapter: Chapter, cell: ExportCell, state: _Continued
                                               args.vararg, args.kwarg) if a is not None)]
         used = {n.id for e in evaluated if e is not None for n in ast.walk(e)
                 if isinstance(n, ast.Name)}
+        if name in used:  # the class's name is bound only once its body has run
+            raise _refuse(chapter, cell, f"{function.name}'s decorators, defaults or annotations "
+                          f"name {name}, which its class body cannot: quote an annotation "
+                          f"(\"{name}\")")
         for found in sorted(used & (state.later | state.body)):
             where = "the class's body" if found in state.body else "a cell after the class"
             raise _refuse(chapter, cell, f"{function.name}'s decorators, defaults or annotations "

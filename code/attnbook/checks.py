@@ -377,7 +377,9 @@ def check_padding_mask(name: str, mask: object, ids: "torch.Tensor", cached: int
     of the device, none when compiled. None (not compiled) where there is no padding to apply."""
     import torch
 
-    held = None if held is None else held[:, :cached]
+    check_instance("ids", ids, torch.Tensor)
+    cached, left = check_int("cached", cached, 0), check_bool("left", left)
+    held = None if held is None else check_instance("held", held, torch.Tensor)[:, :cached]
     if mask is None and held is not None:  # the cached padding, then real tokens
         mask = torch.cat([held, torch.ones_like(ids, dtype=held.dtype)], dim=1)
     if mask is None:

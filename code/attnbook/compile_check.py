@@ -249,18 +249,27 @@ def _report_paths(requests: Sequence[dict[str, object]]) -> list[Path | None]:
         return [None] * len(requests)
     try:
         Path(folder).mkdir(parents=True, exist_ok=True)
+        if not os.access(folder, os.W_OK | os.X_OK):
+            raise PermissionError("not writable")
     except OSError as error:
         raise ValueError(f"ATTNBOOK_COMPILE_CACHE={folder!r} must name a folder that can be "
                          f"written: {error}") from None
     from attnbook import compile_check, kernels
 
     sources = "".join(inspect.getsource(module) for module in (kernels, compile_check))
-    settings = {k: v for k, v in get_cache_invalidating_env_vars().items()
-                if k not in _COMPILED_MODE}  # the child's: this process's, but for those
+    settings = {k: v for k, v in os.environ.items() if k.startswith(_COMPILER_VARIABLES)}
+    settings.update(get_cache_invalidating_env_vars())  # this process's: the child's, but for
+    for name in _COMPILED_MODE:  # these, which compile_kernels sets
+        settings.pop(name, None)
     salt = json.dumps([hashlib.sha256(sources.encode()).hexdigest(), triton_key(),
                        get_ptxas_version(), sys.version, sorted(settings.items())])
     return [Path(folder) / (hashlib.sha256((salt + json.dumps(r, sort_keys=True)).encode())
                             .hexdigest() + ".json") for r in requests]
+
+
+# Variables that Triton (3.7) or ptxas read but Triton's own cache key leaves out, such as
+# PTXAS_OPTIONS: a report is kept under all of them, as under the TRITON_* ones.
+_COMPILER_VARIABLES = ("TRITON", "PTXAS", "DISABLE_", "LLVM", "MLIR", "NVPTX", "AMDGCN", "CUDA")
 
 
 def _read_report(path: Path | None, request: dict[str, object]) -> Compiled | None:
@@ -269,9 +278,11 @@ def _read_report(path: Path | None, request: dict[str, object]) -> Compiled | No
         report = asdict(Compiled(**json.loads(path.read_text()))) if path else None
     except (OSError, ValueError, TypeError):
         return None
-    if (report is None or {k: report[k] for k in request} != request
-            or any(type(report[k]) is not int for k in ("shared_bytes", "registers",
-                                                        "spill_bytes"))):
+    numbers = [report[k] for k in ("shared_bytes", "registers", "spill_bytes")] if report else []
+    if (report is None or json.dumps({k: report[k] for k in request}, sort_keys=True)
+            != json.dumps(request, sort_keys=True)  # as JSON: 1 is not true, 64.0 not 64
+            or any(type(n) is not int or n < 0 for n in numbers)
+            or type(report["tensor_cores"]) is not bool):
         return None
     return Compiled(**report)
 

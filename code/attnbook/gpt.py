@@ -174,16 +174,17 @@ class GPT(nn.Module):
         if not torch.equal(model.lm_head.weight, body.wte.weight):
             raise ValueError("model.lm_head.weight must equal model.transformer.wte.weight (tied)")
         if len(body.h) == 0:  # nothing to read the sizes below from
-            raise ValueError(f"model.config.n_layer={hf.n_layer} is not supported (a GPT has a block)")
+            raise ValueError("model.transformer.h must hold at least one block, got none")
         (vocab, d), attn = body.wte.weight.shape, body.h[0].attn  # sizes from the modules
         if (d_ff := body.h[0].mlp.c_fc.weight.shape[1]) != 4 * d:
             raise ValueError(f"model's feed-forward width {d_ff} is not 4 * {d}, GPT-2's")
-        if odd := [n for n, m in body.named_modules() if isinstance(m, nn.Dropout) and m.p != body.drop.p]:
+        if odd := [f"{n}.p={m.p}" for n, m in body.named_modules() if isinstance(m, nn.Dropout)
+                   and m.p != body.drop.p]:  # every layer's
             raise ValueError(f"model's dropout rates differ from its drop.p={body.drop.p}: {odd[:2]} "
-                             f"({len(odd)} in all); GPTConfig has one rate")  # every layer's
-        norms = {f"h.{i}.{n}": getattr(h, n) for i, h in enumerate(body.h) for n in ("ln_1", "ln_2")}
-        if odd := [f"{n}.eps={m.eps}" for n, m in {**norms, "ln_f": body.ln_f}.items()
-                   if m.eps != body.ln_f.eps or m.state_dict().keys() != {"weight", "bias"}]:
+                             f"({len(odd)} in all); GPTConfig has one rate")
+        if odd := [f"{n}.eps={m.eps}" if m.eps != body.ln_f.eps else f"{n} without a weight or bias"
+                   for n, m in body.named_modules() if isinstance(m, nn.LayerNorm) and (
+                       m.eps != body.ln_f.eps or m.state_dict().keys() != {"weight", "bias"})]:
             raise ValueError(f"model's LayerNorms must each hold a weight and a bias and have ln_f's eps="
                              f"{body.ln_f.eps} (GPTConfig has one), unlike {odd[:2]} ({len(odd)} in all)")
         config = GPTConfig(vocab_size=vocab, context_length=body.wpe.weight.shape[0], d_model=d,
@@ -230,7 +231,7 @@ class GPT(nn.Module):
         start, caches = (0, [None] * len(self.blocks)) if kv_cache is None else \
             (kv_cache.length, kv_cache.layers)
         position_ids, mask = torch.arange(start, start + idx.shape[1], device=idx.device)[None], None
-        if real is not None:  # a padded batch: each row's positions from its first real token
+        if real is not None:  # a padded batch: a real token's position counts the real ones before it
             real = real[:, -(start + idx.shape[1]):]  # generate's grows past the cache's window
             if kv_cache is not None:  # it keeps its positions' padding, (B, capacity), for later calls
                 kv_cache.attention_mask = F.pad(real, (0, kv_cache.capacity - real.shape[1]), value=True)

@@ -563,6 +563,7 @@ def save_checkpoint(out: Path, step: int, model: nn.Module, optimizer: torch.opt
     """Save everything a resumed run needs as out/checkpoints/step-<step>/, by every process,
     with a manifest.json (by rank 0) of the step, the run's `options` and every file's SHA-256;
     then, given `options`, keep it and the latest options.keep_checkpoints - 1 others."""
+    step = check_int("step", step, 0)  # and keep, before anything is written or deleted
     keep = None if options is None else check_int("options.keep_checkpoints",
                                                   options.keep_checkpoints, 1)
     path = out / "checkpoints" / f"step-{step:08d}"

@@ -231,10 +231,11 @@ def main(argv: list[str] | None = None) -> None:  # noqa: F811 (notebook)
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
         options = parse_options(argv)
-        from attnbook import train  # PyTorch loads here
     except ValueError as error:  # torchrun's variables: refused by every process alike
         print(f"{PROGRAM}: error: {error}", file=sys.stderr)
         raise SystemExit(1) from None
+    try:
+        from attnbook import train  # PyTorch loads here
     except KeyboardInterrupt:
         print(f"{PROGRAM}: stopped by Ctrl-C before it began", file=sys.stderr)
         raise SystemExit(130) from None
