@@ -177,6 +177,15 @@ def test_from_hf_gpt2_refuses_a_layernorm_without_weights_by_name(strip):
         GPT.from_hf_gpt2(hf)
 
 
+def test_from_hf_gpt2_refuses_a_block_norm_that_is_not_a_layernorm_by_name():
+    # R-FIN55: an RMSNorm in ln_1 was refused by name, then (4c77d5b) raised a raw RuntimeError
+    hf = random_hf_gpt2(spread=0)
+    hf.transformer.h[1].ln_1 = torch.nn.RMSNorm(32, eps=hf.transformer.ln_f.eps)
+    with pytest.raises(ValueError, match=r"LayerNorms must each hold a weight and a bias .* "
+                                         r"unlike \['h\.1\.ln_1 without a weight or bias'\]"):
+        GPT.from_hf_gpt2(hf)
+
+
 def test_from_hf_gpt2_refuses_a_model_without_blocks_by_name():
     with pytest.raises(ValueError, match=r"^model.transformer.h must hold at least one block"):
         GPT.from_hf_gpt2(random_hf_gpt2(spread=0, n_layer=0))  # before: a raw IndexError

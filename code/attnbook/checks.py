@@ -378,7 +378,9 @@ def check_padding_mask(name: str, mask: object, ids: "torch.Tensor", cached: int
     import torch
 
     check_instance("ids", ids, torch.Tensor)
-    cached, left = check_int("cached", cached, 0), check_bool("left", left)
+    left = check_bool("left", left)
+    if not torch.compiler.is_compiling():  # traced, cached is the cache's own symbolic length
+        cached = check_int("cached", cached, 0)
     held = None if held is None else check_instance("held", held, torch.Tensor)[:, :cached]
     if mask is None and held is not None:  # the cached padding, then real tokens
         mask = torch.cat([held, torch.ones_like(ids, dtype=held.dtype)], dim=1)

@@ -267,8 +267,8 @@ def _report_paths(requests: Sequence[dict[str, object]]) -> list[Path | None]:
                             .hexdigest() + ".json") for r in requests]
 
 
-# Variables that Triton (3.7) or ptxas read but Triton's own cache key leaves out, such as
-# PTXAS_OPTIONS: a report is kept under all of them, as under the TRITON_* ones.
+# Variables that Triton (3.7) or ptxas read but Triton's list of cache-invalidating variables
+# leaves out, such as PTXAS_OPTIONS: a report is kept under all of them.
 _COMPILER_VARIABLES = ("TRITON", "PTXAS", "DISABLE_", "LLVM", "MLIR", "NVPTX", "AMDGCN", "CUDA")
 
 

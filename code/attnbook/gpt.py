@@ -183,7 +183,7 @@ class GPT(nn.Module):
             raise ValueError(f"model's dropout rates differ from its drop.p={body.drop.p}: {odd[:2]} "
                              f"({len(odd)} in all); GPTConfig has one rate")
         if odd := [f"{n}.eps={m.eps}" if m.eps != body.ln_f.eps else f"{n} without a weight or bias"
-                   for n, m in body.named_modules() if isinstance(m, nn.LayerNorm) and (
+                   for n, m in body.named_modules() if n.split(".")[-1] in ("ln_1", "ln_2", "ln_f") and (
                        m.eps != body.ln_f.eps or m.state_dict().keys() != {"weight", "bias"})]:
             raise ValueError(f"model's LayerNorms must each hold a weight and a bias and have ln_f's eps="
                              f"{body.ln_f.eps} (GPTConfig has one), unlike {odd[:2]} ({len(odd)} in all)")
