@@ -3,6 +3,7 @@ readers write fail with the hint meant for their mistake, and candidates that mi
 kind or shape, None, a generator, an exception, a changed input, a slow call) are reported,
 never raised."""
 
+import collections
 import math
 import threading
 
@@ -395,9 +396,11 @@ def test_a_slow_candidate_is_stopped_waiting_for_not_hung_on():
 
 def test_a_call_that_returns_after_its_time_limit_fails(monkeypatch):
     # one long C call holds the GIL, so check can only see its time once it returns: the clock
-    # below makes every call last 100 s
-    ticks = iter(range(0, 10**6, 100))
-    monkeypatch.setattr(exercises.time, "perf_counter", lambda: float(next(ticks)))
+    # below makes every call last 100 s. One clock per thread: a candidate an earlier test left
+    # running in this process reads the clock too when it ends, and made this one last 200 s
+    ticks = collections.defaultdict(lambda: iter(range(0, 10**6, 100)))
+    monkeypatch.setattr(exercises.time, "perf_counter",
+                        lambda: float(next(ticks[threading.get_ident()])))
     result = check("6.1", local_mask_loops, timeout=10, show=False)
     assert not result.passed and result.case == "one query, one key, window 1"
     assert result.problem == "took 100 s, more than the 10 s allowed" and result.hint is None
