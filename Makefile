@@ -10,7 +10,7 @@ BOOK_FLAGS := -W -n --keep-going
 export PYTHONHASHSEED := 0
 
 .PHONY: print-notebook-imports book test test-package test-portable colab-check gpu-profile tangle notebooks check-sync lint lock pytest site-verified \
-	site-check api-reference pdf mathjax venv clean test-lowest lab dist
+	site-then-check site-check api-reference pdf mathjax venv clean test-lowest lab dist
 VERIFIED := _build/verified
 # MathJax is served by the site itself (no CDN: math is typeset offline). It comes once from the
 # npm registry, like the venv; _config.yml's html_static_path copies it into every build.
@@ -249,7 +249,7 @@ site-verified: $(STAMP) $(MATHJAX) api-reference
 ## the mouse and the keyboard; then the API page: every public name a Python object, linked to its
 ## chapter and from the chapters' code
 site-check: $(STAMP)
-	$(PY) tools/site_check.py $(SITE)
+	$(PY) tools/site_check.py $(SITE) $(SITE_CHECK_FLAGS)
 	$(PY) tools/api_reference.py --check-site $(SITE)
 
 ## pdf: the whole book as one PDF, $(PDF): the book built as one HTML page (Sphinx's singlehtml) from
@@ -288,15 +288,19 @@ colab-check:
 	$(COLAB_VENV)/bin/python -m pip install --quiet --upgrade $(COLAB_PACKAGES)
 	$(COLAB_VENV)/bin/python tools/colab_check.py
 
+# make test's job beside `pdf`: the site, then its check in a browser while the PDF still prints
+# (the intro's link to the PDF is checked by name; make test copies the file in once both are done)
+site-then-check: site-verified
+	$(MAKE) --no-print-directory site-check SITE_CHECK_FLAGS=--later=attnbook.pdf
+
 ## test: every check, timed: sync, lint, tests and every chapter (nbval), then the site and its PDF
-## (two Sphinx builds, one per core: the PDF is copied into the site once both are done), in a
-## browser
+## (two Sphinx builds, one per core; the site is checked in a browser while the PDF prints, and the
+## PDF is copied into the site once both are done)
 test: $(STAMP)
 	@start=$$(date +%s); \
 	$(MAKE) --no-print-directory check-sync lint pytest && \
-	$(MAKE) --no-print-directory -j2 site-verified pdf && \
+	$(MAKE) --no-print-directory -j2 site-then-check pdf && \
 	cp $(PDF) $(VERIFIED)/_build/html/attnbook.pdf && \
-	$(MAKE) --no-print-directory site-check && \
 	echo "make test: all checks passed in $$(( $$(date +%s) - start )) s"
 
 clean:

@@ -230,6 +230,16 @@ def test_links_and_anchors_are_resolved(tmp_path):
     ]
 
 
+def test_a_link_to_a_file_written_later_is_checked_by_its_name(tmp_path):
+    base, later = "http://127.0.0.1:1", frozenset({"book.pdf"})
+    result = site_check.PageResult("b.html")
+    for href in ["book.pdf", "books.pdf"]:  # the PDF make test prints while the site is checked
+        site_check.resolve_link(result, {"href": f"{base}/{href}", "raw": href}, base, tmp_path,
+                                later)
+    assert result.links == 2
+    assert result.problems == ["broken link 'books.pdf': books.pdf does not exist"]
+
+
 def test_execution_table_needs_a_time_for_every_chapter(tmp_path):
     (tmp_path / "chapters").mkdir()
     for name in ("01-a", "02-b", "03-c"):

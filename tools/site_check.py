@@ -10,8 +10,9 @@ Debian's Chromium, driven by Playwright. A page passes when:
 - every image loaded (naturalWidth > 0);
 - every figure of a chapter has a caption that starts with its own number, "Figure N.k.", and
   no second, book-wide one;
-- every link inside the site resolves: the file exists and, for `page.html#anchor`, the page
-  has an element with that id;
+- every link inside the site resolves: the file exists (or, for a file named by --later that
+  another job is still writing, has that name) and, for `page.html#anchor`, the page has an
+  element with that id;
 - every "Open in Colab" link (class colab-link, book/_ext/colab_links.py) is the one for its
   chapter and names a notebook that exists in notebooks/; every chapter page has one, as a badge;
 - every chapter page's download menu offers its executed notebook, the very file
@@ -50,7 +51,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
@@ -311,6 +312,9 @@ class SiteConfig:
     branch: str
     baseurl: str  # where the site is published, ending in /
     tracked: frozenset[str]  # the repository's files (git ls-files), which edit links may open
+    # files another job writes into the site after this check (make test: the PDF): a link to one
+    # is checked by its name only, and the caller checks the file
+    later: frozenset[str] = frozenset()
 
 
 def site_config(root: Path = ROOT) -> SiteConfig:
@@ -394,8 +398,10 @@ def check_sitemap(site: Path, config: SiteConfig, results: list[PageResult]) -> 
     return result
 
 
-def resolve_link(result: PageResult, link: dict, base: str, site: Path) -> None:
-    """Check one internal link's file now; keep its #fragment for when every page is read."""
+def resolve_link(result: PageResult, link: dict, base: str, site: Path,
+                 later: frozenset[str] = frozenset()) -> None:
+    """Check one internal link's file now (one in `later` by its name: it is written after this
+    check); keep its #fragment for when every page is read."""
     href = link["href"]
     if not href.startswith(base + "/"):
         return
@@ -405,7 +411,7 @@ def resolve_link(result: PageResult, link: dict, base: str, site: Path) -> None:
         rel += "index.html"
     result.links += 1
     target = site / rel
-    if not target.is_file():
+    if not target.is_file() and rel not in later:
         result.problems.append(f"broken link {link['raw']!r}: {rel} does not exist")
     elif parts.fragment and rel.endswith(".html"):
         result.fragments.append((link["raw"], rel, unquote(parts.fragment)))
@@ -505,7 +511,7 @@ def analyse(result: PageResult, info: dict, base: str, site: Path, notebooks: Pa
                         if not img["ok"]]
     result.ids = set(info["ids"])
     for link in info["links"]:
-        resolve_link(result, link, base, site)
+        resolve_link(result, link, base, site, config.later if config else frozenset())
     check_colab(result, info["colab"], notebooks)
     if expected_colab(result.path):
         if info["colab"] and not info["colabBadges"]:
@@ -626,6 +632,10 @@ def main() -> int:
     parser.add_argument("--notebooks", type=Path, default=ROOT / "notebooks")
     parser.add_argument("--screenshots", type=Path, help="save a PNG of every page here")
     parser.add_argument("--tabs", type=int, default=TABS, help="pages open at once")
+    parser.add_argument("--later", action="append", default=[], metavar="FILE",
+                        help="a file (relative to the site) that another job writes into it "
+                             "after this check, such as attnbook.pdf: links to it are checked by "
+                             "name, and the caller checks the file")
     args = parser.parse_args()
     if not (args.site / "index.html").is_file():
         print(f"site check: no site at {args.site} (build it: make book, or make site-verified)",
@@ -634,8 +644,9 @@ def main() -> int:
     if args.screenshots:
         args.screenshots.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
+    config = replace(site_config(), later=frozenset(args.later))
     results = run(args.site.resolve(), args.notebooks.resolve(), args.screenshots, args.tabs,
-                  site_config())
+                  config)
     print(table(results))
     problems = [(r.path, p) for r in results for p in r.problems]
     seconds = time.monotonic() - start
