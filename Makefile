@@ -163,7 +163,7 @@ export ATTNBOOK_COMPILE_CACHE
 
 ## pytest: package tests, then every notebook re-executed and compared by nbval
 pytest: $(STAMP)
-	$(if $(WORKER_THREADS),OMP_NUM_THREADS=$${OMP_NUM_THREADS:-$(WORKER_THREADS)}) $(VENV)/bin/pytest tests notebooks $(NBVAL) $(XDIST) --durations=5
+	$(if $(WORKER_THREADS),OMP_NUM_THREADS=$${OMP_NUM_THREADS:-$(WORKER_THREADS)}) $(VENV)/bin/pytest tests notebooks $(NBVAL) $(XDIST) --durations=25
 
 ## test-package: the package's own tests (not the book's pipeline) with whatever Python runs them,
 ## for the CI matrix of Python versions: PYTHON=python3.13 make test-package, in an environment

@@ -53,3 +53,23 @@ def test_a_run_without_workers_keeps_the_collected_order(monkeypatch, tmp_path):
 def test_the_committed_table_names_files_that_exist():
     table = json.loads((ROOT / "tests" / "file-seconds.json").read_text())
     assert table and all((ROOT / path).is_file() for path in table), table.keys()
+
+
+def _summary(monkeypatch, tmp_path, seconds):
+    conftest = _root_conftest()
+    monkeypatch.setattr(conftest, "TIMES_FILE", tmp_path / "notebook-times.json")
+    monkeypatch.setattr(conftest, "_seconds", dict(seconds))
+    conftest.pytest_terminal_summary(SimpleNamespace(section=lambda *a: None,
+                                                     write_line=lambda *a: None))
+    table = tmp_path / "file-seconds.json"
+    return json.loads(table.read_text()) if table.exists() else None
+
+
+def test_the_table_is_written_by_a_run_of_tests_not_by_the_notebooks_alone(monkeypatch,
+                                                                             tmp_path):
+    both = {"tests/test_short.py": 1.04, "notebooks/long.ipynb": 90.0}
+    assert _summary(monkeypatch, tmp_path, both) == {"notebooks/long.ipynb": 90.0,
+                                                     "tests/test_short.py": 1.0}
+    # make test-portable runs the notebooks alone after make test: make test's table stays
+    assert _summary(monkeypatch, tmp_path, {"notebooks/long.ipynb": 30.0})["tests/test_short.py"]
+    assert _summary(monkeypatch, tmp_path / "x", {"notebooks/long.ipynb": 30.0}) is None
