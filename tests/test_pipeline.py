@@ -409,7 +409,7 @@ def test_make_notebooks_reruns_a_chapter_that_imports_a_changed_module(book_copy
 
     def make_notebooks():
         done = subprocess.run(
-            [sys.executable, str(book_copy / "tools" / "tangle.py"), "--execute", "98", "99"],
+            [sys.executable, str(book_copy / "tools" / "tangle.py"), "--execute", "99"],
             capture_output=True, text=True, cwd=book_copy, check=True,
             env=dict(os.environ, PYTHONPATH=str(book_copy / "code")))
         user = nbformat.read(book_copy / "notebooks" / "99-user.ipynb", as_version=4)
