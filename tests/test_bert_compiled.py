@@ -1,5 +1,5 @@
 """BERT.from_hf_bert (chapter 8) given a model wrapped by torch.compile, whole or in part: the
-conversion of the model it wraps, as for the GPT converters of chapters 10 and 19 (issue 37)."""
+conversion of the model it wraps, as for the GPT converters of chapters 10 and 19."""
 
 import pytest
 import torch

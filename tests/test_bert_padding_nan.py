@@ -1,4 +1,4 @@
-"""A padded position's embedding never reaches a real token (issue 44's F5, for chapter 8's BERT):
+"""A padded position's embedding never reaches a real token (chapter 8's BERT):
 with the padding masked by `attention_mask`, a NaN in the padding token's row of the embedding
 table leaves every real token's output as it was, on each backend. The mask gives a padded key a
 weight of exactly 0, but 0 x NaN is NaN: BERT zeroes the padded positions' embeddings before the

@@ -1,4 +1,4 @@
-"""GPT.from_hf_bloom (chapter 19, "BLOOM's weights", issue 44): a transformers BloomForCausalLM
+"""GPT.from_hf_bloom (chapter 19, "BLOOM's weights"): a transformers BloomForCausalLM
 built from small random configurations, offline, converted into our GPT (ALiBi, a LayerNorm on the
 embeddings, GELU's tanh form, the fused per-head q, k, v rows, biases, tied or untied output). The
 logits agree within float32 precision, greedy generation gives transformers' tokens, the KV cache

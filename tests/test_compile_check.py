@@ -132,7 +132,7 @@ LOCKED_TRITON = _locked_triton(ROOT / "requirements.txt")
 TRITON = kernels.triton.__version__
 REPORT_FILE = ROOT / "_build" / f"compile-report-triton-{TRITON}.txt"
 # The newer releases that the launch settings (LAUNCH, WIDE_LAUNCH) were also compiled clean
-# with: a spill of one of them fails there too (issue 42; appendix D). 3.9.0 spilled 16 to 24 B
+# with: a spill of one of them fails there too (appendix D). 3.9.0 spilled 16 to 24 B
 # in the dK, dV kernel at D = 128 with LAUNCH's former 64 x 64 tiles and 8 warps.
 TUNED_TRITONS = ("3.9.0",)
 

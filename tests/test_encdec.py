@@ -303,7 +303,7 @@ def test_training_steps_reduce_loss():
     assert losses[-1] < 0.5 * losses[0]
 
 
-# Issue 12: no silent wrong answers --------------------------------------------------------
+# No silent wrong answers -----------------------------------------------------------------
 
 
 @pytest.mark.parametrize("lengths", [[5], torch.tensor([[5, 3]]), [5, 0], [6, 3], torch.tensor(5)])

@@ -1,4 +1,4 @@
-"""attnbook.exercises (appendix F), issue 40 item by item: a case's mask is described by its
+"""attnbook.exercises (appendix F), the report's details: a case's mask is described by its
 content, not only its shape; the place of the largest difference is a tuple of Python ints that
 a test compares and a reader reads as it prints; every teaching chapter's solution passes its
 checkable exercise, and each exercise fails two or more wrong answers with their hints."""
@@ -41,7 +41,7 @@ def test_where_is_a_tuple_of_python_ints():
     assert np.isinf(result.max_diff)
 
 
-# ---- issue 40's coverage: every teaching chapter, its solution, two wrong answers each --------
+# ---- every teaching chapter's exercise: its solution passes, two wrong answers fail -----------
 
 CHAPTERS = Path(__file__).resolve().parents[1] / "chapters"
 NOT_CHECKABLE: dict[int, str] = {}  # a chapter whose exercises no check can judge, and why

@@ -1,4 +1,4 @@
-"""flash_attention as a custom operator (chapter 16, issue 44): torch.ops.attnbook.flash_attention
+"""flash_attention as a custom operator (chapter 16): torch.ops.attnbook.flash_attention
 passes torch.library.opcheck, and a GPT and a MultiHeadAttention on the Triton backend compile
 with fullgraph=True and no graph break, with eager's outputs and gradients. Run in Triton's
 interpreter on the CPU, as the other kernel tests are."""

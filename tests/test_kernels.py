@@ -170,7 +170,7 @@ def test_any_strides(layout, causal):
     check_against_torch(65, 70, 32, causal, torch.float32, seed=1, layout=layout)
 
 
-# Launch hazards that the interpreter used to hide (issue 42): offsets past 2**31 elements,
+# Launch hazards that the interpreter hides: offsets past 2**31 elements,
 # CUDA's grid limits, the device the kernels launch on, and inputs strided along D.
 
 LARGE_OFFSETS = """
@@ -353,8 +353,8 @@ def test_every_launch_runs_under_the_guard_of_the_inputs_device(monkeypatch):
 
 
 def test_inputs_strided_along_d_are_copied_once_and_give_the_same_answer(monkeypatch):
-    # A last dimension that is not contiguous compiles to a kernel without vector loads (issue
-    # 42): the launcher copies such inputs, so every tensor it launches has stride 1 along D.
+    # A last dimension that is not contiguous compiles to a kernel without vector loads: the
+    # launcher copies such inputs, so every tensor it launches has stride 1 along D.
     launches = Launches(monkeypatch)
     torch.manual_seed(6)
     q, k, v, do = (inside_nan(torch.randn(1, 2, 40, 16).to(DEVICE), "transposed") for _ in range(4))
@@ -382,7 +382,7 @@ def test_the_device_guard_makes_a_cuda_device_current_and_is_nothing_on_the_cpu(
 
 
 def test_autotuning_times_once_per_power_of_two_bucket_and_can_be_turned_off(monkeypatch):
-    # Keyed on the exact (Lq, Lk), every new pair of lengths was timed again (issue 42), and
+    # Keyed on the exact (Lq, Lk), every new pair of lengths was timed again, and
     # timing noise could pick other tiles in another process. The interpreter has one candidate
     # and no GPU to time on: two candidates and a stand-in timer (the second one "faster").
     from attnbook import kernels

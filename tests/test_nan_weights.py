@@ -1,4 +1,4 @@
-"""Non-finite input never gives a finite answer (issue 44's F4): a NaN in a GPT's query
+"""Non-finite input never gives a finite answer: a NaN in a GPT's query
 projection gives NaN logits on every backend and variant. PyTorch's SDPA on the CPU breaks this
 on the `sdpa` backend without a mask: its flash kernel (chosen for is_causal and for no mask)
 turns a query row of NaN scores into a finite row, where the explicit and masked kernels give NaN

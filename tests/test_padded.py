@@ -1,4 +1,4 @@
-"""Padded batches (issue 44, chapter 19): GPT.forward and GPT.generate take transformers'
+"""Padded batches (chapter 19): GPT.forward and GPT.generate take transformers'
 `attention_mask` (1 at a real token, 0 at padding). A left-padded batch of prompts of different
 lengths computes, for every variant and backend, what each prompt computes alone, with and without
 the KV cache and past the context; GPT-2 and Llama match transformers given the same batch; the

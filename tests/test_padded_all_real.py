@@ -1,4 +1,4 @@
-"""A mask with no padding (issue 44's F3): GPT.forward and GPT.generate given an all-ones
+"""A mask with no padding: GPT.forward and GPT.generate given an all-ones
 `attention_mask` take the path without a mask, so the logits are those without one to the last
 bit on every backend and variant (before: 1.2e-7 apart on the Triton and ALiBi paths). The check
 that reads the mask once a call reads this fact in the same read: no further sync."""

@@ -1,7 +1,7 @@
-"""`mypy --strict` (set up by [tool.mypy] in pyproject.toml) finds nothing in the package (issue 39,
-"A package that behaves like one"): every module of code/attnbook, found by a glob, so a new module
-is checked without being listed. The exceptions live in pyproject.toml, each with its reason: a
-module whose errors are still being fixed (`ignore_errors`; a test below fails once it passes
+"""`mypy --strict` (set up by [tool.mypy] in pyproject.toml) finds nothing in the package, so that
+type checkers can trust its annotations: every module of code/attnbook, found by a glob, so a new
+module is checked without being listed. The exceptions live in pyproject.toml, each with its
+reason: a module whose errors are still being fixed (`ignore_errors`; a test below fails once it passes
 without), and the @triton.jit functions of attnbook.kernels, whose parameters stay unannotated
 (the tests below check what mypy then cannot). The mypy tests skip where mypy is not installed
 (CI's `typecheck` job installs it and runs `mypy`)."""

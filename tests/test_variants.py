@@ -1,4 +1,4 @@
-"""GPT's variants (issue 44): positions learned, RoPE, ALiBi or none; LayerNorm or RMSNorm; a GELU
+"""GPT's variants: positions learned, RoPE, ALiBi or none; LayerNorm or RMSNorm; a GELU
 or SwiGLU feed-forward network; grouped-query and multi-query heads; biases; a tied or untied
 output layer. Each is built from the chapters' own parts, keeps its KV cache exact, generates the
 same tokens with and without it, compiles whole, checks its input once, and refuses bad settings
