@@ -498,7 +498,7 @@ def test_a_crafted_value_pickle_runs_no_code(copy, tmp_path):
     state["step"] = Payload(marker)
     manifest = (checkpoint / "manifest.json").read_text()
     shutil.rmtree(checkpoint)
-    with train._single_process_quiet():
+    with train._dcp_call():
         torch.distributed.checkpoint.save(state, checkpoint_id=checkpoint, no_dist=True)
     (checkpoint / "manifest.json").write_text(manifest)
     forge_manifest(checkpoint)
@@ -786,6 +786,23 @@ def help_of(*args):
     return " ".join(done.stdout.split()), options
 
 
+def refused_without_torch(*args):
+    """What `attnbook-train *args` says on stderr, run in a fresh process (the command's main, as
+    the console script calls it), once it has exited with status 1 before PyTorch loaded."""
+    script = textwrap.dedent(f"""
+        import sys
+        from attnbook import train_command
+        try:
+            train_command.main({list(args)!r})
+        except SystemExit as exit:
+            print("status", exit.code, "torch loaded:", "torch" in sys.modules)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=ENV,
+                          timeout=240)
+    assert done.stdout.strip() == "status 1 torch loaded: False", (done.stdout, done.stderr)
+    return done.stderr
+
+
 def test_version_and_help_answer_without_loading_torch():
     script = textwrap.dedent("""
         import sys
@@ -824,8 +841,9 @@ def test_a_second_run_into_a_folder_in_use_is_refused_by_its_holder(tmp_path):
         while not (out / "log.jsonl").exists():  # the lock is taken before the log is begun
             assert first.poll() is None and time.monotonic() < deadline
             time.sleep(0.1)
-        second = installed("gpt", *TINY, "--steps", "2", "--overwrite", "--out", str(out))
-        assert second.returncode == 1 and second.stderr == (
+        second = refused_without_torch("gpt", *TINY, "--steps", "2", "--overwrite", "--out",
+                                       str(out))
+        assert second == (
             f"attnbook-train: error: --out {out} is in use by another run (process {first.pid}):"
             f" wait for it to end, or give another --out\n")
         assert (out / "log.jsonl").exists() and not (out / "model.pt").exists()  # untouched
@@ -834,6 +852,33 @@ def test_a_second_run_into_a_folder_in_use_is_refused_by_its_holder(tmp_path):
         first.communicate()
     again = installed("gpt", *TINY, "--steps", "2", "--overwrite", "--out", str(out))
     assert again.returncode == 0, again.stderr
+
+
+@pytest.mark.skipif(os.name != "posix", reason="the lock needs fcntl")
+def test_one_process_trains_under_the_lock_its_command_took_before_torch(tmp_path, monkeypatch):
+    """No moment when --out is free between the command's refusals and its training: main locks
+    it once, and the run trains under that lock (a second taker is refused at every step)."""
+    import fcntl
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    out, taken, lock_out, train_as = tmp_path / "run", [], train_command.lock_out, train.train
+    counted = lambda folder: taken.append(folder) or lock_out(folder)  # noqa: E731
+    monkeypatch.setattr(train_command, "lock_out", counted)
+    monkeypatch.setattr(train, "lock_out", counted)
+    free = []
+
+    def probe(step):
+        with open(out / ".lock") as other:
+            try:
+                fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                free.append(step)
+            except BlockingIOError:
+                pass
+
+    monkeypatch.setattr(train, "train", lambda options: train_as(options, on_step=probe))
+    monkeypatch.setattr(sys, "stderr", io.StringIO())
+    train.main(["gpt", *TINY, "--steps", "2", "--out", str(out)])
+    assert taken == [out] and free == [] and (out / "model.pt").exists()
 
 
 def test_resuming_a_finished_run_with_no_more_steps_leaves_it_alone(tmp_path):
@@ -856,9 +901,9 @@ def test_an_unusable_out_is_one_line_naming_it(tmp_path, kind):
         out.write_text("mine")
     elif not Path("/proc").is_dir():
         pytest.skip("no /proc here")
-    done = installed("gpt", *TINY, "--steps", "1", "--out", str(out))
-    lines = done.stderr.splitlines()
-    assert done.returncode == 1 and len(lines) == 1 and f"--out {out}" in lines[0], done.stderr
+    said = refused_without_torch("gpt", *TINY, "--steps", "1", "--out", str(out))
+    lines = said.splitlines()
+    assert len(lines) == 1 and f"--out {out}" in lines[0], said
     assert lines[0].startswith("attnbook-train: error: ")
     if kind == "a file":
         assert out.read_text() == "mine"

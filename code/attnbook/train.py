@@ -45,10 +45,6 @@ import warnings
 from pathlib import Path  # noqa: F811 (notebook)
 from typing import Any, Callable, Iterator, TextIO, cast
 
-try:
-    import fcntl  # POSIX: the lock on a run's folder
-except ImportError:  # Windows
-    fcntl = None  # type: ignore[assignment]  # None: no lock on this platform
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -77,6 +73,8 @@ from attnbook.train_command import (  # noqa: F811 (notebook)
     RESUMABLE,
     RUN_OPTIONS,
     check_run_options,
+    explain,
+    lock_out,
     torchrun_environment,
 )
 from attnbook.train_command import main as main  # python -m attnbook.train
@@ -135,16 +133,13 @@ def memory_per_process(config: GPTConfig, processes: int, strategy: str) -> int:
 def train(options: argparse.Namespace, on_step: Callable[[int], object] | None = None) -> None:
     """Train as `options` say (see parse_options); `on_step(step)` is called after each step.
 
-    Writes, in options.out: model.pt (what `sample` needs, see load_model), log.jsonl (one line
-    per step: step, loss, lr, tokens_per_second, and held_out_loss where measured), and every
-    options.checkpoint_every steps a checkpoint under checkpoints/ (the latest
-    options.keep_checkpoints are kept). Raises ValueError, before anything is written, for an
-    options.out that another run is using, that holds another run (without resume or
-    overwrite), or whose run or checkpoint is damaged, of other options, or beyond options.steps.
-    """
+    Writes in options.out model.pt (see load_model), log.jsonl (a line per step: step, loss, lr,
+    tokens_per_second, held_out_loss where measured) and checkpoints/. Raises ValueError, before
+    anything is written, for an options.out in use, holding another run (without resume or
+    overwrite), damaged, of other options, or beyond options.steps."""
     rank, processes, device = _start_processes()
     try:  # the lock is released when the run ends, or its process does
-        with _lock(options.out, rank) or contextlib.nullcontext():
+        with _lock(options, rank) or contextlib.nullcontext():
             _train(options, on_step, rank, processes, device)
     except BaseException:  # an error, a refusal or Ctrl-C: no collective may wait for the others
         _leave_processes(orderly=False)
@@ -202,11 +197,9 @@ def _train(options: argparse.Namespace, on_step: Callable[[int], object] | None,
 
 # chapters/a2-training-at-scale.md, "The training loop"
 def run(options: argparse.Namespace, argv: list[str]) -> int:
-    """Run the command that `options` (parse_options of `argv`) describe; its exit status.
-
-    0 when it succeeds; 1, with one line on stderr, for a refusal, a damaged file, a folder
-    that cannot be used or a step whose loss or gradient norm is not finite; 130 for Ctrl-C, saying where the last checkpoint is and which command
-    resumes from it."""
+    """Run the command that `options` (parse_options of `argv`) describe; its exit status: 0
+    when it succeeds; 1, with one line on stderr, for a refusal, a damaged file, an unusable folder
+    or a step whose loss or gradient norm is not finite; 130 for Ctrl-C, saying how to resume."""
     env = None  # torchrun's variables: its rank 0, or the one process, speaks for all
     try:
         if options.command == "sample":
@@ -221,19 +214,9 @@ def run(options: argparse.Namespace, argv: list[str]) -> int:
         return 130
     except (ValueError, OSError) as error:
         if (env or {"RANK": 0})["RANK"] == 0:
-            print(f"{PROGRAM}: error: {_why(error, options)}", file=sys.stderr, flush=True)
+            print(f"{PROGRAM}: error: {explain(error, options)}", file=sys.stderr, flush=True)
         return 1
     return 0
-
-
-def _why(error: Exception, options: argparse.Namespace) -> str:
-    if not isinstance(error, OSError):
-        return str(error)
-    where = f" ({error.filename})" if error.filename else ""
-    if options.command == "sample":
-        return f"cannot read --run {options.run}: {error.strerror or error}{where}"
-    return (f"cannot use --out {options.out}: {error.strerror or error}{where}; give a folder you "
-            f"can write to, on a disk with room")
 
 
 def _interrupted(options: argparse.Namespace, torchrun: bool) -> str:
@@ -301,6 +284,28 @@ def _leave_processes(orderly: bool) -> None:
         dist.destroy_process_group()
 
 
+def _in_every_process(ok: bool) -> bool:
+    """Whether `ok` holds in every process: a collective, which every process must call."""
+    if not dist.is_initialized():
+        return ok
+    flag = torch.tensor([int(ok)], device="cuda" if dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
 def _read_step(loss: torch.Tensor, norm: torch.Tensor) -> tuple[float, float]:
     """A step's loss, the mean over the processes, and its gradient norm (every process's), read
     from the device in one transfer: the loop's one read a step (the model's check of its
@@ -344,39 +349,22 @@ def _set_random_states(state: dict[str, Any], model: nn.Module) -> None:
 RUN_FILES = ("model.pt", "log.jsonl", "checkpoints", "run.json")  # what a run writes in --out
 
 
-def _lock(out: Path, rank: int) -> TextIO | None:
-    """Rank 0 takes an advisory lock on out/.lock, which it holds until the file it returns is
-    closed or its process ends, however it ends; a run into a folder that another run holds is
-    refused, by every process, naming the process that holds it. (No lock where the platform
-    has no fcntl, such as Windows.)"""
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {out} is a file: give a folder (it is created if missing)")
-    held_by = lock = None
-    if rank == 0 and fcntl is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        lock = open(out / ".lock", "a+")
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            with lock:  # closed: another run holds it
-                lock.seek(0)
-                held_by, lock = lock.read().strip() or "unknown", None
-        else:
-            lock.truncate(0)
-            lock.write(f"{os.getpid()}\n")
-            lock.flush()
-    if not _in_every_process(held_by is None):
-        raise ValueError(f"--out {out} is in use by another run (process {held_by}): wait for "
-                         f"it to end, or give another --out")
+def _lock(options: argparse.Namespace, rank: int) -> TextIO | None:
+    """Rank 0's lock_out (main's, for one process); what it cannot lock, every process refuses."""
+    lock = refusal = None
+    try:
+        lock = vars(options).get("lock") or (lock_out(options.out) if rank == 0 else None)
+    except (ValueError, OSError) as error:
+        refusal = error
+    if not _in_every_process(refusal is None):
+        raise refusal or ValueError(f"--out {options.out} is refused by rank 0")
     return lock
 
 
 def _prepare_out(options: argparse.Namespace, rank: int, processes: int,
                  held_out: int) -> Path | None:
-    """Check options.out before anything is written: the checkpoint to resume from, or None; a
-    resumed run takes the run's options (from the checkpoint, or from run.json before the first
-    one); a run already there is refused, or deleted (--overwrite). `held_out`: the length of the
-    held-out text, which --context must fit."""
+    """Check options.out before anything is written, and the checkpoint to resume from (or None)
+    whose options (or run.json's) a resumed run takes; --context must fit `held_out`."""
     out, latest = options.out, latest_checkpoint(options.out) if options.resume else None
     found = [name for name in RUN_FILES if (out / name).exists()]
     if latest is not None:
@@ -385,11 +373,11 @@ def _prepare_out(options: argparse.Namespace, rank: int, processes: int,
         raise ValueError(f"--resume: {out} holds a finished run (model.pt) and no checkpoint to "
                          f"resume from; give another --out, or --overwrite to train it again")
     elif options.resume and "run.json" in found:  # stopped before its first checkpoint
-        _take_run_options(_read_run_json(out), out / "run.json", options)
+        _take_run_options(_read_sealed(out / "run.json"), out / "run.json", options)
     elif found and not (options.resume or options.overwrite):
-        raise ValueError(f"--out {out} already holds a run ({', '.join(found)}): give --resume "
-                         f"to continue it, --overwrite to delete it and start afresh, or "
-                         f"another --out")
+        raise ValueError(f"--out {out} already holds a run ({', '.join(found)}): give --resume to "
+                         f"continue it, --overwrite to delete it and start afresh, or another "
+                         f"--out")
     if latest is not None and "model.pt" in found and (done := _finished_at(out)) >= options.steps:
         raise ValueError(f"--resume: the run in {out} has finished, at step {done}: give --steps "
                          f"above {done} to train it further, or another --out")
@@ -406,9 +394,7 @@ def _prepare_out(options: argparse.Namespace, rank: int, processes: int,
             path = out / name
             shutil.rmtree(path) if path.is_dir() else path.unlink()
         out.mkdir(parents=True, exist_ok=True)
-        recorded = _run_options(options)
-        _write_durably(out / "run.json", json.dumps(
-            {**recorded, "sha256": _manifest_digest(recorded)}, indent=1))
+        _write_sealed(out / "run.json", _run_options(options))
     _barrier()
     return latest
 
@@ -418,7 +404,7 @@ def _check_resumable(path: Path, options: argparse.Namespace, processes: int) ->
     manifest, latest = read_manifest(path), path.parent.parent / "run.json"
     recorded = manifest["options"]  # and what may change, as the run's last start set it
     if latest.exists():
-        recorded = {**recorded, **{k: v for k, v in _read_run_json(latest.parent).items()
+        recorded = {**recorded, **{k: v for k, v in _read_sealed(latest).items()
                                    if k in RESUMABLE}}
     _take_run_options(recorded, path, options)
     if manifest["processes"] != processes:
@@ -431,8 +417,7 @@ def _check_resumable(path: Path, options: argparse.Namespace, processes: int) ->
 
 
 def _take_run_options(recorded: dict[str, Any], where: Path, options: argparse.Namespace) -> None:
-    """Set each option that the command line did not give (options.given) to the run's own, as
-    `where` records them; refuse options given that differ, and records that are not sound."""
+    """Take the run's options, as `where` records them, where not given; refuse others given."""
     flag: Callable[[str], str] = lambda name: "--" + name.replace("_", "-")  # noqa: E731
     if wrong := check_run_options(recorded):
         raise ValueError(f"--resume: {where} records no sound {', '.join(map(flag, wrong))} "
@@ -454,18 +439,6 @@ def _run_options(options: argparse.Namespace) -> dict[str, Any]:
     return {name: getattr(options, name) for name in RUN_OPTIONS + RESUMABLE}
 
 
-def _read_run_json(out: Path) -> dict[str, Any]:
-    """The options in out/run.json, once it matches the SHA-256 it records."""
-    path = out / "run.json"
-    try:
-        recorded: dict[str, Any] = json.loads(path.read_text())
-        if recorded.pop("sha256") != _manifest_digest(recorded):
-            raise ValueError("it does not match its own SHA-256")
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
-        raise ValueError(f"{path} is damaged ({error}): start afresh with another --out") from None
-    return recorded
-
-
 def _finished_at(out: Path) -> int:
     """The step of the run whose model.pt is in `out`."""
     try:
@@ -474,20 +447,9 @@ def _finished_at(out: Path) -> int:
         raise ValueError(f"{out / 'model.pt'} cannot be read: {_reason(error)}") from None
 
 
-def _in_every_process(ok: bool) -> bool:
-    """Whether `ok` holds in every process: a collective, which every process must call."""
-    if not dist.is_initialized():
-        return ok
-    flag = torch.tensor([int(ok)], device="cuda" if dist.get_backend() == "nccl" else "cpu")
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
-
-
 # chapters/a5-training-command.md, "The run's folder"
 def _open_log(out: Path, start: int, rank: int) -> contextlib.AbstractContextManager[TextIO | None]:
-    """Rank 0's log.jsonl, open for appending, with the old log's steps 1 to `start` (a resumed
-    run's) written to a new file, flushed and renamed over the old one before training goes on:
-    a process killed at any moment leaves one log or the other, whole. None in other processes."""
+    """Rank 0's log.jsonl for appending (others: None), its steps 1 to `start` first rewritten."""
     if rank != 0:
         return contextlib.nullcontext()
     path, partial = out / "log.jsonl", out / "log.jsonl.partial"
@@ -498,8 +460,7 @@ def _open_log(out: Path, start: int, rank: int) -> contextlib.AbstractContextMan
 
 
 def _log_lines(path: Path, last_step: int) -> list[str]:
-    """The lines of the log at `path` of steps 1 to `last_step`. A torn last line (the process
-    was killed while writing it) is dropped; any other line that is not a step's is an error."""
+    """The log's lines of steps 1 to `last_step`: a torn last line dropped, a garbled refused."""
     lines = path.read_text(errors="replace").splitlines(keepends=True) if path.exists() else []
     kept = []
     for number, line in enumerate(lines, start=1):
@@ -521,8 +482,7 @@ def _log_lines(path: Path, last_step: int) -> list[str]:
 
 
 class _Progress:
-    """Rank 0's progress on stderr: a line at the first step, at each held-out loss, at most every
-    options.print_every seconds otherwise, and at the last; then a summary."""
+    """Rank 0's progress on stderr, at times the text says; then a summary."""
 
     def __init__(self, options: argparse.Namespace, start: int, rank: int) -> None:
         self.quiet, self.start, self.steps = rank != 0, start, options.steps
@@ -553,16 +513,14 @@ class _Progress:
                 f"{time.perf_counter() - self.began:.1f} s, "
                 f"{self.tokens * done / self.total:,.0f} tokens/s, final loss "
                 f"{self.last['loss']:.4f}, held-out loss {self.last['held_out_loss']:.4f}")
-        print(f"{said}; wrote {out / 'model.pt'} and {out / 'log.jsonl'}", file=sys.stderr,
-              flush=True)
+        print(f"{said}; wrote {out / 'model.pt'}, {out / 'log.jsonl'}", file=sys.stderr, flush=True)
 
 
 # chapters/a5-training-command.md, "Checkpoints, and what they trust"
 def save_checkpoint(out: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
                     options: argparse.Namespace | None = None) -> Path:
-    """Save everything a resumed run needs as out/checkpoints/step-<step>/, by every process,
-    with a manifest.json (by rank 0) of the step, the run's `options` and every file's SHA-256;
-    then, given `options`, keep it and the latest options.keep_checkpoints - 1 others."""
+    """Save what a resumed run needs as out/checkpoints/step-<step>/, by every process, with a
+    manifest.json of the step, `options` and every file's SHA-256; keep options.keep_checkpoints."""
     step = check_int("step", step, 0)  # and keep, before anything is written or deleted
     keep = None if options is None else check_int("options.keep_checkpoints",
                                                   options.keep_checkpoints, 1)
@@ -571,39 +529,34 @@ def save_checkpoint(out: Path, step: int, model: nn.Module, optimizer: torch.opt
     if _rank() == 0:
         shutil.rmtree(partial, ignore_errors=True)  # what a process killed while saving left
     _barrier()
-    try:
-        with _single_process_quiet():
-            dcp.save(_checkpoint_state(model, optimizer, step), checkpoint_id=partial,
-                     no_dist=not dist.is_initialized())
-    except CheckpointException as error:  # DCP wraps even a Ctrl-C in it
-        _reraise_interrupt(error)
-        raise
+    with _dcp_call():
+        dcp.save(_checkpoint_state(model, optimizer, step), checkpoint_id=partial,
+                 no_dist=not dist.is_initialized())
     _barrier()
     if _rank() == 0:
         files = {p.name: _sha256(p) for p in sorted(partial.iterdir())}
         manifest = {"written_by": "attnbook.train", "step": step, "processes": _world(),
                     "options": None if options is None else _run_options(options), "files": files}
-        _write_durably(partial / MANIFEST, json.dumps(
-            {**manifest, "sha256": _manifest_digest(manifest)}, indent=1))
+        _write_sealed(partial / MANIFEST, manifest)
         shutil.rmtree(path, ignore_errors=True)
         partial.rename(path)  # complete: only now can a run resume from it
-        if keep is not None:
-            _prune_checkpoints(out, keep, path)
+        if keep is not None:  # delete all but it and the latest keep - 1 others
+            others = [c for c in _checkpoints(out) if c != path]
+            for old in others[:max(len(others) - keep + 1, 0)]:
+                shutil.rmtree(old)
     _barrier()
     return path
 
 
 def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
-    """Load a checkpoint of save_checkpoint into `model` and `optimizer`; the step it was at.
-
-    Its files are checked against its manifest first (read_manifest), and nothing in it is
-    unpickled but its metadata's own types; a checkpoint that fails either, or does not fit
-    `model`, raises ValueError naming the folder."""
+    """Load a checkpoint of save_checkpoint into `model` and `optimizer`; the step it was at. A
+    ValueError names a checkpoint that fails read_manifest, pickles other than its metadata's
+    types, or does not fit `model`."""
     read_manifest(path)
     state = _checkpoint_state(model, optimizer, 0)
     try:
         _only_saved(state, _read_metadata(path))  # first: DCP tries no other file after a refusal
-        with _single_process_quiet():
+        with _dcp_call():
             dcp.load(state, storage_reader=_TrustedReader(path), planner=_TrustedPlanner(),
                      no_dist=not dist.is_initialized())
         _, optimizer_state = dcp_state.get_state_dict(model, optimizer)  # its param_groups
@@ -612,7 +565,6 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
                                                    optimizer_state["param_groups"]})
         _set_random_states(state, model)
     except (CheckpointException, Exception) as error:  # CheckpointException is a BaseException
-        _reraise_interrupt(error)
         raise ValueError(f"checkpoint {path} cannot be loaded: {_reason(error)}") from None
     return int(state["step"])
 
@@ -628,18 +580,9 @@ def _checkpoints(out: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name[5:]))
 
 
-def _prune_checkpoints(out: Path, keep: int, written: Path) -> None:
-    """Delete the complete checkpoints but `written` and the latest `keep` - 1 others."""
-    others = [c for c in _checkpoints(out) if c != written]
-    for old in others[:max(len(others) - keep + 1, 0)]:
-        shutil.rmtree(old)
-
-
 def _checkpoint_state(model: nn.Module, optimizer: torch.optim.Optimizer,
                       step: int) -> dict[str, Any]:
-    """Tensors only, so that no value of a checkpoint is a pickle. The optimizer's
-    hyperparameters (its param_groups) are not saved: they follow from the options, which the
-    manifest records and a resumed run must repeat."""
+    """Tensors only (no value is a pickle); the optimizer's param_groups follow from the options."""
     model_state, optimizer_state = dcp_state.get_state_dict(model, optimizer)
     return {"model": model_state, "optimizer": optimizer_state["state"],
             "step": torch.tensor(step), **_random_states(model)}
@@ -652,37 +595,24 @@ MANIFEST = "manifest.json"
 def read_manifest(path: Path) -> dict[str, Any]:
     """The manifest.json of checkpoint `path`, once every file of the folder has been checked
     against the SHA-256 it lists; a ValueError names the folder and what is wrong."""
-    try:
-        manifest = json.loads((path / MANIFEST).read_text())
-    except FileNotFoundError:
-        raise ValueError(f"checkpoint {path} has no {MANIFEST}: it was not written by this "
-                         f"version of attnbook.train, and is not read") from None
-    except (OSError, ValueError) as error:  # a JSONDecodeError or a UnicodeDecodeError
-        raise ValueError(f"checkpoint {path}: its {MANIFEST} is damaged ({error})") from None
-    fields: dict[str, type | tuple[type, ...]] = {"written_by": str, "step": int, "processes": int,
-              "options": (dict, type(None)), "files": dict, "sha256": str}
-    if not (isinstance(manifest, dict) and manifest.get("written_by") == "attnbook.train" and
+    manifest = _read_sealed(path / MANIFEST, f"checkpoint {path}: its {MANIFEST}")
+    fields: dict[str, type | tuple[type, ...]] = {"step": int, "processes": int, "files": dict,
+                                                 "options": (dict, type(None))}
+    if not (manifest.get("written_by") == "attnbook.train" and
             all(isinstance(manifest.get(k), kind) for k, kind in fields.items())):
         raise ValueError(f"checkpoint {path}: its {MANIFEST} is not attnbook.train's")
-    if manifest.pop("sha256") != _manifest_digest(manifest):
-        raise ValueError(f"checkpoint {path} is damaged: its {MANIFEST} does not match its own "
-                         f"SHA-256")
     manifest["options"] = manifest["options"] or {}
-    present = sorted(p.name for p in path.iterdir() if p.name != MANIFEST)
-    if present != sorted(manifest["files"]):
-        raise ValueError(f"checkpoint {path} is damaged: it holds {present}, and its {MANIFEST} "
-                         f"lists {sorted(manifest['files'])}")
-    for name in present:
-        if _sha256(path / name) != manifest["files"][name]:
-            raise ValueError(f"checkpoint {path} is damaged: {name} does not match the SHA-256 "
-                             f"in its {MANIFEST}")
+    files = {p.name: _sha256(p) for p in path.iterdir() if p.name != MANIFEST}
+    if wrong := sorted(n for n in files.keys() | manifest["files"] if files.get(n) !=
+                       manifest["files"].get(n)):
+        raise ValueError(f"checkpoint {path} is damaged: {', '.join(wrong)} (changed, added or "
+                         f"missing) does not match the SHA-256 in its {MANIFEST}")
     return manifest
 
 
 class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles a checkpoint's .metadata admitting only what DCP's metadata is made of (its
-    own dataclasses, torch.Size, dtypes, layouts and paths): a pickle that names anything else,
-    such as os.system, is refused before it can call it."""
+    """Unpickles a .metadata admitting only what DCP's metadata is made of (its dataclasses,
+    torch.Size, dtypes, layouts, paths): anything else, such as os.system, is refused uncalled."""
 
     ADMITTED = {("torch", "Size"), ("torch.serialization", "_get_layout"),
                 ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
@@ -731,24 +661,30 @@ def _reason(error: BaseException) -> str:
     return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
 
 
-def _reraise_interrupt(error: BaseException) -> None:
-    """A Ctrl-C that DCP caught in a process, and wrapped in a CheckpointException, as itself."""
-    failures = error.failures.values() if isinstance(error, CheckpointException) else ()
-    if any(isinstance(failure[0], KeyboardInterrupt) for failure in failures):
-        raise KeyboardInterrupt from None
-
-
 def _manifest_digest(manifest: dict[str, Any]) -> str:
     """The SHA-256 of a manifest's fields, which the manifest records beside them."""
     return hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()
 
 
+def _write_sealed(path: Path, fields: dict[str, Any]) -> None:
+    """`fields` as JSON with their SHA-256 beside them: a manifest.json, or a run's run.json."""
+    _write_durably(path, json.dumps({**fields, "sha256": _manifest_digest(fields)}, indent=1))
+
+
+def _read_sealed(path: Path, name: str = "") -> dict[str, Any]:
+    """The fields of a file of _write_sealed, which match its SHA-256, or `name` is damaged."""
+    try:
+        fields: dict[str, Any] = json.loads(path.read_text())
+        if fields.pop("sha256") != _manifest_digest(fields):
+            raise ValueError("it does not match its own SHA-256")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+        raise ValueError(f"{name or path} is damaged ({error})") from None
+    return fields
+
+
 def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
     with open(path, "rb") as file:
-        while block := file.read(1 << 20):
-            digest.update(block)
-    return digest.hexdigest()
+        return hashlib.file_digest(file, "sha256").hexdigest()
 
 
 def _write_durably(path: Path, text: str) -> None:
@@ -759,24 +695,16 @@ def _write_durably(path: Path, text: str) -> None:
 
 
 @contextlib.contextmanager
-def _single_process_quiet() -> Iterator[None]:
-    """DCP warns that it assumes one process when there is no process group: we know."""
+def _dcp_call() -> Iterator[None]:
+    """Around a DCP call: no warning that it assumes one process (we know); a Ctrl-C as itself."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _world() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
+        try:
+            yield
+        except CheckpointException as error:  # DCP wraps even a Ctrl-C in it
+            if any(isinstance(failed[0], KeyboardInterrupt) for failed in error.failures.values()):
+                raise KeyboardInterrupt from None
+            raise
 
 
 # chapters/a5-training-command.md, "What a trained model holds"
@@ -785,8 +713,7 @@ MODEL_FORMAT = "attnbook.train model, version 1"
 
 def _save_model(options: argparse.Namespace, model: nn.Module, tokenizer: CharTokenizer,
                 rank: int) -> None:
-    """Rank 0 writes out/model.pt: all that rebuilds the model, in types that
-    torch.load(..., weights_only=True) reads; to a new file renamed over the old one."""
+    """Rank 0 writes out/model.pt, renamed over the old: all that rebuilds the model."""
     weights = dcp_state.get_model_state_dict(  # a collective: every process takes part
         model, options=dcp_state.StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank != 0:
@@ -825,9 +752,8 @@ def load_model(run: str | os.PathLike[str]) -> tuple[GPT, CharTokenizer]:
 
 def sample(run: str | os.PathLike[str], prompt: str, tokens: int = 200,
            temperature: float = 0.8, seed: int = 0, top_k: int | None = 10) -> str:
-    """`prompt` and `tokens` characters more, written by the model of a run (load_model), as
-    chapter 10 samples: drawn at `temperature` among the `top_k` likeliest (None: among all),
-    seeded by `seed`; the likeliest each time at temperature 0."""
+    """`prompt` and `tokens` characters more by the model of a run (load_model), as chapter 10
+    samples: drawn at `temperature` among the `top_k` likeliest (None: all), seeded by `seed`."""
     check_int("len(prompt)", len(check_instance("prompt", prompt, str)), minimum=1)
     tokens, seed = check_int("tokens", tokens, minimum=0), check_int("seed", seed, minimum=0)
     temperature = check_real("temperature", temperature, 0.0)

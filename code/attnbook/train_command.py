@@ -14,6 +14,8 @@ __all__ = [
     "check_run_options",
     "DEFAULTS",
     "main",
+    "lock_out",
+    "explain",
 ]
 
 # chapters/a5-training-command.md, "The command and its options"
@@ -23,7 +25,12 @@ import os
 import sys
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, TextIO
+
+try:
+    import fcntl  # POSIX: the lock on a run's folder
+except ImportError:  # Windows
+    fcntl = None  # type: ignore[assignment]  # None: no lock on this platform
 
 PROGRAM = "attnbook-train"
 # What fixes the model and the course of training (a step's data, its dropout, its update): a
@@ -41,15 +48,13 @@ TRUST = ("What is trusted: nothing in --out or --run is run as code. --resume re
 
 
 def parse_options(argv: list[str] | None = None) -> argparse.Namespace:
-    """The options of `attnbook-train gpt ...` (training) or `... sample ...` (see --help); a bad
-    one exits naming it, and for `gpt` a bad torchrun environment is a ValueError naming it. For
-    `gpt`, `options.given` lists the RUN_OPTIONS and RESUMABLE given on the command line: the
-    others hold defaults, which a resumed run replaces by its checkpoint's."""
+    """The options of `attnbook-train gpt ...` or `... sample ...`; a bad one exits naming it, a
+    bad torchrun environment is a ValueError naming it. `options.given`: the RUN_OPTIONS and
+    RESUMABLE given (the others hold defaults, which a resumed run replaces by its own)."""
     parser = argparse.ArgumentParser(
         prog=PROGRAM, epilog=TRUST,
-        description="Train the book's character-level GPT (chapter 10) on the book's corpus, on "
-                    "one process or, under torchrun, on several (DDP or FSDP2); or continue a "
-                    "prompt with it.")
+        description="Train the book's character-level GPT (chapter 10) on its corpus, in one "
+                    "process or several under torchrun (DDP or FSDP2); or continue a prompt.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="{gpt,sample}")
     gpt = commands.add_parser("gpt", help="train the GPT")
@@ -85,9 +90,8 @@ _TORCHRUN = ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")  # torchrun set
 
 
 def torchrun_environment() -> dict[str, Any] | None:
-    """The variables torchrun set for this process, read and checked once: None for one process
-    (no WORLD_SIZE, or WORLD_SIZE=1 alone); a ValueError naming the variable for a partial
-    environment, a number out of range or an empty MASTER_ADDR, before any process waits."""
+    """The variables torchrun set for this process: None for one process (no WORLD_SIZE, or
+    WORLD_SIZE=1 alone); a ValueError naming the variable that is missing, empty or out of range."""
     if "WORLD_SIZE" not in os.environ:
         return None
     world = _whole("WORLD_SIZE", 1, math.inf)
@@ -224,15 +228,17 @@ def _number(kind: type[int] | type[float], low: float, high: float = math.inf,
 
 # chapters/a5-training-command.md, "The command and its options"
 def main(argv: list[str] | None = None) -> None:  # noqa: F811 (notebook)
-    """`attnbook-train ...` (or `python -m attnbook.train ...`), alone or under torchrun: reads
-    the options (--help, --version, a bad option and a bad torchrun environment end here,
-    before PyTorch loads), then runs the command with attnbook.train.run and exits with its
-    status if that is not 0."""
+    """`attnbook-train ...`: reads the options (--help, --version, a bad option or torchrun
+    environment, and an --out that one process cannot lock end here, before PyTorch loads),
+    then runs the command with attnbook.train.run and exits with its status if that is not 0."""
     argv = sys.argv[1:] if argv is None else list(argv)
+    options = argparse.Namespace(command=None)  # until parse_options reads them
     try:
-        options = parse_options(argv)
-    except ValueError as error:  # torchrun's variables: refused by every process alike
-        print(f"{PROGRAM}: error: {error}", file=sys.stderr)
+        options = parse_options(argv)  # torchrun's variables: refused by every process alike
+        if options.command == "gpt" and torchrun_environment() is None:  # one process: it locks
+            options.lock = lock_out(options.out)  # --out now, and holds it until it ends
+    except (ValueError, OSError) as error:  # an OSError: an --out that cannot be made
+        print(f"{PROGRAM}: error: {explain(error, options)}", file=sys.stderr)
         raise SystemExit(1) from None
     try:
         from attnbook import train  # PyTorch loads here
@@ -241,6 +247,38 @@ def main(argv: list[str] | None = None) -> None:  # noqa: F811 (notebook)
         raise SystemExit(130) from None
     if status := train.run(options, argv):
         raise SystemExit(status)
+
+
+def lock_out(out: Path) -> TextIO | None:
+    """An advisory lock on out/.lock, held until the file returned is closed or the process ends
+    (None without fcntl: Windows); a ValueError for an `out` that is a file or that a run holds."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file: give a folder (it is created if missing)")
+    if fcntl is None:
+        return None
+    out.mkdir(parents=True, exist_ok=True)
+    lock = open(out / ".lock", "a+")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        with lock:  # closed: another run holds it
+            lock.seek(0)
+            raise ValueError(f"--out {out} is in use by another run (process "
+                             f"{lock.read().strip() or 'unknown'}): wait for it to end, or give "
+                             f"another --out") from None
+    lock.truncate(0)
+    lock.write(f"{os.getpid()}\n")
+    lock.flush()
+    return lock
+
+
+def explain(error: Exception, options: argparse.Namespace) -> str:
+    """Why a command of `options` failed: a refusal's own words, or the --out of an OSError."""
+    if not isinstance(error, OSError) or options.command != "gpt":
+        return str(error)
+    where = f" ({error.filename})" if error.filename else ""
+    return (f"cannot use --out {options.out}: {error.strerror or error}{where}; give a folder you "
+            f"can write to, on a disk with room")
 
 
 if __name__ == "__main__":  # python -m attnbook.train_command
