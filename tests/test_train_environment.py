@@ -1,8 +1,8 @@
-"""The installed `attnbook-train` under a torchrun environment that torchrun did not set (issue 37):
+"""The installed `attnbook-train` under a torchrun environment that torchrun did not set:
 WORLD_SIZE=1 alone trains on one process, as without torchrun; WORLD_SIZE>1 without the variables
 torchrun sets with it (RANK, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) is refused in one line, exit
 status 1, naming what is missing, with nothing written; so is a variable torchrun would not set
-(AT53-L: not a whole number, out of range, an empty MASTER_ADDR), at once, by every process; and
+(not a whole number, out of range, an empty MASTER_ADDR), at once, by every process; and
 TORCHELASTIC_USE_AGENT_STORE=True, where no torchrun agent serves the store it names, is refused at
 once instead of waiting for that store."""
 
