@@ -558,6 +558,24 @@ def test_check_int_holds_a_traced_size_to_its_bounds_by_name(length, match):
         _compiled(_length_times)(torch.ones(length))
 
 
+def test_check_int_keeps_a_symbolic_size_symbolic_outside_torch_compile():
+    """make_fx and torch.export (not strict) trace a torch.SymInt as such: operator.index would
+    fix it to the example's value, a graph right for length 5 only (export: 'Constraints
+    violated')."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    traced = make_fx(_length_times, tracing_mode="symbolic")(torch.ones(5))
+    assert torch.equal(traced(torch.ones(7)), torch.full((7,), 7.0))
+
+    class LengthTimes(torch.nn.Module):
+        def forward(self, x):
+            return _length_times(x)
+
+    exported = torch.export.export(LengthTimes(), (torch.ones(5),), strict=False,
+                                   dynamic_shapes={"x": {0: torch.export.Dim("n", min=2, max=8)}})
+    assert torch.equal(exported.module()(torch.ones(7)), torch.full((7,), 7.0))
+
+
 def test_check_int_refuses_in_eager_code_as_before():
     """Outside torch.compile (torch imported), the refusals keep their type and their message."""
     with pytest.raises(ValueError, match=r"^n must be at least 1, got n=np.int64\(0\)$"):

@@ -60,8 +60,8 @@ def check_int(name: str, value: object, minimum: int | None = None, maximum: int
     """`value` as a Python int from `minimum` to `maximum`: not a bool, a float or a string.
     Whatever Python can use as an index counts, such as np.int64(3) or a 0-d integer tensor, and
     a size that torch.compile traces (a torch.SymInt), whose bounds the graph then checks."""
-    number = cast(int, value)  # traced by torch.compile, a size (a torch.SymInt) is an int too
-    if type(value) is not int:
+    number = cast(int, value)  # a size traced as a symbol (a torch.SymInt) is an int too: its
+    if type(value) is not int and type(value).__name__ != "SymInt":  # index would fix its value
         try:  # a bool tensor's dtype is named, so that this module needs no torch
             if isinstance(value, (bool, np.bool_)) or str(getattr(value, "dtype", "")) == "torch.bool":
                 raise TypeError
