@@ -534,3 +534,73 @@ def test_check_padding_mask_checks_its_other_arguments_by_name(kwargs, error, ma
         return
     with pytest.raises(error, match=match):
         c.check_padding_mask("attention_mask", **args)
+
+
+def _length_times(x):  # compiled below with dynamic=True: x.shape[0] is a symbol
+    return x * c.check_int("x.shape[0]", x.shape[0], 2, 8)
+
+
+def _compiled(fn):
+    torch._dynamo.reset()
+    return torch.compile(fn, fullgraph=True, dynamic=True)
+
+
+def test_check_int_takes_a_size_that_torch_compile_traces():
+    """A torch.SymInt passes as an int with no graph break (fullgraph=True), for any length."""
+    compiled = _compiled(_length_times)
+    for length in (3, 5, 8):
+        assert torch.equal(compiled(torch.ones(length)), torch.full((length,), float(length)))
+
+
+@pytest.mark.parametrize("length, match", [(9, "at most 8"), (1, "at least 2")])
+def test_check_int_holds_a_traced_size_to_its_bounds_by_name(length, match):
+    with pytest.raises(Exception, match=r"x.shape\[0\] must be " + match):
+        _compiled(_length_times)(torch.ones(length))
+
+
+def test_check_int_keeps_a_symbolic_size_symbolic_outside_torch_compile():
+    """make_fx and torch.export (not strict) trace a torch.SymInt as such: operator.index would
+    fix it to the example's value, a graph right for length 5 only (export: 'Constraints
+    violated')."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    traced = make_fx(_length_times, tracing_mode="symbolic")(torch.ones(5))
+    assert torch.equal(traced(torch.ones(7)), torch.full((7,), 7.0))
+
+    class LengthTimes(torch.nn.Module):
+        def forward(self, x):
+            return _length_times(x)
+
+    exported = torch.export.export(LengthTimes(), (torch.ones(5),), strict=False,
+                                   dynamic_shapes={"x": {0: torch.export.Dim("n", min=2, max=8)}})
+    assert torch.equal(exported.module()(torch.ones(7)), torch.full((7,), 7.0))
+
+
+def test_check_int_refuses_in_eager_code_as_before():
+    """Outside torch.compile (torch imported), the refusals keep their type and their message."""
+    with pytest.raises(ValueError, match=r"^n must be at least 1, got n=np.int64\(0\)$"):
+        c.check_int("n", np.int64(0), 1)
+    with pytest.raises(ValueError, match=r"^n must be at most 4, got n=6$"):
+        c.check_int("n", torch.ones(6).shape[0], maximum=4)
+    with pytest.raises(TypeError, match="n must be an int, got n=tensor"):
+        c.check_int("n", torch.tensor(True))
+
+
+def test_check_fields_sets_each_named_field_to_its_checked_value_in_order():
+    from dataclasses import dataclass
+
+    @dataclass(frozen=True)
+    class Config:
+        width: object = 4
+        rate: object = 0.5
+        extra: object = None
+
+    table = {"width": (c.check_int, 1), "rate": (c.check_probability,), "extra": (c.check_int, 0)}
+    config = Config(np.int64(8), 1)
+    c.check_fields(config, table, optional=("extra",))
+    assert (config.width, config.rate, config.extra) == (8, 1.0, None)
+    assert type(config.width) is int and type(config.rate) is float  # plain Python values
+    with pytest.raises(TypeError, match="^extra must be an int, got extra=None"):
+        c.check_fields(Config(), table)  # None only where optional allows it
+    with pytest.raises(ValueError, match="^width must be at least 1, got width=0"):
+        c.check_fields(Config(0, 2.0), table)  # the first field of the table first

@@ -26,6 +26,7 @@ from torch import nn
 
 from attnbook.attention import compute_dtype
 from attnbook.checks import (
+    check_fields,
     check_generator,  # noqa: F401 (chapter 9's mask_tokens, in this module, uses it)
     check_holds_weights,
     check_instance,
@@ -59,17 +60,12 @@ class BERTConfig:
     backend: str = "sdpa"
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "d_model", "num_layers", "num_heads", "d_ff", "context_length",
-                     "type_vocab_size"):
-            object.__setattr__(self, name, check_int(name, getattr(self, name), 1))
-        object.__setattr__(self, "dropout", check_probability("dropout", self.dropout))
-        if self.attn_dropout is not None:
-            object.__setattr__(self, "attn_dropout",
-                               check_probability("attn_dropout", self.attn_dropout))
-        object.__setattr__(self, "eps", check_positive("eps", self.eps))
-        if self.pad_id is not None:
-            object.__setattr__(self, "pad_id", check_int("pad_id", self.pad_id, 0,
-                                                         self.vocab_size - 1))
+        sizes = ("vocab_size", "d_model", "num_layers", "num_heads", "d_ff", "context_length",
+                 "type_vocab_size")  # each at least 1; each field, checked, as a plain Python value
+        check_fields(self, {name: (check_int, 1) for name in sizes} | {
+            "dropout": (check_probability,), "attn_dropout": (check_probability,),
+            "eps": (check_positive,)}, optional=("attn_dropout",))
+        check_fields(self, {"pad_id": (check_int, 0, self.vocab_size - 1)}, optional=("pad_id",))
         self.block  # noqa: B018 (BlockConfig checks the rest: the heads and the backend)
 
     @property

@@ -19,6 +19,7 @@ __all__ = [
     "check_text",
     "env_flag",
     "check_callable",
+    "check_fields",
     "check_array",
     "check_device",
     "check_generator",
@@ -36,8 +37,9 @@ import math
 import numbers
 import operator
 import os
-from collections.abc import Collection
-from typing import TYPE_CHECKING, TypeVar, cast
+import sys
+from collections.abc import Collection, Mapping
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import numpy as np
 
@@ -56,13 +58,22 @@ def type_error(name: str, value: object, wanted: str) -> TypeError:
 
 def check_int(name: str, value: object, minimum: int | None = None, maximum: int | None = None) -> int:
     """`value` as a Python int from `minimum` to `maximum`: not a bool, a float or a string.
-    Whatever Python can use as an index counts, such as np.int64(3) or a 0-d integer tensor."""
-    try:  # a bool tensor's dtype is named, so that this module needs no torch
-        if isinstance(value, (bool, np.bool_)) or str(getattr(value, "dtype", "")) == "torch.bool":
-            raise TypeError
-        number = operator.index(value)  # type: ignore[arg-type]  # the check itself
-    except TypeError:
-        raise type_error(name, value, "an int") from None
+    Whatever Python can use as an index counts, such as np.int64(3) or a 0-d integer tensor, and
+    a size that torch.compile traces (a torch.SymInt), whose bounds the graph then checks."""
+    number = cast(int, value)  # a size traced as a symbol (a torch.SymInt) is an int too: its
+    if type(value) is not int and type(value).__name__ != "SymInt":  # index would fix its value
+        try:  # a bool tensor's dtype is named, so that this module needs no torch
+            if isinstance(value, (bool, np.bool_)) or str(getattr(value, "dtype", "")) == "torch.bool":
+                raise TypeError
+            number = operator.index(value)  # type: ignore[arg-type]  # the check itself
+        except TypeError:
+            raise type_error(name, value, "an int") from None
+    torch = sys.modules.get("torch")  # imported already wherever a call is traced
+    if torch is not None and torch.compiler.is_compiling():  # a guard, or a check when it runs
+        low, high = f"{name} must be at least {minimum}", f"{name} must be at most {maximum}"
+        torch._check_with(ValueError, minimum is None or number >= minimum, lambda: low)
+        torch._check_with(ValueError, maximum is None or number <= maximum, lambda: high)
+        return number
     if minimum is not None and number < minimum:
         raise ValueError(f"{name} must be at least {minimum}, got {name}={value!r}")
     if maximum is not None and number > maximum:
@@ -158,6 +169,16 @@ def check_callable(name: str, value: _T) -> _T:
     if not callable(value):
         raise type_error(name, value, "callable")
     return value
+
+
+def check_fields(config: object, checks: Mapping[str, tuple[Any, ...]],
+                 optional: Collection[str] = ()) -> None:
+    """Set each field of the frozen dataclass `config` that `checks` names, in its order, to its
+    checked value: check(name, value, *arguments) for checks[name] = (check, *arguments). A field
+    named in `optional` may be None, which is kept (a default that other fields give)."""
+    for name, (check, *arguments) in checks.items():
+        if getattr(config, name) is not None or name not in optional:
+            object.__setattr__(config, name, check(name, getattr(config, name), *arguments))
 
 
 # chapters/a1-conventions.md, "One way to check an argument"
@@ -379,8 +400,7 @@ def check_padding_mask(name: str, mask: object, ids: "torch.Tensor", cached: int
 
     check_instance("ids", ids, torch.Tensor)
     left = check_bool("left", left)
-    if not torch.compiler.is_compiling():  # traced, cached is the cache's own symbolic length
-        cached = check_int("cached", cached, 0)
+    cached = check_int("cached", cached, 0)  # traced, the cache's own symbolic length
     held = None if held is None else check_instance("held", held, torch.Tensor)[:, :cached]
     if mask is None and held is not None:  # the cached padding, then real tokens
         mask = torch.cat([held, torch.ones_like(ids, dtype=held.dtype)], dim=1)

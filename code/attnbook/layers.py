@@ -41,6 +41,7 @@ from attnbook.checks import (
     check_choice,
     check_device,
     check_divisible,
+    check_fields,
     check_instance,
     check_int,
     check_mask,
@@ -224,14 +225,12 @@ class AttentionConfig:
     backend: str = "sdpa"  # one of ATTENTION_BACKENDS, used when the weights are not asked for
 
     def __post_init__(self) -> None:
-        counts = ["d_model", "num_heads"] + ([] if self.num_kv_heads is None else ["num_kv_heads"])
-        for name in counts:
-            object.__setattr__(self, name, check_int(name, getattr(self, name), 1))
+        check_fields(self, {"d_model": (check_int, 1), "num_heads": (check_int, 1),
+                            "num_kv_heads": (check_int, 1), "dropout": (check_probability,),
+                            "bias": (check_bool,), "backend": (check_choice, ATTENTION_BACKENDS)},
+                     optional=("num_kv_heads",))  # each field, checked, as a plain Python value
         check_divisible("d_model", self.d_model, "num_heads", self.num_heads)
         check_divisible("num_heads", self.num_heads, "num_kv_heads", self.kv_heads)
-        object.__setattr__(self, "dropout", check_probability("dropout", self.dropout))
-        object.__setattr__(self, "bias", check_bool("bias", self.bias))
-        check_choice("backend", self.backend, ATTENTION_BACKENDS)
 
     @property
     def kv_heads(self) -> int:
@@ -635,6 +634,14 @@ class RMSNorm(nn.Module):
 
 
 # chapters/07-blocks.md, "The block"
+_BLOCK_CHECKS = {  # BlockConfig's own fields (the attention's are AttentionConfig's): a check
+    "dropout": (check_probability,), "attn_dropout": (check_probability,),  # and its arguments
+    "ff_dropout": (check_probability,), "norm_first": (check_bool,), "cross_attention": (check_bool,),
+    "activation": (check_choice, (*_ACTIVATIONS, "swiglu")), "norm": (check_choice, ("layernorm", "rmsnorm")),
+    "eps": (check_positive,), "d_ff": (check_int, 1), "positions": (check_choice, ("none", "rope", "alibi")),
+    "rope_base": (check_positive,)}
+
+
 @dataclass(frozen=True)
 class BlockConfig:
     """The settings of a Transformer block; d_ff None means 4 * d_model, and attn_dropout and
@@ -658,24 +665,10 @@ class BlockConfig:
     rope_base: float = 10000.0
 
     def __post_init__(self) -> None:
-        def keep(name: str, check: Callable[..., object], *args: object) -> None:  # the checked value, as a plain Python one
-            object.__setattr__(self, name, check(name, getattr(self, name), *args))
-
-        for name in ("dropout", "attn_dropout", "ff_dropout"):
-            if name == "dropout" or getattr(self, name) is not None:
-                keep(name, check_probability)
+        check_fields(self, _BLOCK_CHECKS, optional=("d_ff", "attn_dropout", "ff_dropout"))
         attention = self.attention  # AttentionConfig checks the attention's settings
         for name in ("d_model", "num_heads", "num_kv_heads", "bias"):
             object.__setattr__(self, name, getattr(attention, name))
-        keep("norm_first", check_bool)
-        keep("cross_attention", check_bool)
-        keep("activation", check_choice, (*_ACTIVATIONS, "swiglu"))
-        keep("norm", check_choice, ("layernorm", "rmsnorm"))
-        keep("eps", check_positive)
-        if self.d_ff is not None:
-            keep("d_ff", check_int, 1)
-        keep("positions", check_choice, ("none", "rope", "alibi"))
-        keep("rope_base", check_positive)
         if self.positions == "rope":  # RoPE turns pairs of a head's coordinates
             check_divisible("head_dim", attention.head_dim, "2", 2)
 
