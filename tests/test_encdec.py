@@ -139,7 +139,7 @@ def test_matches_torch_transformer(norm_first, activation):
     src, tgt_in, lengths = _batch(1)
     src_pad = padding_mask(lengths, src.shape[1])
     with torch.no_grad():
-        hidden = theirs(ours.src_embed(src), ours.tgt_embed(tgt_in),
+        hidden = theirs(ours.src_embed(src, src_pad), ours.tgt_embed(tgt_in, tgt_in != PAD),
                         tgt_mask=~causal_mask(tgt_in.shape[1]), src_key_padding_mask=~src_pad,
                         memory_key_padding_mask=~src_pad)
         torch.testing.assert_close(ours(src, tgt_in, src_lengths=lengths), ours.lm_head(hidden))

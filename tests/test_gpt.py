@@ -375,11 +375,13 @@ def full_cache(batch):
     (lambda: MODEL(torch.zeros(2, 3, dtype=torch.long), kv_cache=full_cache(2)), ValueError,
      r"idx of length 3 does not fit: kv_cache holds 30 .* capacity 32"),
     (lambda: MODEL(torch.zeros(2, 1, dtype=torch.long), kv_cache=MODEL.make_kv_cache(3)),
-     ValueError, "batch_size=3, but idx has batch size 2"),
+     ValueError, r"kv_cache.keys \(layers, batch, .*\) must have shape \(2, 2, 4, \*, 8\), got "
+                 r"shape \(2, 3, "),
     (lambda: MODEL(torch.zeros(1, 1, dtype=torch.long), kv_cache="cache"), TypeError,
      "kv_cache must be an instance of KVCache"),
     (lambda: MODEL(torch.zeros(1, 1, dtype=torch.long),
-                   kv_cache=tiny_gpt(num_layers=3).make_kv_cache(1)), ValueError, "layers"),
+                   kv_cache=tiny_gpt(num_layers=3).make_kv_cache(1)), ValueError,
+     r"must have shape \(2, 1, 4, \*, 8\), got shape \(3, 1, "),
     (lambda: MODEL.make_kv_cache(0), ValueError, "batch_size=0"),
     (lambda: MODEL.make_kv_cache(1, capacity=33), ValueError, "capacity=33"),
     (lambda: MODEL.generate(torch.zeros(1, 1, dtype=torch.long), -1), ValueError,
@@ -493,12 +495,12 @@ def test_config_has_one_dropout_rate_in_gpt2s_three_places():
 
 def test_conversion_refuses_gpt2_dropout_rates_that_differ():
     hf = random_hf_gpt2(spread=0, embd_pdrop=0.0, attn_pdrop=0.2, resid_pdrop=0.3)
-    with pytest.raises(ValueError, match="dropout rates differ"):
+    with pytest.raises(ValueError, match="dropout layers must each be an nn.Dropout of its drop.p"):
         GPT.from_hf_gpt2(hf)
     later = random_hf_gpt2(spread=0, embd_pdrop=0.1, attn_pdrop=0.1, resid_pdrop=0.1, n_layer=3)
     later.transformer.h[2].mlp.dropout.p = 0.5  # before: only layer 0's rates were read
-    with pytest.raises(ValueError, match=r"dropout rates differ from its drop\.p=0\.1: "
-                                         r"\['h\.2\.mlp\.dropout\.p=0\.5'\] \(1 in all\)"):
+    with pytest.raises(ValueError, match=r"an nn.Dropout of its drop\.p=0\.1 \(GPTConfig has one "
+                                         r"rate\), unlike \['h\.2\.mlp\.dropout\.p=0\.5'\] \(1 in all\)"):
         GPT.from_hf_gpt2(later)
     same = GPT.from_hf_gpt2(random_hf_gpt2(spread=0, embd_pdrop=0.2, attn_pdrop=0.2,
                                            resid_pdrop=0.2))

@@ -21,14 +21,13 @@ from torch import nn
 from attnbook.checks import (
     check_bool,
     check_choice,
-    check_divisible,
     check_instance,
     check_int,
     check_mask,
     check_tensor,
     check_token_ids,
 )
-from attnbook.layers import ATTENTION_BACKENDS, Block, BlockConfig, _causal_mask
+from attnbook.layers import Block, BlockConfig, _causal_mask
 from attnbook.masks import padding_mask
 from attnbook.positions import sinusoidal_encoding
 
@@ -63,23 +62,20 @@ class EncoderDecoderConfig:
         def keep(name: str, value: object) -> None:  # the checked value, in a frozen dataclass
             object.__setattr__(self, name, value)
 
-        for name in ("src_vocab", "tgt_vocab", "d_model", "num_heads", "num_layers",
-                     "context_length"):
+        for name in ("src_vocab", "tgt_vocab", "num_layers", "context_length"):
             keep(name, check_int(name, getattr(self, name), minimum=1))
-        for name in ("num_decoder_layers", "d_ff"):  # None: derived, where they are used
-            if getattr(self, name) is not None:
-                keep(name, check_int(name, getattr(self, name), minimum=1))
-        keep("backend", check_choice("backend", self.backend, ATTENTION_BACKENDS))
+        if self.num_decoder_layers is not None:  # None: num_layers, where it is used
+            keep("num_decoder_layers", check_int("num_decoder_layers", self.num_decoder_layers, 1))
         keep("positions", check_choice("positions", self.positions, ("sinusoidal", "learned")))
-        keep("norm_first", check_bool("norm_first", self.norm_first))
-        check_divisible("d_model", self.d_model, "num_heads", self.num_heads)
+        block = self.encoder_block  # BlockConfig checks the block's settings, under our names:
+        for name in ("d_model", "num_heads", "d_ff", "dropout", "norm_first", "backend"):
+            keep(name, getattr(block, name))  # as it keeps them (d_ff None: 4 * d_model)
         for name, vocab in (("pad_id", min(self.src_vocab, self.tgt_vocab)),
                             ("bos_id", self.tgt_vocab), ("eos_id", self.tgt_vocab)):
             keep(name, check_int(name, getattr(self, name), minimum=0, maximum=vocab - 1))
         if len({self.pad_id, self.bos_id, self.eos_id}) < 3:
             raise ValueError(f"pad_id={self.pad_id}, bos_id={self.bos_id} and "
                              f"eos_id={self.eos_id} must be three different tokens")
-        self.encoder_block  # noqa: B018 (BlockConfig checks the rest: dropout, activation)
 
     @property
     def encoder_block(self) -> BlockConfig:
@@ -93,7 +89,8 @@ class EncoderDecoderConfig:
 
 # chapters/11-encoder-decoder.md, "The model"
 class _Embedding(nn.Module):
-    """Token embedding * sqrt(d_model) + position encoding, then dropout."""
+    """Token embedding * sqrt(d_model) + position encoding, then dropout; a padded position's
+    token embedding is 0, whatever its row holds (a NaN one included: it reaches no real token)."""
 
     def __init__(self, vocab: int, config: EncoderDecoderConfig) -> None:
         super().__init__()
@@ -108,9 +105,9 @@ class _Embedding(nn.Module):
             self.register_buffer("positions", table.float(), persistent=False)
         self.dropout = nn.Dropout(config.dropout)
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # (B, L) -> (B, L, d_model)
-        out: torch.Tensor = self.dropout(self.tokens(ids) * self.scale
-                                         + self.positions[: ids.shape[1]])
+    def forward(self, ids: torch.Tensor, real: torch.Tensor) -> torch.Tensor:  # real: (B, L)
+        tokens = self.tokens(ids).masked_fill(~real[..., None], 0.0)  # (B, L, d_model)
+        out: torch.Tensor = self.dropout(tokens * self.scale + self.positions[: ids.shape[1]])
         return out
 
 
@@ -133,7 +130,7 @@ class EncoderDecoder(nn.Module):
 
     def _encode(self, src: torch.Tensor, src_padding: torch.Tensor) -> torch.Tensor:
         """The encoder's output, the `memory` (B, Ls, d_model), for int64 ids src (B, Ls)."""
-        x, mask = self.src_embed(src), src_padding[:, None, None, :]  # mask (B, 1, 1, Ls)
+        x, mask = self.src_embed(src, src_padding), src_padding[:, None, None, :]  # (B,1,1,Ls)
         for block in self.encoder:
             x = block(x, mask=mask)  # (B, Ls, d_model)
         memory: torch.Tensor = self.encoder_norm(x)
@@ -143,11 +140,10 @@ class EncoderDecoder(nn.Module):
     def _decode(self, tgt_in: torch.Tensor, memory: torch.Tensor, src_padding: torch.Tensor | None,
                 return_weights: bool = False) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """(Logits (B, Lt, tgt_vocab), [each block's cross-attention weights if return_weights])."""
-        lt = tgt_in.shape[1]  # the target's own padding and the causal mask: (B, 1, Lt, Lt)
-        self_mask = (tgt_in != self.config.pad_id)[:, None, None, :] & _causal_mask(
-            lt, lt, tgt_in.device)
+        real, lt = tgt_in != self.config.pad_id, tgt_in.shape[1]  # the target's own padding
+        self_mask = real[:, None, None, :] & _causal_mask(lt, lt, tgt_in.device)  # (B, 1, Lt, Lt)
         cross_mask = None if src_padding is None else src_padding[:, None, None, :]  # (B,1,1,Ls)
-        x, weights = self.tgt_embed(tgt_in), []  # (B, Lt, d_model), list[torch.Tensor]
+        x, weights = self.tgt_embed(tgt_in, real), []  # (B, Lt, d_model), list[torch.Tensor]
         for block in self.decoder:
             x = block(x, mask=self_mask, context=memory, context_mask=cross_mask,
                       return_weights=return_weights)

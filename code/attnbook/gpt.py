@@ -145,12 +145,12 @@ class GPT(nn.Module):
             return self._forward_cached(idx, kv_cache, attention_mask)
         idx = _check_idx(self, idx, self.config.context_length)
         positions = torch.arange(idx.shape[1], device=idx.device)[None]  # (1, T)
-        return self._run(idx, positions, None, [None] * len(self.blocks))
+        return self._run(self.tok_emb(idx), positions, None, [None] * len(self.blocks))
 
-    def _run(self, idx: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None,
+    def _run(self, x: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None,
              caches: Sequence[LayerCache | None]) -> torch.Tensor:
-        """Logits (B, T, vocab_size) of checked idx (B, T) at position_ids, for every block."""
-        x = self.emb_norm(self.tok_emb(idx))  # (B, T, d_model)
+        """Logits (B, T, vocab_size) of token embeddings x (B, T, d_model) at position_ids."""
+        x = self.emb_norm(x)  # BLOOM's: normalised token embeddings, (B, T, d_model)
         x = self.drop(x + (0 if self.pos_emb is None else self.pos_emb(position_ids)))
         for block, cache in zip(self.blocks, caches):
             x = block(x, mask, is_causal=True, cache=cache, position_ids=position_ids)  # (B,T,d)
@@ -176,12 +176,11 @@ class GPT(nn.Module):
         if len(body.h) == 0:  # nothing to read the sizes below from
             raise ValueError("model.transformer.h must hold at least one block, got none")
         (vocab, d), attn = body.wte.weight.shape, body.h[0].attn  # sizes from the modules
-        if (d_ff := body.h[0].mlp.c_fc.weight.shape[1]) != 4 * d:
-            raise ValueError(f"model's feed-forward width {d_ff} is not 4 * {d}, GPT-2's")
-        if odd := [f"{n}.p={m.p}" for n, m in body.named_modules() if isinstance(m, nn.Dropout)
-                   and m.p != body.drop.p]:  # every layer's
-            raise ValueError(f"model's dropout rates differ from its drop.p={body.drop.p}: {odd[:2]} "
-                             f"({len(odd)} in all); GPTConfig has one rate")
+        if odd := [f"{n}.p={m.p}" if type(m) is nn.Dropout else f"{n}: {type(m).__name__}"
+                   for n, m in body.named_modules() if isinstance(m, nn.modules.dropout._DropoutNd)
+                   and (type(m) is not nn.Dropout or m.p != body.drop.p)]:  # every layer's, any kind
+            raise ValueError(f"model's dropout layers must each be an nn.Dropout of its drop.p="
+                             f"{body.drop.p} (GPTConfig has one rate), unlike {odd[:2]} ({len(odd)} in all)")
         if odd := [f"{n}.eps={m.eps}" if m.eps != body.ln_f.eps else f"{n} without a weight or bias"
                    for n, m in body.named_modules() if n.split(".")[-1] in ("ln_1", "ln_2", "ln_f") and (
                        m.eps != body.ln_f.eps or m.state_dict().keys() != {"weight", "bias"})]:
@@ -189,7 +188,7 @@ class GPT(nn.Module):
                              f"{body.ln_f.eps} (GPTConfig has one), unlike {odd[:2]} ({len(odd)} in all)")
         config = GPTConfig(vocab_size=vocab, context_length=body.wpe.weight.shape[0], d_model=d,
                            num_layers=len(body.h), num_heads=attn.num_heads, eps=body.ln_f.eps,
-                           dropout=body.drop.p)
+                           dropout=body.drop.p, ff_width=body.h[0].mlp.c_fc.weight.shape[1])
         ours = cls(config).to(device=body.wte.weight.device, dtype=body.wte.weight.dtype)
         with torch.no_grad():
             ours.tok_emb.weight.copy_(body.wte.weight)
@@ -231,12 +230,14 @@ class GPT(nn.Module):
         start, caches = (0, [None] * len(self.blocks)) if kv_cache is None else \
             (kv_cache.length, kv_cache.layers)
         position_ids, mask = torch.arange(start, start + idx.shape[1], device=idx.device)[None], None
+        x = self.tok_emb(idx)  # (B, T, d_model)
         if real is not None:  # a padded batch: a real token's position counts the real ones before it
             real = real[:, -(start + idx.shape[1]):]  # generate's grows past the cache's window
             if kv_cache is not None:  # it keeps its positions' padding, (B, capacity), for later calls
                 kv_cache.attention_mask = F.pad(real, (0, kv_cache.capacity - real.shape[1]), value=True)
             position_ids, mask = (real.cumsum(-1) - 1).clamp(min=0)[:, start:], real[:, None, None, :]
-        return self._run(idx, position_ids, mask, caches)
+            x = x.masked_fill(~real[:, start:, None], 0.0)  # padding's, NaN too: finite (chapter 19)
+        return self._run(x, position_ids, mask, caches)
 
     # chapters/10-gpt.md, "Generating text"
     @torch.no_grad()
@@ -279,11 +280,7 @@ class GPT(nn.Module):
     def from_hf_llama(cls, model: Any) -> "GPT":  # a LlamaForCausalLM
         """A GPT with the weights, device, dtype and mode of a transformers LlamaForCausalLM
         (chapter 19, "Llama's weights"): RoPE, RMSNorm, SwiGLU and shared key/value heads."""
-        hf, body = getattr(model, "config", None), getattr(model, "model", None)
-        if hf is None or body is None or getattr(hf, "model_type", None) != "llama" \
-                or not hasattr(model, "lm_head"):
-            raise TypeError(f"model must be a LlamaForCausalLM, got {type(model).__name__}")
-        check_holds_weights("model", model)
+        hf, body = _check_causal_lm(model, "llama", "LlamaForCausalLM", "model", "embed_tokens")
         rope = getattr(hf, "rope_parameters", None) or {"rope_theta": getattr(hf, "rope_theta", None),
                                                         **(getattr(hf, "rope_scaling", None) or {})}
         d, heads = body.embed_tokens.weight.shape[1], hf.num_attention_heads  # d: the weights'
@@ -298,9 +295,6 @@ class GPT(nn.Module):
         if hf.mlp_bias != hf.attention_bias:  # our GPT has one `bias` for both
             raise ValueError(f"model.config.mlp_bias={hf.mlp_bias!r} and model.config.attention_bias="
                              f"{hf.attention_bias!r} must be equal: our GPT has one bias setting")
-        if hf.tie_word_embeddings and not torch.equal(model.lm_head.weight, body.embed_tokens.weight):
-            raise ValueError("model.config.tie_word_embeddings=True, but model.lm_head.weight differs "
-                             "from model.model.embed_tokens.weight")
         config = GPTConfig.llama(
             vocab_size=hf.vocab_size, context_length=hf.max_position_embeddings, d_model=d,
             num_layers=len(body.layers), num_heads=heads, num_kv_heads=hf.num_key_value_heads,
@@ -329,11 +323,8 @@ class GPT(nn.Module):
         """A GPT with the weights, device, dtype and mode of a transformers BloomForCausalLM
         (chapter 19, "BLOOM's weights"): ALiBi, a LayerNorm on the embeddings, fused q, k, v.
         BLOOM has no table of positions: `context_length` is ours to choose."""
-        hf, body = getattr(model, "config", None), getattr(model, "transformer", None)
-        if hf is None or body is None or getattr(hf, "model_type", None) != "bloom" \
-                or not hasattr(model, "lm_head"):
-            raise TypeError(f"model must be a BloomForCausalLM, got {type(model).__name__}")
-        check_holds_weights("model", model)
+        hf, body = _check_causal_lm(model, "bloom", "BloomForCausalLM", "transformer",
+                                    "word_embeddings")
         for name in ("apply_residual_connection_post_layernorm", "hidden_dropout",
                      "attention_dropout"):  # ours: pre-norm residuals, dropout on the embeddings
             if value := getattr(hf, name):
@@ -342,9 +333,6 @@ class GPT(nn.Module):
             raise ValueError(f"model.config.slow_but_exact=True with pretraining_tp="
                              f"{hf.pretraining_tp} is not supported: our GPT does not sum by slices")
         words = body.word_embeddings
-        if hf.tie_word_embeddings and not torch.equal(model.lm_head.weight, words.weight):
-            raise ValueError("model.config.tie_word_embeddings=True, but model.lm_head.weight differs "
-                             "from model.transformer.word_embeddings.weight")
         (vocab, d), heads = words.weight.shape, hf.n_head
         config = GPTConfig(vocab_size=vocab, context_length=context_length, d_model=d,
                            num_layers=len(body.h), num_heads=heads, dropout=0.0,
@@ -438,13 +426,10 @@ def _check_kv_cache(model: "GPT", kv_cache: object, idx: torch.Tensor) -> int:
     """The positions kv_cache holds, once checked to be the model's, with room for idx (B, n)."""
     c, (b, n) = model.config, idx.shape
     cache = check_instance("kv_cache", kv_cache, KVCache)
-    layers, batch = cache.keys.shape[:2]
-    if (layers, batch) != (c.num_layers, b):
-        raise ValueError(f"kv_cache was made for {layers} layers and batch_size={batch}, but idx "
-                         f"has batch size {b} and the model {c.num_layers} layers")
     weight = model.tok_emb.weight  # the layers' keys and values come out in its dtype and device
-    check_tensor("kv_cache.keys", cache.keys, dtype=weight.dtype, device=weight.device,
-                 shape=(None, None, c.kv_heads, None, c.head_dim))
+    check_tensor("kv_cache.keys (layers, batch, heads, capacity, head_dim)", cache.keys,
+                 dtype=weight.dtype, device=weight.device,
+                 shape=(c.num_layers, b, c.kv_heads, None, c.head_dim))  # capacity: any
     if any(layer.length != cache.length for layer in cache.layers):  # only an interrupted call
         raise RuntimeError(f"the layers hold {[layer.length for layer in cache.layers]} positions: reset()")
     if cache.length + n > min(cache.capacity, c.context_length):  # one made by hand may hold more
@@ -504,3 +489,18 @@ def _check_llama_sizes(hf: Any, body: Any, head_dim: int) -> None:  # transforme
         if (value := getattr(hf, name, None)) != size:
             raise ValueError(f"model.config.{name}={value!r} disagrees with the model's weights, "
                              f"which give {size}")
+
+
+def _check_causal_lm(model: Any, model_type: str, kind: str, body_name: str, table: str
+                     ) -> tuple[Any, Any]:
+    """(model.config, the body) of transformers' `kind`, with its weights, whose lm_head is its
+    embedding `table` where its config says tied: Llama's and BLOOM's converters' first check."""
+    hf: Any = getattr(model, "config", None)  # None: not a transformers model
+    body = getattr(model, body_name, None)
+    if getattr(hf, "model_type", None) != model_type or body is None or not hasattr(model, "lm_head"):
+        raise TypeError(f"model must be a {kind}, got {type(model).__name__}")
+    check_holds_weights("model", model)
+    if hf.tie_word_embeddings and not torch.equal(model.lm_head.weight, getattr(body, table).weight):
+        raise ValueError("model.config.tie_word_embeddings=True, but model.lm_head.weight differs "
+                         f"from model.{body_name}.{table}.weight")
+    return hf, body
