@@ -577,8 +577,7 @@ def _backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor
     (q, k, v, do), lse = _unit_stride_d(q, k, v, do), lse.contiguous()  # lse: read at bh * Lq + row
     B, H, Lq, D = q.shape
     _check_tiles("delta", "q", Lq, 32, B * H)  # the checked operator's forward left it unchecked
-    delta = torch.empty_like(lse)  # (B, H, Lq): rowsum(O * dO)
-    dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+    delta, dq, dk, dv = (t.new_empty(t.shape) for t in (lse, q, k, v))  # delta: rowsum(O * dO)
     inputs = (q, k, v, do, lse, delta, *_strides(q, k, v, do), H, Lq, k.shape[2],
               scale * _LOG2E, scale)
     with _device_guard(q.device):
