@@ -274,15 +274,17 @@ def test_every_launch_stays_within_cudas_grid_limits(monkeypatch):
 def test_the_grid_puts_the_tile_count_first_only_when_it_must():
     # Before, a length of more than 65,535 tiles was refused whatever B * H was, though the old
     # (tiles, B * H) grid had launched it.
-    from attnbook.kernels import _grid
+    from attnbook.kernels import _check_tiles, _grid
 
     assert _grid(100, 16, 70_000) == ((70_000, 7), False)  # (B * H, tiles), as before
     assert _grid(65_535 * 16, 16, 70_000) == ((70_000, 65_535), False)
     assert _grid(65_535 * 16 + 1, 16, 3) == ((65_536, 3), True)  # too many tiles for axis 1
     assert _grid(65_535 * 16 + 1, 16, 65_535) == ((65_536, 65_535), True)
-    with pytest.raises(ValueError, match="length of 1048561 rows needs 65536 tiles of 16 rows "
-                                         "and B \\* H = 65536"):
-        _grid(65_535 * 16 + 1, 16, 65_536)  # neither order fits
+    with pytest.raises(ValueError, match="q has Lq = 1048561 rows, too many for the forward "
+                                         "kernel at B \\* H = 65536: its tiles of 16 rows number "
+                                         "65536; both pass the 65,535 programs"):
+        _check_tiles("forward", "q", 65_535 * 16 + 1, 16, 65_536)  # neither order fits: _grid's
+        # callers refuse it by name (before, _grid refused it too, naming no argument)
 
 
 def test_a_length_past_65535_tiles_launches_with_its_tiles_on_the_first_axis(monkeypatch):
@@ -869,12 +871,24 @@ def test_a_refusal_names_the_grid_limit_actually_passed():
     with pytest.raises(ValueError, match=r"^q has B \* H = 2147483648 \(batch, head\) pairs, too "
                                          r"many .*B \* H passes the 2\*\*31 - 1 programs"):
         kernels._check_backward_lengths(q, q)
-    with pytest.raises(ValueError, match=r"needs 2147483648 tiles of 32 rows and B \* H = 1: "
-                                         r"the tile count passes the 2\*\*31 - 1 programs"):
-        kernels._grid(2**31 * 32, 32, 1)
     with pytest.raises(ValueError, match=r"Lq = 68719476736 rows.*tile count passes the "
                                          r"2\*\*31 - 1 programs.*\(Lq <= 68719476704\)$"):
         kernels._check_tiles("forward", "q", 2**31 * 32, 32, 1)
+
+
+def test_the_checked_operators_backward_refuses_a_delta_grid_by_name(monkeypatch):
+    # torch.ops.attnbook.flash_attention checks the forward's lengths only, so its backward met
+    # the delta kernel's grid unchecked: _grid refused it naming neither q nor the kernel.
+    # CUDA's limits made small: a grid fits with at most one tile (the forward's 64 rows do).
+    from attnbook import kernels
+
+    monkeypatch.setattr(kernels, "_fits", lambda tiles, pairs: tiles <= 1)
+    q = torch.randn(1, 1, 64, 16, device=DEVICE, requires_grad=True)
+    out, _ = torch.ops.attnbook.flash_attention(q, q, q, False, 0.25)
+    with pytest.raises(ValueError, match=r"^q has Lq = 64 rows, too many for the backward's "
+                                         r"delta kernel at B \* H = 1: its tiles of 32 rows "
+                                         r"number 2"):
+        out.sum().backward()
 
 
 @pytest.mark.parametrize("value", ["0", " 0", "0 ", "false", "False", "OFF", "no", " No "])

@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from attnbook.checks import (  # noqa: F811 (notebook)
     check_bool,
@@ -188,45 +189,46 @@ def compile_kernels(requests: Sequence[dict[str, object]], workers: int | None =
 _COMPILED_MODE = {"TRITON_INTERPRET": "0", "TRITON_ALWAYS_COMPILE": "1",
                   "TRITON_DUMP_PTXAS_LOG": "1", "TRITON_DEFAULT_FP_FUSION": "1"}
 _CHILD = "from attnbook.compile_check import _main; _main()"
-_KEYS = ("kernel", "gpu", "dtype", "head_dim", "causal", "block", "block_n", "warps", "stages",
-         "wide")
 _SIZES = (16, 32, 64, 128)  # of a head, or of a tile's rows
 _ELEMENT_SIZE = {"float16": 2, "bfloat16": 2, "float32": 4}  # bytes, by dtype
+# A request's keys and the values each may take: the first four are required; the launcher's
+# four settings (_LAUNCHER) may be None, their default, and causal and wide default to _DEFAULTS.
+_KEYS: dict[str, tuple[Any, ...]] = {
+    "kernel": KERNELS, "gpu": tuple(GPUS), "dtype": tuple(DTYPES), "head_dim": _SIZES,
+    "causal": (True, False), "block": _SIZES, "block_n": _SIZES, "warps": (1, 2, 4, 8, 16),
+    "stages": (1, 2, 3, 4, 5, 6), "wide": (True, False)}
+_LAUNCHER = ("block", "block_n", "warps", "stages")
+_DEFAULTS = {"causal": True, "wide": False, **dict.fromkeys(_LAUNCHER)}
 
 
 def _checked(request: dict[str, object]) -> dict[str, object]:
     # The request checked, with its defaults, since the child process takes it as it is.
-    if not isinstance(request, dict) or not set(_KEYS[:4]) <= set(request):
+    if not isinstance(request, dict) or not set(list(_KEYS)[:4]) <= set(request):
         raise ValueError(f"a request must be a dict with kernel, gpu, dtype, head_dim: {request!r}")
     for key in request:
         check_choice("request key", key, _KEYS)
-    r = {"causal": True, "block": None, "block_n": None, "warps": None, "stages": None,
-         "wide": False, **request}
-    kernel, gpu, dtype = (check_choice(f"request {key}", r[key], allowed) for key, allowed in
-                          (("kernel", KERNELS), ("gpu", GPUS), ("dtype", DTYPES)))
-    head_dim = _check_size("request head_dim", r["head_dim"])
-    causal, wide = check_bool("request causal", r["causal"]), check_bool("request wide", r["wide"])
-    block, block_n = (None if r[key] is None else _check_size(f"request {key}", r[key])
-                      for key in ("block", "block_n"))
-    warps = None if r["warps"] is None else _check_size("request warps", r["warps"],
-                                                        (1, 2, 4, 8, 16))
-    stages = None if r["stages"] is None else check_int("request stages", r["stages"], 1, 6)
+    r: dict[str, Any] = {**_DEFAULTS, **request}
+    for key, allowed in _KEYS.items():  # in _KEYS' order; a launcher's None stays None
+        if r[key] is not None or key not in _LAUNCHER:
+            r[key] = _check_one_of(f"request {key}", r[key], allowed)
     from attnbook import kernels
 
     # block None: the launcher's settings on this GPU; a block alone: square, 4 warps, 2 stages
-    default = (kernels.launch_settings(kernel, _ELEMENT_SIZE[dtype], head_dim, GPUS[gpu], wide)[0]
-               if block is None else (block, block, kernels.NUM_WARPS, kernels.NUM_STAGES))
-    block, block_n, warps, stages = (given or d for given, d in
-                                     zip((block, block_n, warps, stages), default))
-    return dict(kernel=kernel, gpu=gpu, dtype=dtype, head_dim=head_dim, causal=causal,
-                block=block, block_n=block_n, warps=warps, stages=stages, wide=wide)
+    default = (kernels.launch_settings(r["kernel"], _ELEMENT_SIZE[r["dtype"]], r["head_dim"],
+                                       GPUS[r["gpu"]], r["wide"])[0] if r["block"] is None
+               else (r["block"], r["block"], kernels.NUM_WARPS, kernels.NUM_STAGES))
+    r.update({key: r[key] or d for key, d in zip(_LAUNCHER, default)})
+    return {key: r[key] for key in _KEYS}
 
 
-def _check_size(name: str, value: object, sizes: tuple[int, ...] = _SIZES) -> int:
-    size = check_int(name, value)
-    if size not in sizes:
-        raise ValueError(f"{name} must be one of {sizes}, got {name}={value!r}")
-    return size
+def _check_one_of(name: str, value: object, allowed: tuple[Any, ...]) -> Any:
+    # `value`, one of `allowed`: strings (appendix A's check_choice), True or False, or ints
+    if isinstance(allowed[0], str):
+        return check_choice(name, value, allowed)
+    value = check_bool(name, value) if isinstance(allowed[0], bool) else check_int(name, value)
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {allowed}, got {name}={value!r}")
+    return value
 
 
 def _main() -> None:

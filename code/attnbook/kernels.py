@@ -94,11 +94,9 @@ def _program(H, BLOCK: tl.constexpr, WIDE: tl.constexpr, TILES_FIRST: tl.constex
 def _grid(length: int, block: int, pairs: int) -> tuple[tuple[int, int], bool]:
     # The grid of tiles of `block` rows of `length` for B * H pairs, and TILES_FIRST: CUDA
     # allows 2**31 - 1 programs on the first axis and 65,535 on the second, so (B * H, tiles)
-    # unless the tiles need the first axis and B * H fits the second.
+    # unless the tiles need the first axis and B * H fits the second. One order fits: the
+    # callers have checked it (_check_tiles, below, refuses the rest by name).
     tiles = triton.cdiv(length, block)
-    if not _fits(tiles, pairs):
-        raise ValueError(f"a length of {length} rows needs {tiles} tiles of {block} rows and "
-                         f"B * H = {pairs}: {_limit_passed(tiles, pairs)}")
     if tiles >= _TILES_FIRST_FROM and pairs <= 65_535:
         return (tiles, pairs), True
     return (pairs, tiles), False
@@ -578,8 +576,8 @@ def _backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor
     # dQ, dK, dV (contiguous, in the inputs' dtype) from the forward's O and logsumexp.
     (q, k, v, do), lse = _unit_stride_d(q, k, v, do), lse.contiguous()  # lse: read at bh * Lq + row
     B, H, Lq, D = q.shape
-    delta = torch.empty_like(lse)  # (B, H, Lq): rowsum(O * dO)
-    dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+    _check_tiles("delta", "q", Lq, 32, B * H)  # the checked operator's forward left it unchecked
+    delta, dq, dk, dv = (t.new_empty(t.shape) for t in (lse, q, k, v))  # delta: rowsum(O * dO)
     inputs = (q, k, v, do, lse, delta, *_strides(q, k, v, do), H, Lq, k.shape[2],
               scale * _LOG2E, scale)
     with _device_guard(q.device):
