@@ -862,6 +862,25 @@ def test_autotuning_skips_candidates_that_do_not_fit_or_run_out_of_resources(mon
         kernels._launch(_Recorded(), "forward", long, long, False)
 
 
+def test_a_setting_timed_at_a_small_b_times_h_is_not_reused_where_it_does_not_fit(monkeypatch):
+    # The fastest setting is kept per bucket of lengths, whose key has no B * H: timed at
+    # B * H = 1, 16-row tiles were launched at B * H = 70,000 too, on a grid past CUDA's limits.
+    from attnbook import kernels
+
+    candidates = [(16, 16, 4, 2), (32, 32, 4, 2), (64, 64, 4, 2)]
+    monkeypatch.setattr(kernels, "_launch_settings", lambda *args: candidates)
+    monkeypatch.setattr(kernels, "AUTOTUNE_FROM", 1)
+    monkeypatch.setattr(kernels, "_FASTEST", {}, raising=False)
+    monkeypatch.setattr(kernels, "_seconds", lambda run: (run(), float(run.args[0][0]))[1])
+    monkeypatch.setenv("ATTNBOOK_AUTOTUNE", "1")
+    length = 65_535 * 16 + 1  # 65,536 tiles of 16 rows: with B * H > 65,535 they fit no order
+    for pairs, fastest_that_fits in ((1, 16), (70_000, 32)):
+        q = torch.zeros(1, 1, 1, 16, device=DEVICE).expand(pairs, 1, length, 16)  # no memory
+        kernel = _Recorded()
+        kernels._launch(kernel, "forward", q, q, False)
+        assert kernel.blocks[-1] == fastest_that_fits, (pairs, kernel.blocks)
+
+
 def test_a_refusal_names_the_grid_limit_actually_passed():
     # Before, B * H = 2**31 with Lq = 1 blamed "Lq = 1 rows" and advised "B * H <= 65,535", and
     # _grid returned a first axis of 2**31 programs, past CUDA's 2**31 - 1 (the outside K2).

@@ -364,7 +364,7 @@ def _launch(kernel: Any, name: str, q: torch.Tensor, k: torch.Tensor, causal: bo
     setting = settings[0]
     if len(settings) > 1 and q.shape[2] * k.shape[2] >= AUTOTUNE_FROM and _autotuning():
         key = (name, _bucket(q.shape[2]), _bucket(k.shape[2]), q.shape[-1], causal, q.dtype,
-               capability, wide)
+               capability, wide, tuple(settings))  # settings: those that fit this B * H
         if key not in _FASTEST:  # timed once per key and process: each run overwrites the same
             _FASTEST[key] = _fastest(name, settings, run)
         setting = _FASTEST[key]
@@ -576,8 +576,8 @@ def _backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor
     # dQ, dK, dV (contiguous, in the inputs' dtype) from the forward's O and logsumexp.
     (q, k, v, do), lse = _unit_stride_d(q, k, v, do), lse.contiguous()  # lse: read at bh * Lq + row
     B, H, Lq, D = q.shape
-    _check_tiles("delta", "q", Lq, 32, B * H)  # the checked operator's forward left it unchecked
-    delta, dq, dk, dv = (t.new_empty(t.shape) for t in (lse, q, k, v))  # delta: rowsum(O * dO)
+    _check_tiles("delta", "q", Lq, 32, B * H)  # again: the operator's and vmap's forward skip it
+    delta, dq, dk, dv = (t.new_empty(t.shape) for t in (lse, q, k, v))  # delta: float32 (B,H,Lq)
     inputs = (q, k, v, do, lse, delta, *_strides(q, k, v, do), H, Lq, k.shape[2],
               scale * _LOG2E, scale)
     with _device_guard(q.device):
@@ -674,7 +674,7 @@ if not hasattr(torch.ops.attnbook, "flash_attention"):  # once a process: see be
 
 
 def _check_backward_lengths(q: torch.Tensor, k: torch.Tensor) -> None:  # before the forward
-    _check_tiles("delta", "q", q.shape[2], 32, q.shape[0] * q.shape[1])  # not in loss.backward()
+    _check_tiles("delta", "q", q.shape[2], 32, q.shape[0] * q.shape[1])  # _backward: again
     for name in ("dkdv", "dq"):
         _fitting(name, q, k, _wide(q, k))
 
