@@ -25,6 +25,13 @@ def test_a_feed_forward_width_other_than_4d_is_read_as_ff_width(n_inner):
         torch.testing.assert_close(ours(ids), theirs, atol=1e-4, rtol=0)
 
 
+def test_gpt2s_own_width_leaves_ff_width_to_the_config():
+    # ff_width=None derives 4 * d_model, so that the converted config equals GPT-2's preset sizes
+    # and dataclasses.replace(config, d_model=...) derives the width again
+    ours = GPT.from_hf_gpt2(random_hf_gpt2(2))
+    assert ours.config.ff_width is None and ours.config.d_ff == 4 * ours.config.d_model
+
+
 @pytest.mark.parametrize("kind", [nn.AlphaDropout, nn.FeatureAlphaDropout, nn.Dropout1d])
 @pytest.mark.parametrize("where", ["drop", "h.1.attn.resid_dropout"])
 def test_a_dropout_layer_of_another_kind_is_refused_by_name(kind, where):

@@ -1,12 +1,14 @@
-"""A padded position's embedding never reaches a real token (issue 44's F5, for chapter 10's GPT
-and chapter 11's encoder-decoder, as tests/test_bert_padding_nan.py for chapter 8's BERT).
+"""A padded position's embedding never reaches a real token (chapter 10's GPT and chapter 11's
+encoder-decoder, as tests/test_bert_padding_nan.py for chapter 8's BERT).
 
-The padding mask gives a padded key a weight of exactly 0, but 0 x NaN is NaN: a NaN (or inf) in
-the padding token's row of the embedding table made every real token of a padded row NaN. The
-models zero the padded positions' embeddings before the blocks, so a padded key's value is finite
-and contributes exactly 0: the real positions are bit for bit those of a clean run, on every
-variant and backend, through the KV cache and generate too. A NaN in a *real* token's row still
-makes its sequence NaN."""
+The explicit backend gives a padded key a weight of 0, but 0 x NaN is NaN, and SDPA's masked
+score is NaN + (-inf), NaN: a NaN (or inf) in the padding token's row of the embedding table made
+every real token of a padded row NaN. The models zero the padded positions' embeddings before the
+blocks, so a padded key and value are finite and contribute exactly 0: the real positions are bit
+for bit those of a clean run, on every variant and backend, through the KV cache and generate
+too (the triton backend computes a masked call with SDPA). With a tied output layer the padding
+token's own logit column is NaN, so the tests compare the other columns. A NaN in a *real*
+token's row still makes its sequence NaN."""
 
 import pytest
 import torch
@@ -152,6 +154,20 @@ def test_a_non_finite_padding_embedding_reaches_no_real_source_or_target_token(
         padding = model.source_padding(src, lengths)
         torch.testing.assert_close(model.encode(src, lengths)[padding], memory[padding],
                                    rtol=0, atol=0)
+    assert clean[real_tgt].isfinite().all() and clean[real_tgt].std() > 0.5
+    torch.testing.assert_close(out[real_tgt], clean[real_tgt], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("bad", BAD)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_callers_non_finite_memory_at_padding_reaches_no_target_token(backend, bad):
+    # decode(tgt, memory, src_padding) as a caller who runs encode and decode itself (chapter 12)
+    model, (src, lengths, tgt) = tiny_encdec(backend), src_tgt()
+    real_tgt, padding = tgt != PAD, model.source_padding(src, lengths)
+    with torch.no_grad():
+        memory = model.encode(src, src_lengths=lengths)
+        clean = model.decode(tgt, memory, padding)
+        out = model.decode(tgt, memory.masked_fill(~padding[..., None], bad), padding)
     assert clean[real_tgt].isfinite().all() and clean[real_tgt].std() > 0.5
     torch.testing.assert_close(out[real_tgt], clean[real_tgt], rtol=0, atol=0)
 

@@ -143,6 +143,8 @@ class EncoderDecoder(nn.Module):
         real, lt = tgt_in != self.config.pad_id, tgt_in.shape[1]  # the target's own padding
         self_mask = real[:, None, None, :] & _causal_mask(lt, lt, tgt_in.device)  # (B, 1, Lt, Lt)
         cross_mask = None if src_padding is None else src_padding[:, None, None, :]  # (B,1,1,Ls)
+        if src_padding is not None:  # a caller's memory at padding, NaN too, reaches no real token
+            memory = memory.masked_fill(~src_padding[..., None], 0.0)
         x, weights = self.tgt_embed(tgt_in, real), []  # (B, Lt, d_model), list[torch.Tensor]
         for block in self.decoder:
             x = block(x, mask=self_mask, context=memory, context_mask=cross_mask,

@@ -176,6 +176,7 @@ class GPT(nn.Module):
         if len(body.h) == 0:  # nothing to read the sizes below from
             raise ValueError("model.transformer.h must hold at least one block, got none")
         (vocab, d), attn = body.wte.weight.shape, body.h[0].attn  # sizes from the modules
+        d_ff = body.h[0].mlp.c_fc.weight.shape[1]  # GPT-2's 4 * d unless n_inner says otherwise
         if odd := [f"{n}.p={m.p}" if type(m) is nn.Dropout else f"{n}: {type(m).__name__}"
                    for n, m in body.named_modules() if isinstance(m, nn.modules.dropout._DropoutNd)
                    and (type(m) is not nn.Dropout or m.p != body.drop.p)]:  # every layer's, any kind
@@ -188,7 +189,7 @@ class GPT(nn.Module):
                              f"{body.ln_f.eps} (GPTConfig has one), unlike {odd[:2]} ({len(odd)} in all)")
         config = GPTConfig(vocab_size=vocab, context_length=body.wpe.weight.shape[0], d_model=d,
                            num_layers=len(body.h), num_heads=attn.num_heads, eps=body.ln_f.eps,
-                           dropout=body.drop.p, ff_width=body.h[0].mlp.c_fc.weight.shape[1])
+                           dropout=body.drop.p, ff_width=None if d_ff == 4 * d else d_ff)
         ours = cls(config).to(device=body.wte.weight.device, dtype=body.wte.weight.dtype)
         with torch.no_grad():
             ours.tok_emb.weight.copy_(body.wte.weight)
