@@ -554,12 +554,51 @@ def test_check_int_takes_a_size_that_torch_compile_traces():
 
 @pytest.mark.parametrize("length, match", [(9, "at most 8"), (1, "at least 2")])
 def test_check_int_holds_a_traced_size_to_its_bounds_by_name(length, match):
-    with pytest.raises(Exception, match=r"x.shape\[0\] must be " + match):
-        _compiled(_length_times)(torch.ones(length))
+    """Under fullgraph, dynamo cannot let the refusal out of the graph: its Unsupported error
+    carries the ValueError's message (not a TorchRuntimeError from the fake tensors)."""
+    compiled = _compiled(_length_times)
+    compiled(torch.ones(5))  # a graph for any length first, then a length outside the bounds
+    with pytest.raises(torch._dynamo.exc.Unsupported,
+                       match=r"ValueError\('x.shape\[0\] must be " + match):
+        compiled(torch.ones(length))
+
+
+def test_check_int_under_a_plain_torch_compile_raises_the_value_error_by_name():
+    """torch.compile(model) as a user writes it: the length turns symbolic at the second call, and
+    a length outside the bounds at a later call is refused with the eager ValueError."""
+    torch._dynamo.reset()
+    compiled = torch.compile(_length_times, backend="aot_eager")
+    for length in (3, 5, 7):
+        assert torch.equal(compiled(torch.ones(length)), torch.full((length,), float(length)))
+    with pytest.raises(ValueError, match=r"^x.shape\[0\] must be at most 8, got x.shape\[0\]=9$"):
+        compiled(torch.ones(9))
+    with pytest.raises(ValueError, match=r"^x.shape\[0\] must be at least 2, got x.shape\[0\]=1$"):
+        compiled(torch.ones(1))
+
+
+def test_check_int_traces_a_bound_that_the_compiler_made_dynamic():
+    """An int argument under dynamic=True is a symbol too: no bound is formatted before the test."""
+    compiled = _compiled(lambda x, k: x * c.check_int("n", x.shape[0], 1, k))
+    for length, k in ((4, 5), (6, 7), (8, 8)):
+        assert torch.equal(compiled(torch.ones(length), k), torch.full((length,), float(length)))
+    with pytest.raises(torch._dynamo.exc.Unsupported, match=r"ValueError\('n must be at most 7'\)"):
+        compiled(torch.ones(9), 7)
+
+
+def test_check_int_takes_only_torch_symint_as_a_symbol():
+    """A class that is merely named SymInt is no int: the TypeError of the policy."""
+    class SymInt:
+        def __repr__(self):
+            return "SymInt(3)"
+
+    with pytest.raises(TypeError, match=r"^n must be an int, got n=SymInt\(3\) of type SymInt$"):
+        c.check_int("n", SymInt())
+    with pytest.raises(TypeError, match=r"^n must be an int, got n=SymInt\(3\) of type SymInt$"):
+        c.check_int("n", SymInt(), 1, 8)
 
 
 def test_check_int_keeps_a_symbolic_size_symbolic_outside_torch_compile():
-    """make_fx and torch.export (not strict) trace a torch.SymInt as such: operator.index would
+    """make_fx and torch.export (strict or not) trace a torch.SymInt as such: operator.index would
     fix it to the example's value, a graph right for length 5 only (export: 'Constraints
     violated')."""
     from torch.fx.experimental.proxy_tensor import make_fx
@@ -571,9 +610,11 @@ def test_check_int_keeps_a_symbolic_size_symbolic_outside_torch_compile():
         def forward(self, x):
             return _length_times(x)
 
-    exported = torch.export.export(LengthTimes(), (torch.ones(5),), strict=False,
-                                   dynamic_shapes={"x": {0: torch.export.Dim("n", min=2, max=8)}})
-    assert torch.equal(exported.module()(torch.ones(7)), torch.full((7,), 7.0))
+    lengths = {"x": {0: torch.export.Dim("n", min=2, max=8)}}
+    for strict in (False, True):  # strict: a torch._check with a message lambda fails to export
+        exported = torch.export.export(LengthTimes(), (torch.ones(5),), strict=strict,
+                                       dynamic_shapes=lengths)
+        assert torch.equal(exported.module()(torch.ones(7)), torch.full((7,), 7.0))
 
 
 def test_check_int_refuses_in_eager_code_as_before():

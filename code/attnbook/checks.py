@@ -59,20 +59,23 @@ def type_error(name: str, value: object, wanted: str) -> TypeError:
 def check_int(name: str, value: object, minimum: int | None = None, maximum: int | None = None) -> int:
     """`value` as a Python int from `minimum` to `maximum`: not a bool, a float or a string.
     Whatever Python can use as an index counts, such as np.int64(3) or a 0-d integer tensor, and
-    a size that torch.compile traces (a torch.SymInt), whose bounds the graph then checks."""
-    number = cast(int, value)  # a size traced as a symbol (a torch.SymInt) is an int too: its
-    if type(value) is not int and type(value).__name__ != "SymInt":  # index would fix its value
-        try:  # a bool tensor's dtype is named, so that this module needs no torch
+    a size that a compiler traces as a symbol (a torch.SymInt), which is kept a symbol."""
+    torch, number = sys.modules.get("torch"), cast(int, value)  # torch: loaded wherever one traces
+    if type(value) is not int and not (torch and isinstance(value, torch.SymInt)):  # index would
+        try:  # fix a symbol's value; a bool tensor's dtype is named, so that this needs no torch
             if isinstance(value, (bool, np.bool_)) or str(getattr(value, "dtype", "")) == "torch.bool":
                 raise TypeError
             number = operator.index(value)  # type: ignore[arg-type]  # the check itself
         except TypeError:
             raise type_error(name, value, "an int") from None
-    torch = sys.modules.get("torch")  # imported already wherever a call is traced
-    if torch is not None and torch.compiler.is_compiling():  # a guard, or a check when it runs
-        low, high = f"{name} must be at least {minimum}", f"{name} must be at most {maximum}"
-        torch._check_with(ValueError, minimum is None or number >= minimum, lambda: low)
-        torch._check_with(ValueError, maximum is None or number <= maximum, lambda: high)
+    if torch is not None and torch.compiler.is_compiling():  # the size may be a symbol:
+        known = sys.modules["torch.fx.experimental.symbolic_shapes"].guard_or_true  # guards the
+        if minimum is not None and not known(number >= minimum):  # comparison, True for a size
+            raise ValueError(f"{name} must be at least {int(minimum)}")  # that only the running
+        if maximum is not None and not known(number <= maximum):  # graph knows; int() gives a
+            raise ValueError(f"{name} must be at most {int(maximum)}")  # traced bound its value
+        torch._check(minimum is None or number >= minimum)  # the running graph's check (no
+        torch._check(maximum is None or number <= maximum)  # message: strict export takes none)
         return number
     if minimum is not None and number < minimum:
         raise ValueError(f"{name} must be at least {minimum}, got {name}={value!r}")

@@ -634,14 +634,6 @@ class RMSNorm(nn.Module):
 
 
 # chapters/07-blocks.md, "The block"
-_BLOCK_CHECKS = {  # BlockConfig's own fields (the attention's are AttentionConfig's): a check
-    "dropout": (check_probability,), "attn_dropout": (check_probability,),  # and its arguments
-    "ff_dropout": (check_probability,), "norm_first": (check_bool,), "cross_attention": (check_bool,),
-    "activation": (check_choice, (*_ACTIVATIONS, "swiglu")), "norm": (check_choice, ("layernorm", "rmsnorm")),
-    "eps": (check_positive,), "d_ff": (check_int, 1), "positions": (check_choice, ("none", "rope", "alibi")),
-    "rope_base": (check_positive,)}
-
-
 @dataclass(frozen=True)
 class BlockConfig:
     """The settings of a Transformer block; d_ff None means 4 * d_model, and attn_dropout and
@@ -665,7 +657,13 @@ class BlockConfig:
     rope_base: float = 10000.0
 
     def __post_init__(self) -> None:
-        check_fields(self, _BLOCK_CHECKS, optional=("d_ff", "attn_dropout", "ff_dropout"))
+        check_fields(self, {  # BlockConfig's own fields (the attention's are AttentionConfig's)
+            "dropout": (check_probability,), "attn_dropout": (check_probability,),
+            "ff_dropout": (check_probability,), "norm_first": (check_bool,), "cross_attention":
+            (check_bool,), "activation": (check_choice, (*_ACTIVATIONS, "swiglu")),
+            "norm": (check_choice, ("layernorm", "rmsnorm")), "eps": (check_positive,),
+            "d_ff": (check_int, 1), "positions": (check_choice, ("none", "rope", "alibi")),
+            "rope_base": (check_positive,)}, optional=("d_ff", "attn_dropout", "ff_dropout"))
         attention = self.attention  # AttentionConfig checks the attention's settings
         for name in ("d_model", "num_heads", "num_kv_heads", "bias"):
             object.__setattr__(self, name, getattr(attention, name))
