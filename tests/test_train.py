@@ -984,7 +984,7 @@ def test_an_edited_run_json_is_refused(tmp_path, monkeypatch):
     started_and_stopped(out, monkeypatch)
     (out / "run.json").write_text((out / "run.json").read_text().replace('"lr": 0.006',
                                                                         '"lr": 5.0'))
-    with pytest.raises(ValueError, match=r"run.json is damaged .*own SHA-256"):
+    with pytest.raises(ValueError, match=r"run.json is damaged.*own SHA-256"):
         train.train(train.parse_options(["gpt", "--resume", "--out", str(out)]))
 
 
@@ -1063,3 +1063,122 @@ def test_a_step_of_the_command_reads_the_device_twice(tmp_path, monkeypatch):
 def test_read_step_refuses_a_number_by_name():
     with pytest.raises(TypeError, match="norm"):
         train._read_step(torch.tensor(1.0), 2.0)
+
+
+def test_sample_of_a_run_that_cannot_be_read_names_run(capsys):
+    """load_model's is_dir lets an OSError through (pathlib ignores only ENOENT, ENOTDIR, EBADF
+    and ELOOP): a name too long is one line naming --run, not Python's own words."""
+    run = "/tmp/" + "x" * 300
+    options = train.parse_options(["sample", "--run", run, "--prompt", "hi"])
+    assert train.run(options, []) == 1
+    said = capsys.readouterr().err
+    assert said == f"attnbook-train: error: cannot read --run {run}: File name too long ({run})\n"
+
+
+def reseal(checkpoint, **listed):
+    """Rewrite the manifest with `listed` files added to its list, and its own SHA-256 to match."""
+    manifest = json.loads((checkpoint / "manifest.json").read_text())
+    del manifest["sha256"]
+    manifest["files"].update(listed)
+    digest = hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()
+    (checkpoint / "manifest.json").write_text(json.dumps({**manifest, "sha256": digest}))
+
+
+def refuses_in_time(call, seconds=30):
+    """The ValueError `call()` raises, failing (not hanging) if it blocks for `seconds`."""
+    def stop(signum, frame):
+        raise TimeoutError(f"blocked for {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, stop)
+    signal.alarm(seconds)
+    try:
+        with pytest.raises(ValueError) as refused:
+            call()
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    return str(refused.value)
+
+
+@pytest.mark.skipif(os.name != "posix", reason="a named pipe and SIGALRM need POSIX")
+@pytest.mark.parametrize("stray", ["a folder", "a named pipe", "a listed file, missing, of hash null"])
+def test_a_checkpoint_is_compared_by_names_before_any_file_is_hashed(copy, stray):
+    """A stray folder or pipe is refused by name, not opened (a pipe blocked the run forever,
+    holding its lock); a resealed manifest listing a missing file with a null hash is refused."""
+    checkpoint = train.latest_checkpoint(copy)
+    if stray == "a folder":
+        (checkpoint / "notes").mkdir()
+    elif stray == "a named pipe":
+        os.mkfifo(checkpoint / "notes")
+    else:
+        reseal(checkpoint, notes=None)
+    said = refuses_in_time(lambda: train.read_manifest(checkpoint))
+    assert said == (f"checkpoint {checkpoint} is damaged: notes (added, missing or changed) does "
+                    f"not match the SHA-256 in its manifest.json")
+    said = refuses_in_time(lambda: run(copy, "--resume", steps=6))
+    assert said.startswith(f"checkpoint {checkpoint} is damaged: notes ")
+
+
+AFRESH = ": start afresh with another --out"
+
+
+@pytest.mark.parametrize("text, why", [
+    (None, "cannot be read (No such file or directory)"),
+    ("[1]", "is damaged, or not attnbook.train's (it does not match its own SHA-256)"),
+    ("{}", "is damaged, or not attnbook.train's (it does not match its own SHA-256)"),
+    ('{"files": ', "cannot be read (Expecting value: line 1 column 11 (char 10))")])
+def test_a_manifest_that_cannot_be_read_or_is_not_sealed_is_said_so(copy, text, why):
+    """In words, not Python's: a folder with no manifest is not called damaged."""
+    checkpoint = train.latest_checkpoint(copy)
+    if text is None:
+        (checkpoint / "manifest.json").unlink()
+    else:
+        (checkpoint / "manifest.json").write_text(text)
+    with pytest.raises(ValueError) as refused:
+        run(copy, "--resume", steps=6)
+    assert str(refused.value) == f"checkpoint {checkpoint}: its manifest.json {why}{AFRESH}"
+
+
+def test_a_damaged_run_json_says_what_to_do(tmp_path, monkeypatch):
+    """A run killed while it wrote run.json leaves it empty: the refusal says what to do next."""
+    out = tmp_path / "run"
+    started_and_stopped(out, monkeypatch)
+    (out / "run.json").write_text("")
+    with pytest.raises(ValueError) as refused:
+        train.train(train.parse_options(["gpt", "--resume", "--out", str(out)]))
+    assert str(refused.value) == (f"{out / 'run.json'} cannot be read (Expecting value: line 1 "
+                                  f"column 1 (char 0)){AFRESH}")
+
+
+@pytest.mark.skipif(os.name != "posix", reason="the lock needs fcntl")
+def test_lock_out_takes_a_path_and_refuses_anything_else_by_name(tmp_path):
+    lock = train_command.lock_out(tmp_path / "run")
+    try:
+        assert (tmp_path / "run" / ".lock").read_text() == f"{os.getpid()}\n"
+    finally:
+        lock.close()
+    for wrong in (str(tmp_path / "run"), 3):
+        with pytest.raises(TypeError, match="^out must be an instance of Path"):
+            train_command.lock_out(wrong)
+
+
+@pytest.mark.skipif(os.name != "posix", reason="the lock needs fcntl")
+@pytest.mark.parametrize("kind", ["a symlink", "a hard link", "a folder", "a dangling symlink"])
+def test_a_lock_that_is_not_a_file_of_its_own_is_refused_and_nothing_written(tmp_path, kind):
+    """With --out/.lock a link to someone's file, a run once replaced that file with its id."""
+    out, notes = tmp_path / "run", tmp_path / "notes.txt"
+    out.mkdir()
+    notes.write_text("my notes")
+    if kind == "a symlink":
+        (out / ".lock").symlink_to(notes)
+    elif kind == "a hard link":
+        os.link(notes, out / ".lock")
+    elif kind == "a folder":
+        (out / ".lock").mkdir()
+    else:
+        (out / ".lock").symlink_to(tmp_path / "made.txt")
+    said = refused_without_torch("gpt", *TINY, "--steps", "1", "--out", str(out))
+    assert said == (f"attnbook-train: error: --out {out}: its .lock is a link or not a file: "
+                    f"remove it\n")
+    assert notes.read_text() == "my notes" and not (tmp_path / "made.txt").exists()
+    assert sorted(p.name for p in out.iterdir()) == [".lock"]

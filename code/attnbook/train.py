@@ -404,8 +404,7 @@ def _check_resumable(path: Path, options: argparse.Namespace, processes: int) ->
     manifest, latest = read_manifest(path), path.parent.parent / "run.json"
     recorded = manifest["options"]  # and what may change, as the run's last start set it
     if latest.exists():
-        recorded = {**recorded, **{k: v for k, v in _read_sealed(latest).items()
-                                   if k in RESUMABLE}}
+        recorded = {**recorded, **{k: v for k, v in _read_sealed(latest).items() if k in RESUMABLE}}
     _take_run_options(recorded, path, options)
     if manifest["processes"] != processes:
         raise ValueError(f"--resume: the checkpoint {path} was written by {manifest['processes']} "
@@ -509,10 +508,9 @@ class _Progress:
             return
         done = self.steps - self.start
         said = (f"nothing to train: the checkpoint is at step {self.steps}" if not done else
-                f"trained steps {self.start + 1} to {self.steps} in "
-                f"{time.perf_counter() - self.began:.1f} s, "
-                f"{self.tokens * done / self.total:,.0f} tokens/s, final loss "
-                f"{self.last['loss']:.4f}, held-out loss {self.last['held_out_loss']:.4f}")
+                f"trained steps {self.start + 1} to {self.steps} in {time.perf_counter() - self.began:.1f}"
+                f" s, {self.tokens * done / self.total:,.0f} tokens/s, final loss {self.last['loss']:.4f}"
+                f", held-out loss {self.last['held_out_loss']:.4f}")
         print(f"{said}; wrote {out / 'model.pt'}, {out / 'log.jsonl'}", file=sys.stderr, flush=True)
 
 
@@ -593,8 +591,8 @@ MANIFEST = "manifest.json"
 
 
 def read_manifest(path: Path) -> dict[str, Any]:
-    """The manifest.json of checkpoint `path`, once every file of the folder has been checked
-    against the SHA-256 it lists; a ValueError names the folder and what is wrong."""
+    """The manifest.json of checkpoint `path`, once the folder's file names, then each file's
+    SHA-256, match it (no stray folder or pipe is opened); a ValueError names what is wrong."""
     manifest = _read_sealed(path / MANIFEST, f"checkpoint {path}: its {MANIFEST}")
     fields: dict[str, type | tuple[type, ...]] = {"step": int, "processes": int, "files": dict,
                                                  "options": (dict, type(None))}
@@ -602,11 +600,11 @@ def read_manifest(path: Path) -> dict[str, Any]:
             all(isinstance(manifest.get(k), kind) for k, kind in fields.items())):
         raise ValueError(f"checkpoint {path}: its {MANIFEST} is not attnbook.train's")
     manifest["options"] = manifest["options"] or {}
-    files = {p.name: _sha256(p) for p in path.iterdir() if p.name != MANIFEST}
-    if wrong := sorted(n for n in files.keys() | manifest["files"] if files.get(n) !=
-                       manifest["files"].get(n)):
-        raise ValueError(f"checkpoint {path} is damaged: {', '.join(wrong)} (changed, added or "
-                         f"missing) does not match the SHA-256 in its {MANIFEST}")
+    present = {p.name for p in path.iterdir() if p.name != MANIFEST}
+    if wrong := sorted(present ^ manifest["files"].keys()) or sorted(  # the names, then hashes
+            name for name in present if _sha256(path / name) != manifest["files"][name]):
+        raise ValueError(f"checkpoint {path} is damaged: {', '.join(wrong)} (added, missing or "
+                         f"changed) does not match the SHA-256 in its {MANIFEST}")
     return manifest
 
 
@@ -672,13 +670,15 @@ def _write_sealed(path: Path, fields: dict[str, Any]) -> None:
 
 
 def _read_sealed(path: Path, name: str = "") -> dict[str, Any]:
-    """The fields of a file of _write_sealed, which match its SHA-256, or `name` is damaged."""
+    """The fields of a file of _write_sealed, once they match its SHA-256; else a ValueError."""
     try:
-        fields: dict[str, Any] = json.loads(path.read_text())
-        if fields.pop("sha256") != _manifest_digest(fields):
-            raise ValueError("it does not match its own SHA-256")
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
-        raise ValueError(f"{name or path} is damaged ({error})") from None
+        fields = json.loads(path.read_text())
+    except (OSError, ValueError) as error:  # missing, unreadable, not JSON, or not UTF-8
+        raise ValueError(f"{name or path} cannot be read ({getattr(error, 'strerror', 0) or error})"
+                         f": start afresh with another --out") from None
+    if not isinstance(fields, dict) or fields.pop("sha256", None) != _manifest_digest(fields):
+        raise ValueError(f"{name or path} is damaged, or not attnbook.train's (it does not match "
+                         f"its own SHA-256): start afresh with another --out")
     return fields
 
 
@@ -741,8 +741,7 @@ def load_model(run: str | os.PathLike[str]) -> tuple[GPT, CharTokenizer]:
         saved = torch.load(path, map_location="cpu", weights_only=True)
         if not (isinstance(saved, dict) and saved.get("format") == MODEL_FORMAT):
             raise TypeError("not attnbook.train's model.pt (an older one holds weights only)")
-        tokenizer = CharTokenizer(saved["vocabulary"])
-        model = GPT(GPTConfig(**saved["config"]))
+        tokenizer, model = CharTokenizer(saved["vocabulary"]), GPT(GPTConfig(**saved["config"]))
         model.to(next(iter(saved["model"].values())).dtype).load_state_dict(saved["model"])
     except Exception as error:  # an UnpicklingError, a wrong type or size, a missing key
         raise ValueError(f"{path} cannot be read as a model (damaged, or not attnbook-train's "

@@ -27,6 +27,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable, TextIO
 
+from attnbook.checks import check_instance
+
 try:
     import fcntl  # POSIX: the lock on a run's folder
 except ImportError:  # Windows
@@ -228,9 +230,9 @@ def _number(kind: type[int] | type[float], low: float, high: float = math.inf,
 
 # chapters/a5-training-command.md, "The command and its options"
 def main(argv: list[str] | None = None) -> None:  # noqa: F811 (notebook)
-    """`attnbook-train ...`: reads the options (--help, --version, a bad option or torchrun
-    environment, and an --out that one process cannot lock end here, before PyTorch loads),
-    then runs the command with attnbook.train.run and exits with its status if that is not 0."""
+    """`attnbook-train ...`: --help, --version, a bad option or torchrun environment, and an --out
+    that one process cannot lock end here, before PyTorch loads (`python -m attnbook.train` loads
+    it first); then attnbook.train.run runs the command, and a status other than 0 is the exit's."""
     argv = sys.argv[1:] if argv is None else list(argv)
     options = argparse.Namespace(command=None)  # until parse_options reads them
     try:
@@ -251,34 +253,36 @@ def main(argv: list[str] | None = None) -> None:  # noqa: F811 (notebook)
 
 def lock_out(out: Path) -> TextIO | None:
     """An advisory lock on out/.lock, held until the file returned is closed or the process ends
-    (None without fcntl: Windows); a ValueError for an `out` that is a file or that a run holds."""
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {out} is a file: give a folder (it is created if missing)")
+    (None without fcntl: Windows); a ValueError for an `out` that is a file, or that a run holds."""
+    folder = check_instance("out", out, Path)  # a str is refused by name
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(f"--out {folder} is a file: give a folder (it is created if missing)")
     if fcntl is None:
         return None
-    out.mkdir(parents=True, exist_ok=True)
-    lock = open(out / ".lock", "a+")
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / ".lock"  # the process's id is written in it: it must be no one else's file
+    if path.is_symlink() or path.exists() and not (path.is_file() and path.stat().st_nlink == 1):
+        raise ValueError(f"--out {folder}: its .lock is a link or not a file: remove it")
+    lock = open(os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW), "r+")  # a link since: no
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         with lock:  # closed: another run holds it
-            lock.seek(0)
-            raise ValueError(f"--out {out} is in use by another run (process "
+            raise ValueError(f"--out {folder} is in use by another run (process "
                              f"{lock.read().strip() or 'unknown'}): wait for it to end, or give "
                              f"another --out") from None
     lock.truncate(0)
-    lock.write(f"{os.getpid()}\n")
-    lock.flush()
+    print(os.getpid(), file=lock, flush=True)
     return lock
 
 
 def explain(error: Exception, options: argparse.Namespace) -> str:
-    """Why a command of `options` failed: a refusal's own words, or the --out of an OSError."""
-    if not isinstance(error, OSError) or options.command != "gpt":
+    """Why a command of `options` failed: a refusal's own words, or the --run or --out of an OSError."""
+    if not isinstance(error, OSError):
         return str(error)
-    where = f" ({error.filename})" if error.filename else ""
-    return (f"cannot use --out {options.out}: {error.strerror or error}{where}; give a folder you "
-            f"can write to, on a disk with room")
+    why = f"{error.strerror or error}" + (f" ({error.filename})" if error.filename else "")
+    return (f"cannot read --run {options.run}: {why}" if options.command == "sample" else
+            f"cannot use --out {options.out}: {why}; give a writable folder on a disk with room")
 
 
 if __name__ == "__main__":  # python -m attnbook.train_command
