@@ -323,7 +323,8 @@ def test_decode_checks_src_padding():
     memory, pad = model.encode(src), torch.ones(2, 5, dtype=torch.bool)
     torch.testing.assert_close(model.decode(tgt, memory, pad), model.decode(tgt, memory))
     for bad, error in [(pad.float(), TypeError), (pad.tolist(), TypeError),
-                       (pad[:1], ValueError), (pad[:, :4], ValueError), (pad[0], ValueError)]:
+                       (pad[:1], ValueError), (pad[:, :4], ValueError), (pad[0], ValueError),
+                       (pad.to("meta"), ValueError)]:  # another device than memory's
         with pytest.raises(error, match="src_padding"):
             model.decode(tgt, memory, bad)
     with pytest.raises(TypeError, match="return_weights"):

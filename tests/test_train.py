@@ -1155,6 +1155,7 @@ def test_lock_out_takes_a_path_and_refuses_anything_else_by_name(tmp_path):
     lock = train_command.lock_out(tmp_path / "run")
     try:
         assert (tmp_path / "run" / ".lock").read_text() == f"{os.getpid()}\n"
+        assert (tmp_path / "run" / ".lock").stat().st_mode & 0o111 == 0  # not executable
     finally:
         lock.close()
     for wrong in (str(tmp_path / "run"), 3):

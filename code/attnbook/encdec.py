@@ -216,7 +216,7 @@ class EncoderDecoder(nn.Module):
         tgt_in = _check_ids("tgt_in", tgt_in, c.tgt_vocab, c.context_length, batch=shape[0])
         return_weights = check_bool("return_weights", return_weights)
         if src_padding is not None:
-            check_mask("src_padding", src_padding, shape)
+            check_mask("src_padding", src_padding, shape, device=memory.device)
             if src_padding.shape != shape:  # a (1, Ls) mask would broadcast over the batch
                 raise ValueError(f"src_padding of shape {tuple(src_padding.shape)} is not {shape}")
         logits, weights = self._decode(tgt_in, memory, src_padding, return_weights)
