@@ -177,8 +177,8 @@ def check_callable(name: str, value: _T) -> _T:
 def check_fields(config: object, checks: Mapping[str, tuple[Any, ...]],
                  optional: Collection[str] = ()) -> None:
     """Set each field of the frozen dataclass `config` that `checks` names, in its order, to its
-    checked value: check(name, value, *arguments) for checks[name] = (check, *arguments). A field
-    named in `optional` may be None, which is kept (a default that other fields give)."""
+    checked value: `check(name, value, *arguments)` for `checks[name] = (check, *arguments)`. A
+    field named in `optional` may be None, which is kept (a default that other fields give)."""
     for name, (check, *arguments) in checks.items():
         if getattr(config, name) is not None or name not in optional:
             object.__setattr__(config, name, check(name, getattr(config, name), *arguments))
