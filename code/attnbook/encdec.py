@@ -129,11 +129,12 @@ class EncoderDecoder(nn.Module):
         self.lm_head = nn.Linear(c.d_model, c.tgt_vocab)
 
     def _encode(self, src: torch.Tensor, src_padding: torch.Tensor) -> torch.Tensor:
-        """The encoder's output, the `memory` (B, Ls, d_model), for int64 ids src (B, Ls)."""
+        """The encoder's output, the `memory` (B, Ls, d_model), for int64 ids src (B, Ls), 0 at the
+        padded positions."""
         x, mask = self.src_embed(src, src_padding), src_padding[:, None, None, :]  # (B,1,1,Ls)
         for block in self.encoder:
             x = block(x, mask=mask)  # (B, Ls, d_model)
-        memory: torch.Tensor = self.encoder_norm(x)
+        memory: torch.Tensor = self.encoder_norm(x).masked_fill(~src_padding[..., None], 0.0)
         return memory
 
     # chapters/11-encoder-decoder.md, "The model"
@@ -143,8 +144,6 @@ class EncoderDecoder(nn.Module):
         real, lt = tgt_in != self.config.pad_id, tgt_in.shape[1]  # the target's own padding
         self_mask = real[:, None, None, :] & _causal_mask(lt, lt, tgt_in.device)  # (B, 1, Lt, Lt)
         cross_mask = None if src_padding is None else src_padding[:, None, None, :]  # (B,1,1,Ls)
-        if src_padding is not None:  # a caller's memory at padding, NaN too, reaches no real token
-            memory = memory.masked_fill(~src_padding[..., None], 0.0)
         x, weights = self.tgt_embed(tgt_in, real), []  # (B, Lt, d_model), list[torch.Tensor]
         for block in self.decoder:
             x = block(x, mask=self_mask, context=memory, context_mask=cross_mask,
@@ -219,6 +218,7 @@ class EncoderDecoder(nn.Module):
             check_mask("src_padding", src_padding, shape, device=memory.device)
             if src_padding.shape != shape:  # a (1, Ls) mask would broadcast over the batch
                 raise ValueError(f"src_padding of shape {tuple(src_padding.shape)} is not {shape}")
+            memory = memory.masked_fill(~src_padding[..., None], 0.0)  # NaN there reaches nothing
         logits, weights = self._decode(tgt_in, memory, src_padding, return_weights)
         return (logits, weights) if return_weights else logits
 

@@ -260,10 +260,10 @@ def lock_out(out: Path) -> TextIO | None:
     if fcntl is None:
         return None
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / ".lock"  # the process's id is written in it: it must be no one else's file
+    path = folder / ".lock"  # our pid's file: not a link (O_NOFOLLOW: nor one made after this)
     if path.is_symlink() or path.exists() and not (path.is_file() and path.stat().st_nlink == 1):
         raise ValueError(f"--out {folder}: its .lock is a link or not a file: remove it")
-    lock = open(os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644), "r+")  # a link since: no
+    lock = open(os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644), "r+")
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
