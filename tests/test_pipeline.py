@@ -41,9 +41,18 @@ def copy_book(to: Path, chapters: tuple[str, ...] | None = None) -> Path:
 SMALL_BOOK = ("01-queries-keys-values", "06-masks", "a1-conventions")
 
 
+@pytest.fixture(scope="module")
+def small_book(tmp_path_factory):
+    """The small book, copied and tangled once for the module (a copy and a tangle take
+    seconds); no test edits it: each takes a copy of it, book_copy."""
+    return copy_book(tmp_path_factory.mktemp("small-book"), SMALL_BOOK)
+
+
 @pytest.fixture
-def book_copy(tmp_path):
-    return copy_book(tmp_path, SMALL_BOOK)
+def book_copy(small_book, tmp_path):
+    """A copy of the small book of this test's own, in tmp_path, as copy_book leaves it."""
+    shutil.copytree(small_book, tmp_path, symlinks=True, dirs_exist_ok=True)
+    return tmp_path
 
 
 def tangle(root: Path, *args: str) -> subprocess.CompletedProcess:
