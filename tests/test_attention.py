@@ -144,6 +144,24 @@ def test_bad_masks(mask, message):
         scaled_dot_product_attention(np.ones((3, 8)), np.ones((4, 8)), np.ones((4, 2)), mask=mask)
 
 
+@pytest.mark.parametrize("mask", [np.zeros((3, 4)), np.ones((3, 4), np.float32),
+                                  np.eye(3, 4, dtype=np.complex128)])
+def test_float_masks_are_refused_as_ambiguous(mask):
+    # PyTorch adds a float mask to the scores, so zeros mean "attend everywhere" there; reading
+    # them as False would silently give "attend nowhere" (all-zero weights)
+    Q, K, V = np.ones((3, 8)), np.ones((4, 8)), np.ones((4, 2))
+    additive = torch.from_numpy(np.zeros((3, 4)))
+    reference = F.scaled_dot_product_attention(*(torch.from_numpy(a) for a in (Q, K, V)),
+                                               attn_mask=additive)
+    assert torch.equal(reference, torch.ones(3, 2, dtype=torch.float64))  # zeros: all allowed
+    with pytest.raises(ValueError, match=r"mask must be boolean or hold only 0 and 1 as integers, "
+                                         rf"got dtype {mask.dtype}: a float mask is ambiguous"):
+        scaled_dot_product_attention(Q, K, V, mask=mask)
+    as_int, _ = scaled_dot_product_attention(Q, K, V, mask=mask.real.astype(np.int64))
+    as_bool, _ = scaled_dot_product_attention(Q, K, V, mask=mask.real.astype(bool))
+    assert np.array_equal(as_int, as_bool)  # the same 0/1 as integers is still accepted
+
+
 def test_non_numeric_input_is_a_type_error():
     with pytest.raises(TypeError, match="V must hold real numbers"):
         scaled_dot_product_attention(np.ones((3, 8)), np.ones((4, 8)), np.array([["a", "b"]] * 4))

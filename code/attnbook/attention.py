@@ -80,8 +80,8 @@ def scaled_dot_product_attention(Q: npt.ArrayLike, K: npt.ArrayLike, V: npt.Arra
                                  mask: npt.ArrayLike | None = None, scale: float | None = None
                                  ) -> tuple[np.ndarray, np.ndarray]:
     """Scaled dot-product attention in NumPy: Q (..., Lq, dk), K (..., Lk, dk), V (..., Lk, dv)
-    -> (output (..., Lq, dv), weights (..., Lq, Lk)). `mask` (bool or 0/1) is True where a query
-    may attend; `scale` defaults to 1/sqrt(dk)."""
+    -> (output (..., Lq, dv), weights (..., Lq, Lk)). `mask` (bool, or integers 0/1) is True
+    where a query may attend; `scale` defaults to 1/sqrt(dk)."""
     Q, K, V = check_qkv(Q, K, V)
     scale = check_scale(scale, Q.shape[-1])
     dtype = np.result_type(Q, K, V)
@@ -114,6 +114,10 @@ def check_qkv(Q: npt.ArrayLike, K: npt.ArrayLike, V: npt.ArrayLike
 def _as_mask(mask: npt.ArrayLike, scores_shape: tuple[int, ...]) -> np.ndarray:
     """`mask` (True or 1 = may attend) as a bool array that broadcasts to the scores' shape."""
     mask = np.asarray(mask)
+    if mask.dtype.kind in "fc":  # PyTorch adds a float mask to the scores: there 0.0 allows
+        raise ValueError(f"mask must be boolean or hold only 0 and 1 as integers, got dtype "
+                         f"{mask.dtype}: a float mask is ambiguous, as PyTorch adds it to the "
+                         "scores (0.0 = may attend)")
     if not (mask.dtype == bool or np.isin(mask, (0, 1)).all()):  # isin is False for text
         raise ValueError(f"mask must be boolean or hold only 0 and 1, got dtype {mask.dtype}")
     if _broadcast(mask.shape, scores_shape) != scores_shape:

@@ -40,6 +40,7 @@ def padding_mask(lengths: Sequence[int] | torch.Tensor, max_len: int | None = No
     return positions < lengths if side == "right" else positions >= max_len - lengths
 
 
+# chapters/06-masks.md, "Padding"
 def _check_lengths(lengths: object) -> list[int]:
     if getattr(lengths, "ndim", 1) != 1:  # a tensor or an array
         raise ValueError(f"lengths must be 1-D, got shape {tuple(getattr(lengths, 'shape', ()))}")
@@ -70,6 +71,7 @@ def attention_mask(key_padding: torch.Tensor | None = None, causal: bool = False
     return mask.clone()
 
 
+# chapters/06-masks.md, "One mask for a batch"
 def _check_key_padding(key_padding: object, k_len: int | None, q_len: int | None) -> torch.Tensor:
     if key_padding is None:
         if k_len is None and q_len is None:

@@ -111,9 +111,10 @@ def flash_attention_numpy(Q: npt.ArrayLike, K: npt.ArrayLike, V: npt.ArrayLike,
                           causal: bool = False, block_size: int = 64, scale: float | None = None,
                           *, tally: dict[str, int] | None = None) -> np.ndarray:
     """Tiled attention with the online softmax, in NumPy: the output of attention's
-    scaled_dot_product_attention up to rounding, holding one tile of scores at a time. With
-    `causal`, query i sees key j iff j <= i + (Lk - Lq) (bottom-right). A dict `tally` gets the
-    number of elements loaded from Q, K, V and stored to O added under those keys."""
+    scaled_dot_product_attention up to rounding, holding one tile of scores per entry of the
+    batch dimensions at a time. With `causal`, query i sees key j iff j <= i + (Lk - Lq)
+    (bottom-right). A dict `tally` gets the number of elements loaded from Q, K, V and stored
+    to O added under those keys (chapter 14)."""
     Q, K, V = check_qkv(Q, K, V)
     block_size = check_int("block_size", block_size, minimum=1)
     causal, scale = check_bool("causal", causal), check_scale(scale, Q.shape[-1])
