@@ -296,7 +296,7 @@ def test_models_ask_for_weights_only_when_asked():
 
 
 def check_calls(fn) -> int:
-    """Calls of functions of attnbook.checks, the package's one module of checks (appendix A)."""
+    """Calls of functions of attnbook.checks, the package's one module of checks (appendix H)."""
     count = 0
 
     def profile(frame, event, arg):

@@ -1,4 +1,4 @@
-"""attnbook.checks (appendix A): one error policy, one check per concept."""
+"""attnbook.checks (appendix H): one error policy, one check per concept."""
 
 import math
 import re

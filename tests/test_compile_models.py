@@ -1,4 +1,4 @@
-"""The models compile whole (DESIGN.md, appendix A): torch.compile(fullgraph=True) takes each
+"""The models compile whole (DESIGN.md, appendix H): torch.compile(fullgraph=True) takes each
 model's forward pass and a training step, torch._dynamo.explain finds no graph break, and
 torch.export takes GPT's forward; the compiled outputs and gradients are eager's."""
 
@@ -123,7 +123,7 @@ def test_torch_export_takes_gpts_forward_for_any_batch_and_length():
 
 
 def test_compiled_models_still_refuse_what_eager_refuses():
-    """Under the compiler the id values are not read into Python (appendix A): the graph checks
+    """Under the compiler the id values are not read into Python (appendix H): the graph checks
     them and raises a RuntimeError naming the argument; the eager call gives the ValueError."""
     model = gpt(layers=1).eval()
     bad = torch.tensor([[3, VOCAB]])

@@ -890,7 +890,7 @@ def test_mask_heads_names_heads_that_are_not_a_sequence(heads):
 
 
 def test_a_row_of_minus_infinity_scores_from_the_data_gives_nan_in_attend_and_zeros_in_sdpa():
-    """Appendix A: the explicit backend forbids a key through the mask only, so a row whose
+    """Appendix H: the explicit backend forbids a key through the mask only, so a row whose
     scores are all -inf because of the data gives NaN; PyTorch's SDPA (2.13) gives zeros."""
     q = torch.tensor([[[[-float("inf"), 0.0]]]])  # every score -inf: the data, not a mask
     k, v = torch.tensor([[[[1.0, 0.0], [2.0, 0.0]]]]), torch.ones(1, 1, 2, 3)

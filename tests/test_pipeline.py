@@ -36,9 +36,10 @@ def copy_book(to: Path, chapters: tuple[str, ...] | None = None) -> Path:
     return to
 
 
-# The chapters the tests below edit, and appendix A (the package's conventions and the glue the
-# notebooks use). Each tangle of the whole book takes seconds, and these tests tangle 30 times.
-SMALL_BOOK = ("01-queries-keys-values", "06-masks", "a1-conventions")
+# The chapters the tests below edit, appendix A (the glue the notebooks use) and appendix H (the
+# checks every module uses). Each tangle of the whole book takes seconds, and these tests tangle
+# 30 times.
+SMALL_BOOK = ("01-queries-keys-values", "06-masks", "a1-conventions", "a8-argument-checks")
 
 
 @pytest.fixture(scope="module")

@@ -37,9 +37,6 @@ Modules, in the order the book builds them:
   random features, retention, and the small models and recall task that compare them.
 - attnbook.vit (chapters/18-vision-transformer.md): The Vision Transformer: images cut into
   patches, a class token and learned positions, on the book's Transformer blocks.
-- attnbook.checks (chapters/a1-conventions.md): The package's argument checks: one error policy,
-  one check per concept. It imports PyTorch only when a tensor is checked, so the NumPy modules
-  use it without loading PyTorch.
 - attnbook.notebook (chapters/a1-conventions.md): What a chapter uses to run as a notebook:
   numbers glued into the prose, timings, FLOP counts, and whether pretrained weights can be
   downloaded.
@@ -58,6 +55,9 @@ Modules, in the order the book builds them:
 - attnbook.exercises (chapters/a6-checking-exercises.md): A check of the reader's own answer to
   an exercise: seeded cases from small to hard, compared with the package's reference, with a
   short report and a hint.
+- attnbook.checks (chapters/a8-argument-checks.md): The package's argument checks: one error
+  policy, one check per concept. It imports PyTorch only when a tensor is checked, so the NumPy
+  modules use it without loading PyTorch.
 """
 
 import importlib
@@ -80,7 +80,6 @@ __all__ = [
     "triton_mode",
     "efficient",
     "vit",
-    "checks",
     "notebook",
     "corpus",
     "train",
@@ -88,6 +87,7 @@ __all__ = [
     "compile_check",
     "train_command",
     "exercises",
+    "checks",
 ]
 
 

@@ -188,7 +188,7 @@ def _check_encode(c: BERTConfig, input_ids: torch.Tensor, token_type_ids: torch.
 def _token_mask(name: str, mask: object, shape: tuple[int, ...], device: torch.device
                 ) -> torch.Tensor:
     """`mask`, one flag per token, of `shape` on `device`, bool or 0/1, as bool. Only a mask
-    that is not bool has its values checked; under torch.compile, inside the graph (appendix A)."""
+    that is not bool has its values checked; under torch.compile, inside the graph (appendix H)."""
     wanted = f"{name} must be a tensor of shape {shape} on {device}, bool or 0/1"
     if not isinstance(mask, torch.Tensor):
         raise TypeError(f"{wanted}, got {type(mask).__name__}")

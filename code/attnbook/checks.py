@@ -1,8 +1,8 @@
-# Do not edit: tools/tangle.py generates this file from chapters/a1-conventions.md.
+# Do not edit: tools/tangle.py generates this file from chapters/a8-argument-checks.md.
 """The package's argument checks: one error policy, one check per concept. It imports PyTorch only
 when a tensor is checked, so the NumPy modules use it without loading PyTorch.
 
-Built and explained in the book's chapter chapters/a1-conventions.md.
+Built and explained in the book's chapter chapters/a8-argument-checks.md.
 """
 
 __all__ = [
@@ -32,7 +32,7 @@ __all__ = [
     "check_writable",
 ]
 
-# chapters/a1-conventions.md, "One way to check an argument"
+# chapters/a8-argument-checks.md, "The checks, one per concept"
 import math
 import numbers
 import operator
@@ -61,26 +61,38 @@ def check_int(name: str, value: object, minimum: int | None = None, maximum: int
     Whatever Python can use as an index counts, such as np.int64(3) or a 0-d integer tensor, and
     a size that a compiler traces as a symbol (a torch.SymInt), which is kept a symbol."""
     torch, number = sys.modules.get("torch"), cast(int, value)  # torch: loaded wherever one traces
-    if type(value) is not int and not (torch and isinstance(value, torch.SymInt)):  # index would
-        try:  # fix a symbol's value; a bool tensor's dtype is named, so that this needs no torch
+    # a torch.SymInt stays as it is: operator.index would fix a symbol to the traced size's value
+    if type(value) is not int and not (torch and isinstance(value, torch.SymInt)):
+        try:  # a bool tensor is told by its dtype's name, so that this needs no torch
             if isinstance(value, (bool, np.bool_)) or str(getattr(value, "dtype", "")) == "torch.bool":
                 raise TypeError
             number = operator.index(value)  # type: ignore[arg-type]  # the check itself
         except TypeError:
             raise type_error(name, value, "an int") from None
-    if torch is not None and torch.compiler.is_compiling():  # the size may be a symbol:
-        known = sys.modules["torch.fx.experimental.symbolic_shapes"].guard_or_true  # guards the
-        if minimum is not None and not known(number >= minimum):  # comparison, True for a size
-            raise ValueError(f"{name} must be at least {int(minimum)}")  # that only the running
-        if maximum is not None and not known(number <= maximum):  # graph knows; int() gives a
-            raise ValueError(f"{name} must be at most {int(maximum)}")  # traced bound its value
-        torch._check(minimum is None or number >= minimum)  # the running graph's check (no
-        torch._check(maximum is None or number <= maximum)  # message: strict export takes none)
-        return number
+    if torch is not None and torch.compiler.is_compiling():  # the size may be a symbol
+        return _check_traced_int(name, number, minimum, maximum)
     if minimum is not None and number < minimum:
         raise ValueError(f"{name} must be at least {minimum}, got {name}={value!r}")
     if maximum is not None and number > maximum:
         raise ValueError(f"{name} must be at most {maximum}, got {name}={value!r}")
+    return number
+
+
+def _check_traced_int(name: str, number: int, minimum: int | None, maximum: int | None) -> int:
+    """check_int's bounds while torch.compile traces, where `number` and the bounds may be symbols.
+
+    guard_or_true answers a comparison for the size being traced and keeps the answer as a guard
+    (a later size on the other side of the bound makes the compiler trace again, and that trace
+    raises), and answers True for a size that only the running graph knows: torch._check puts the
+    bounds into the graph for it, without a message, which strict torch.export would refuse. The
+    messages give a traced bound its value with int(). The compiler has loaded both modules."""
+    torch, shapes = sys.modules["torch"], sys.modules["torch.fx.experimental.symbolic_shapes"]
+    if minimum is not None and not shapes.guard_or_true(number >= minimum):
+        raise ValueError(f"{name} must be at least {int(minimum)}")
+    if maximum is not None and not shapes.guard_or_true(number <= maximum):
+        raise ValueError(f"{name} must be at most {int(maximum)}")
+    torch._check(minimum is None or number >= minimum)
+    torch._check(maximum is None or number <= maximum)
     return number
 
 
@@ -184,7 +196,7 @@ def check_fields(config: object, checks: Mapping[str, tuple[Any, ...]],
             object.__setattr__(config, name, check(name, getattr(config, name), *arguments))
 
 
-# chapters/a1-conventions.md, "One way to check an argument"
+# chapters/a8-argument-checks.md, "The checks, one per concept"
 def check_array(name: str, x: object, min_ndim: int = 0) -> np.ndarray:
     """`x` as a NumPy array of real numbers with at least `min_ndim` axes; integers become float64."""
     try:  # a bfloat16 tensor, one that requires grad or one on a GPU has no NumPy array
@@ -202,7 +214,7 @@ def check_array(name: str, x: object, min_ndim: int = 0) -> np.ndarray:
     return x
 
 
-# chapters/a1-conventions.md, "One way to check an argument"
+# chapters/a8-argument-checks.md, "The checks, one per concept"
 def check_device(name: str, device: object) -> "torch.device":
     """`device` (a string or torch.device) as a torch.device that this machine has."""
     import torch  # here, not at the top: the NumPy chapters import this module without torch

@@ -222,7 +222,7 @@ def _checked(request: dict[str, object]) -> dict[str, object]:
 
 
 def _check_one_of(name: str, value: object, allowed: tuple[Any, ...]) -> Any:
-    # `value`, one of `allowed`: strings (appendix A's check_choice), True or False, or ints
+    # `value`, one of `allowed`: strings (appendix H's check_choice), True or False, or ints
     if isinstance(allowed[0], str):
         return check_choice(name, value, allowed)
     value = check_bool(name, value) if isinstance(allowed[0], bool) else check_int(name, value)

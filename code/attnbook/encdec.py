@@ -227,7 +227,7 @@ class EncoderDecoder(nn.Module):
 def _traced_padding(lengths: torch.Tensor, wanted: str, ls: int, device: torch.device
                     ) -> torch.Tensor:
     """The padding mask (B, ls) of a (B,) tensor of lengths, under torch.compile: the values are
-    checked inside the graph (a RuntimeError when it runs), not read into Python (appendix A)."""
+    checked inside the graph (a RuntimeError when it runs), not read into Python (appendix H)."""
     if lengths.dtype == torch.bool or lengths.is_floating_point() or lengths.is_complex():
         raise TypeError(f"{wanted}, got dtype {lengths.dtype}")
     torch._assert_async(((lengths >= 1) & (lengths <= ls)).all(), wanted)

@@ -23,7 +23,7 @@ __all__ = [
 import contextlib
 import importlib.util
 import math
-import os  # noqa: F811 (notebook)
+import os
 import socket
 import statistics
 import sys
@@ -35,7 +35,7 @@ from numbers import Integral, Real
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, TypeVar
 
-from attnbook.checks import (  # noqa: F811
+from attnbook.checks import (
     check_callable,
     check_choice,
     check_instance,
