@@ -73,6 +73,10 @@ def test_patchify_noncontiguous_input():
     (torch.zeros(1, 1, 8, 8), True, TypeError, "patch_size"),
     (torch.zeros(8, 8), 2, ValueError, "images"),
     (torch.zeros(1, 1, 8, 8, dtype=torch.long), 2, TypeError, "images"),
+    # R4-57 #13: integer images (uint8, the usual image dtype) are refused by name, as the
+    # docstring says: patchify takes the floating-point images the model takes
+    (torch.zeros(1, 1, 8, 8, dtype=torch.uint8), 2, TypeError,
+     r"images must be a floating-point tensor, got dtype torch\.uint8"),
     ([[0.0]], 1, TypeError, "images"),
 ])
 def test_patchify_refuses(images, p, error, match):

@@ -258,3 +258,65 @@ def test_every_string_the_page_holds_is_valid_utf8():
 def test_a_negative_weight_is_named_even_when_its_row_sums_to_1():
     with pytest.raises(ValueError, match=r"weights\[0, :\] summing to 1, its smallest weight -0.5"):
         explorer_weights(["a", "b"], np.array([[1.5, -0.5], [0.0, 1.0]]))
+
+
+# The page's script, run under node with a minimal stand-in for the DOM (skipped without node):
+# what the readout says when the reader points at a token.
+_DOM = """
+var data = JSON.parse(%(data)s), words = %(words)s, readout = {textContent: ""};
+var head = %(head)s;
+var tokens = words.map(function (w, i) {
+  var text = {textContent: w}, value = {textContent: ""}, on = {};
+  return {dataset: {tokenIndex: String(i)}, style: {}, classList: {toggle: function () {}},
+          querySelector: function (s) { return s === ".ax-text" ? text : value; },
+          addEventListener: function (event, f) { on[event] = f; }, on: on};
+});
+var root = {dataset: {}, querySelectorAll: function () { return tokens; },
+            querySelector: function (s) {
+              return s === ".ax-readout" ? readout : s === ".ax-head" ? head : null; }};
+var document = {getElementById: function (id) {
+  return id === "u" ? root : {textContent: JSON.stringify(data)}; }};
+%(script)s
+tokens.forEach(function (el) { el.on.mouseenter(); console.log(readout.textContent); });
+"""
+
+
+def readouts(tokens, weights, head=None):
+    """The readout after pointing at each token in turn, as the page's script writes it."""
+    import shutil
+    import subprocess
+
+    node = shutil.which("node")
+    if node is None:
+        pytest.skip("node is not installed: the explorer's script is not run")
+    from attnbook.viz import explorer_html
+
+    html = explorer_html(tokens, weights, "u")
+    data = re.search(r'id="u-data">(.*?)</script>', html, re.S).group(1)
+    script = re.findall(r"<script>(.*?)</script>", html, re.S)[-1]
+    program = _DOM % {"data": json.dumps(data), "words": json.dumps(tokens), "script": script,
+                      "head": "null" if head is None else
+                      '{value: %s, addEventListener: function () {}}' % json.dumps(head)}
+    done = subprocess.run([node, "-e", program], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.splitlines()
+
+
+def test_the_readout_names_one_largest_weight_ties_and_empty_rows():
+    # R4-57 finding 9: ties were read as one "largest weight" (the first), and a row of zeros
+    # as "its largest weight, 0.000"
+    weights = np.array([[0.7, 0.2, 0.1, 0.0], [0.25] * 4, [0.0] * 4, [0.4, 0.4, 0.2, 0.0]])
+    lines = readouts(["a", "b", "c", "d"], weights)
+    assert lines == ["\u201ca\u201d gives its largest weight, 0.700, to \u201ca\u201d",
+                     "\u201cb\u201d spreads its weight evenly, 0.250 to each token",
+                     "\u201cc\u201d gives no weight to any token (it has no allowed key)",
+                     "\u201cd\u201d gives its largest weight, 0.400, to each of \u201ca\u201d, "
+                     "\u201cb\u201d"]
+
+
+def test_the_readout_of_the_average_over_heads_compares_the_weights_shown():
+    # the mean of two heads is not rounded in the script: ties are judged as the page shows them
+    heads = np.array([[[0.6, 0.4], [0.5, 0.5]], [[0.4, 0.6], [1.0, 0.0]]])
+    lines = readouts(["a", "b"], heads, head="mean")
+    assert lines == ["\u201ca\u201d spreads its weight evenly, 0.500 to each token",
+                     "\u201cb\u201d gives its largest weight, 0.750, to \u201ca\u201d"]

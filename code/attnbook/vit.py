@@ -38,8 +38,9 @@ def _patchify(images: torch.Tensor, p: int) -> torch.Tensor:
 
 
 def patchify(images: torch.Tensor, patch_size: int) -> torch.Tensor:
-    """(B, C, H, W) images -> (B, (H/p)(W/p), C p p) patches, in row-major order, each flattened
-    in (channel, row, column) order: F.unfold(images, p, stride=p).transpose(1, 2). Chapter 18."""
+    """(B, C, H, W) floating-point images (convert uint8 ones with .float()) -> (B, (H/p)(W/p),
+    C p p) patches, in row-major order, each flattened in (channel, row, column) order:
+    F.unfold(images, p, stride=p).transpose(1, 2). Chapter 18."""
     images = check_tensor("images", images, 4)
     p = check_int("patch_size", patch_size, minimum=1)
     check_divisible("images.shape[2]", images.shape[2], "patch_size", p)  # the height
@@ -88,7 +89,8 @@ class ViTConfig:
 
     @property
     def block(self) -> BlockConfig:
-        """Every block's settings: pre-norm, with exact GELU, as in the paper."""
+        """Every block's settings: pre-norm, with exact GELU (PyTorch's default; the paper's
+        released code uses the tanh approximation)."""
         return BlockConfig(self.d_model, self.num_heads, self.d_ff, self.dropout, norm_first=True,
                            activation="gelu", eps=self.eps, backend=self.backend)
 

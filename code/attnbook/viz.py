@@ -95,17 +95,23 @@ _SCRIPT = """(function () {
     });
   }
   function show(i) {
-    var w = row(i), best = 0;
+    var w = row(i), values = [], top = [];
     chosen = i;
     tokens.forEach(function (el, j) {
+      values.push(w[j].toFixed(data.digits));  // ties are judged as the page shows the weights
       el.style.backgroundColor = "rgba(255, 140, 0, " + w[j].toFixed(3) + ")";
-      el.querySelector(".ax-value").textContent = w[j].toFixed(data.digits);
+      el.querySelector(".ax-value").textContent = values[j];
       el.classList.toggle("ax-query", j === i);
-      if (w[j] > w[best]) best = j;
     });
-    readout.textContent = "\\u201c" + shown(i) + "\\u201d gives its largest weight, " +
-      w[best].toFixed(data.digits) + ", to \\u201c" + shown(best) + "\\u201d";
+    var most = values.reduce(function (a, b) { return Number(b) > Number(a) ? b : a; });
+    values.forEach(function (v, j) { if (v === most) top.push(quoted(j)); });
+    readout.textContent = quoted(i) + (Number(most) === 0
+      ? " gives no weight to any token (it has no allowed key)"
+      : top.length === values.length ? " spreads its weight evenly, " + most + " to each token"
+      : " gives its largest weight, " + most + ", to " + (top.length > 1 ? "each of " : "") +
+        top.join(", "));
   }
+  function quoted(i) { return "\\u201c" + shown(i) + "\\u201d"; }
   function shown(i) {  // token i as its element shows it: control characters as pictures
     return tokens[i].querySelector(".ax-text").textContent;
   }
