@@ -610,6 +610,40 @@ def test_generation_refuses_logits_that_turn_non_finite_late():
         model.generate(prompt, 5, temperature=0.8)
 
 
+@pytest.mark.parametrize("bad", [float("nan"), math.inf, -math.inf])
+@pytest.mark.parametrize("temperature", [0, 0.8])
+def test_generation_refuses_one_non_finite_logit_of_one_row_at_one_step(bad, temperature):
+    # One logit among 2 x 50, at the third step only: a -inf, which no argmax would pick, too.
+    model, calls = tiny_gpt(), [0]
+    original = model._logits
+
+    def one_bad(idx, cache, real=None):
+        calls[0] += 1
+        out = original(idx, cache, real).clone()
+        if calls[0] == 3:
+            out[1, -1, 7] = bad
+        return out
+
+    model._logits = one_bad
+    with pytest.raises(ValueError, match="logits are not all finite"):
+        model.generate(torch.zeros(2, 2, dtype=torch.long), 5, temperature=temperature,
+                       generator=torch.Generator().manual_seed(0))
+    assert calls[0] == 5  # the refusal comes after the loop: no read of the device per token
+
+
+@pytest.mark.parametrize("new", [0, 4])
+def test_generated_ids_are_ordinary_tensors_a_training_step_can_read(new):
+    """generate runs under torch.inference_mode; what it returns must still serve as the input
+    of a training step (an embedding keeps its ids for the backward pass), and be a new tensor."""
+    model, prompt = tiny_gpt().train(), torch.zeros(2, 3, dtype=torch.long)
+    out = model.generate(prompt, new, temperature=0)
+    assert not out.is_inference() and out.shape == (2, 3 + new)
+    model(out).sum().backward()  # refused for an inference tensor: "saved for backward"
+    assert model.tok_emb.weight.grad is not None
+    out[0, 0] = 1  # writing the result leaves the prompt as it was
+    assert prompt[0, 0] == 0
+
+
 def test_conversion_refuses_another_kind_of_model_by_its_model_type():
     # A GPT-Neo has transformer, lm_head and a tied embedding too: only model_type tells it apart.
     from transformers import GPTNeoConfig, GPTNeoForCausalLM

@@ -241,7 +241,6 @@ class GPT(nn.Module):
         return self._run(x, position_ids, mask, caches)
 
     # chapters/10-gpt.md, "Generating text"
-    @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
                  top_k: int | None = None, use_cache: bool = True,
                  generator: torch.Generator | None = None,
@@ -256,25 +255,26 @@ class GPT(nn.Module):
         generator = check_generator("generator", generator, seq.device)  # before any sampling
         real = check_padding_mask("attention_mask", attention_mask, seq, left=True)  # None: no padding
         size = min(limit, seq.shape[1] + max_new_tokens)  # no more than the tokens it will hold
-        cache = self.make_kv_cache(len(seq), size) if check_bool("use_cache", use_cache) else None
-        finite = torch.ones((), dtype=torch.bool, device=seq.device)  # stays on the device
-        was_training = self.training
+        use_cache, was_training = check_bool("use_cache", use_cache), self.training
         self.eval()
         try:
-            for _ in range(max_new_tokens):
-                if cache is not None and cache.length == limit:  # the window moved: reread it
-                    cache.reset()
-                cached = cache is not None and cache.length > 0  # after the prefill
-                logits = self._logits(seq[:, -1:] if cached else seq[:, -limit:], cache, real)
-                finite &= logits[:, -1].isfinite().all()
-                next_id = _next_token(logits[:, -1], temperature, top_k, generator)  # (B, 1)
-                seq = torch.cat([seq, next_id], dim=1)  # (B, T + 1)
-                real = None if real is None else F.pad(real, (0, 1), value=True)  # a real token
+            with torch.inference_mode():  # no gradients, nor autograd's bookkeeping per operation
+                cache = self.make_kv_cache(len(seq), size) if use_cache else None
+                largest = self.tok_emb.weight.new_zeros(())  # the largest |logit|; NaN stays NaN
+                for _ in range(max_new_tokens):
+                    if cache is not None and cache.length == limit:  # the window moved: reread it
+                        cache.reset()
+                    cached = cache is not None and cache.length > 0  # after the prefill
+                    logits = self._logits(seq[:, -1:] if cached else seq[:, -limit:], cache, real)
+                    largest = torch.maximum(largest, logits[:, -1].abs().amax())  # on the device
+                    next_id = _next_token(logits[:, -1], temperature, top_k, generator)  # (B, 1)
+                    seq = torch.cat([seq, next_id], dim=1)  # (B, T + 1)
+                    real = None if real is None else F.pad(real, (0, 1), value=True)  # a real token
         finally:
             self.train(was_training)
-        if not finite:  # read once per call: a test per token would wait for the GPU each time
+        if not largest.isfinite():  # read once per call: a test per token would wait for the GPU
             raise ValueError("the model's logits are not all finite, so no token can be chosen")
-        return seq
+        return seq.clone()  # made outside inference mode: a tensor autograd may use later
 
     # chapters/19-gpt-variants.md, "Llama's weights"
     @classmethod
