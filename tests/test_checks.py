@@ -563,6 +563,16 @@ def test_check_int_holds_a_traced_size_to_its_bounds_by_name(length, match):
         compiled(torch.ones(length))
 
 
+def test_check_int_takes_a_numpy_int_under_fullgraph():
+    """A NumPy int is an int eagerly, and under fullgraph too (reading a `dtype` attribute of
+    anything, as check_int once did to tell a bool tensor, does not trace)."""
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x, k: x * c.check_int("k", k, 1, 8), fullgraph=True)
+    assert torch.equal(compiled(torch.ones(2), np.int64(5)), torch.full((2,), 5.0))
+    with pytest.raises(torch._dynamo.exc.Unsupported, match=r"k must be at most 8"):
+        compiled(torch.ones(2), np.int64(9))
+
+
 def test_check_int_under_a_plain_torch_compile_raises_the_value_error_by_name():
     """torch.compile(model) as a user writes it: the length turns symbolic at the second call, and
     a length outside the bounds at a later call is refused with the eager ValueError."""

@@ -63,8 +63,9 @@ def check_int(name: str, value: object, minimum: int | None = None, maximum: int
     torch, number = sys.modules.get("torch"), cast(int, value)  # torch: loaded wherever one traces
     # a torch.SymInt stays as it is: operator.index would fix a symbol to the traced size's value
     if type(value) is not int and not (torch and isinstance(value, torch.SymInt)):
-        try:  # a bool tensor is told by its dtype's name, so that this needs no torch
-            if isinstance(value, (bool, np.bool_)) or str(getattr(value, "dtype", "")) == "torch.bool":
+        try:  # a tensor exists only where torch is loaded; dynamo traces isinstance, not getattr
+            if isinstance(value, (bool, np.bool_)) or (
+                    torch and isinstance(value, torch.Tensor) and value.dtype == torch.bool):
                 raise TypeError
             number = operator.index(value)  # type: ignore[arg-type]  # the check itself
         except TypeError:

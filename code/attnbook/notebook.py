@@ -52,7 +52,7 @@ _T = TypeVar("_T")  # a size, a count, a tuple of them: what Runtime.pick choose
 
 
 def significant(value: object, digits: int) -> float:
-    """`value` rounded to `digits` significant digits (appendix, "Numbers in the prose").
+    """`value` rounded to `digits` significant digits (appendix A, "Numbers in the prose").
 
     0.017515176143916008 becomes 0.01752 for digits=4. Zero and non-finite values come back
     unchanged: a NaN is never rounded into a number."""
@@ -115,7 +115,7 @@ DIGITS_SUFFIX = "__digits"  # glue("x", v, digits=2) also records x__digits = 2
 def median_seconds(*calls: Callable[[], object], repeats: int = 5, batch_seconds: float = 0.05,
                    synchronize: Callable[[], object] | Literal[False] | None = None,
                    clock: Callable[[], float] | None = None) -> list[float]:
-    """The median time of one call of each of `calls`, in seconds (appendix, "Timing a call").
+    """The median time of one call of each of `calls`, in seconds (appendix A, "Timing a call").
 
     Each is warmed up, then measured `repeats` times, in turns, in batches of calls lasting about
     `batch_seconds`. `synchronize` (for example torch.cuda.synchronize) runs before each reading
@@ -199,7 +199,7 @@ class Runtime:
 
 
 def runtime() -> Runtime:
-    """The device and profile for this run (appendix, "Choosing the device and the sizes").
+    """The device and profile for this run (appendix A, "Choosing the device and the sizes").
 
     ATTNBOOK_DEVICE ("cpu" or "cuda") defaults to "cuda" when PyTorch sees a GPU;
     ATTNBOOK_PROFILE ("cpu" or "gpu") defaults to "gpu" on a CUDA device, else "cpu"."""
