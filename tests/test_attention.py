@@ -1,5 +1,7 @@
 """attnbook.attention (chapter 1) against PyTorch and against a plain-loop formula."""
 
+from fractions import Fraction
+
 import numpy as np
 import pytest
 import torch
@@ -137,6 +139,10 @@ def test_bad_shapes_are_refused_with_a_message_naming_them(message, error, shape
         (np.ones((3, 5), bool), r"mask of shape \(3, 5\) does not broadcast"),
         (np.ones(3, bool), r"mask of shape \(3,\) does not broadcast"),
         (np.full((3, 4), 0.5), "mask must be boolean or hold only 0 and 1"),
+        ([], r"mask of shape \(0,\) does not broadcast"),  # not "float": `[]` holds no numbers
+        (np.ones((3, 4), [("a", int)]), r"hold only 0 and 1, got dtype \[\('a'"),  # structured
+        (np.ones((3, 4), "m8[s]"), r"hold only 0 and 1, got dtype timedelta64\[s\]"),
+        (np.ones((3, 4), int).astype(object) * Fraction(1), "hold only 0 and 1, got dtype object"),
     ],
 )
 def test_bad_masks(mask, message):
@@ -144,9 +150,20 @@ def test_bad_masks(mask, message):
         scaled_dot_product_attention(np.ones((3, 8)), np.ones((4, 8)), np.ones((4, 2)), mask=mask)
 
 
-@pytest.mark.parametrize("mask", [np.zeros((3, 4)), np.ones((3, 4), np.float32),
-                                  np.eye(3, 4, dtype=np.complex128)])
-def test_float_masks_are_refused_as_ambiguous(mask):
+@pytest.mark.parametrize(
+    "mask, dtype",
+    [
+        (np.zeros((3, 4)), "float64"),
+        (np.ones((3, 4), np.float32), "float32"),
+        (np.eye(3, 4, dtype=np.complex128), "complex128"),
+        (np.zeros((3, 4)).astype(object), "float64"),  # the elements decide, not dtype object
+        (np.array([[np.float16(1)] * 4] * 3, dtype=object), "float16"),
+        ([[True, 1.0, 0, False]] * 3, "float64"),
+        (torch.zeros(3, 4, dtype=torch.bfloat16), "torch.bfloat16"),  # np.asarray fails on these
+        (torch.ones(3, 4, requires_grad=True), "torch.float32"),
+    ],
+)
+def test_float_masks_are_refused_as_ambiguous(mask, dtype):
     # PyTorch adds a float mask to the scores, so zeros mean "attend everywhere" there; reading
     # them as False would silently give "attend nowhere" (all-zero weights)
     Q, K, V = np.ones((3, 8)), np.ones((4, 8)), np.ones((4, 2))
@@ -155,10 +172,11 @@ def test_float_masks_are_refused_as_ambiguous(mask):
                                                attn_mask=additive)
     assert torch.equal(reference, torch.ones(3, 2, dtype=torch.float64))  # zeros: all allowed
     with pytest.raises(ValueError, match=r"mask must be boolean or hold only 0 and 1 as integers, "
-                                         rf"got dtype {mask.dtype}: a float mask is ambiguous"):
+                                         rf"got dtype {dtype}: a float mask is ambiguous"):
         scaled_dot_product_attention(Q, K, V, mask=mask)
-    as_int, _ = scaled_dot_product_attention(Q, K, V, mask=mask.real.astype(np.int64))
-    as_bool, _ = scaled_dot_product_attention(Q, K, V, mask=mask.real.astype(bool))
+    values = np.real(np.array(mask.tolist() if hasattr(mask, "tolist") else mask, dtype=complex))
+    as_int, _ = scaled_dot_product_attention(Q, K, V, mask=values.astype(np.int64))
+    as_bool, _ = scaled_dot_product_attention(Q, K, V, mask=values.astype(bool))
     assert np.array_equal(as_int, as_bool)  # the same 0/1 as integers is still accepted
 
 

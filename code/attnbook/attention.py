@@ -113,16 +113,28 @@ def check_qkv(Q: npt.ArrayLike, K: npt.ArrayLike, V: npt.ArrayLike
 
 def _as_mask(mask: npt.ArrayLike, scores_shape: tuple[int, ...]) -> np.ndarray:
     """`mask` (True or 1 = may attend) as a bool array that broadcasts to the scores' shape."""
-    mask = np.asarray(mask)
-    if mask.dtype.kind in "fc":  # PyTorch adds a float mask to the scores: there 0.0 allows
+    dtype: Any = getattr(mask, "dtype", None)  # read first: np.asarray fails on bfloat16 tensors
+    if not _is_float(dtype):
+        array = np.asarray(mask)
+        if array.dtype == object:  # the elements decide: an object array of floats holds floats
+            array = np.asarray(array.tolist())
+        dtype = array.dtype if array.size else np.dtype(bool)  # `[]` holds no numbers to misread
+    if _is_float(dtype):  # PyTorch adds a float mask to the scores: there 0.0 allows
         raise ValueError(f"mask must be boolean or hold only 0 and 1 as integers, got dtype "
-                         f"{mask.dtype}: a float mask is ambiguous, as PyTorch adds it to the "
+                         f"{dtype}: a float mask is ambiguous, as PyTorch adds it to the "
                          "scores (0.0 = may attend)")
-    if not (mask.dtype == bool or np.isin(mask, (0, 1)).all()):  # isin is False for text
-        raise ValueError(f"mask must be boolean or hold only 0 and 1, got dtype {mask.dtype}")
-    if _broadcast(mask.shape, scores_shape) != scores_shape:
-        raise ValueError(f"mask of shape {mask.shape} does not broadcast to {scores_shape}")
-    return mask.astype(bool, copy=False)
+    if not (dtype.kind == "b" or dtype.kind in "iu" and np.isin(array, (0, 1)).all()):
+        raise ValueError(f"mask must be boolean or hold only 0 and 1, got dtype {dtype}")
+    if _broadcast(array.shape, scores_shape) != scores_shape:
+        raise ValueError(f"mask of shape {array.shape} does not broadcast to {scores_shape}")
+    return array.astype(bool, copy=False)
+
+
+def _is_float(dtype: Any) -> bool:
+    """Whether `dtype`, NumPy's or PyTorch's, is a floating-point or complex type."""
+    if isinstance(dtype, np.dtype):
+        return dtype.kind in "fc"
+    return bool(getattr(dtype, "is_floating_point", False) or getattr(dtype, "is_complex", False))
 
 
 def _broadcast(*shapes: tuple[int, ...]) -> tuple[int, ...] | None:
