@@ -281,23 +281,29 @@ tokens.forEach(function (el) { el.on.mouseenter(); console.log(readout.textConte
 """
 
 
-def readouts(tokens, weights, head=None):
+def readouts(tokens, weights, head=None, digits=3):
     """The readout after pointing at each token in turn, as the page's script writes it."""
+    import os
     import shutil
     import subprocess
+    import tempfile
 
     node = shutil.which("node")
     if node is None:
         pytest.skip("node is not installed: the explorer's script is not run")
     from attnbook.viz import explorer_html
 
-    html = explorer_html(tokens, weights, "u")
+    html = explorer_html(tokens, weights, "u", digits=digits)
     data = re.search(r'id="u-data">(.*?)</script>', html, re.S).group(1)
     script = re.findall(r"<script>(.*?)</script>", html, re.S)[-1]
     program = _DOM % {"data": json.dumps(data), "words": json.dumps(tokens), "script": script,
                       "head": "null" if head is None else
                       '{value: %s, addEventListener: function () {}}' % json.dumps(head)}
-    done = subprocess.run([node, "-e", program], capture_output=True, text=True, timeout=60)
+    with tempfile.TemporaryDirectory() as folder:  # a file: `node -e` fails (E2BIG) on long ones
+        path = os.path.join(folder, "readout.js")
+        with open(path, "w", encoding="utf-8") as file:
+            file.write(program)
+        done = subprocess.run([node, path], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     return done.stdout.splitlines()
 
@@ -320,3 +326,54 @@ def test_the_readout_of_the_average_over_heads_compares_the_weights_shown():
     lines = readouts(["a", "b"], heads, head="mean")
     assert lines == ["\u201ca\u201d spreads its weight evenly, 0.500 to each token",
                      "\u201cb\u201d gives its largest weight, 0.750, to \u201ca\u201d"]
+
+
+def q(token):
+    return "\u201c" + token + "\u201d"
+
+
+def test_the_readout_tells_a_row_that_rounds_to_zeros_from_a_row_with_no_allowed_key():
+    # R-FX4-57 finding 1: "no allowed key" was decided on the rounded weights, so a uniform row of
+    # 21 tokens at digits=1 (each 0.048, shown as 0.0), which sums to 1, read as a masked row
+    words = [f"t{i}" for i in range(21)]
+    lines = readouts(words, np.full((21, 21), 1 / 21), digits=1)
+    assert lines[0] == (q("t0") + " spreads its weight evenly over 21 tokens, too thinly to show: "
+                        "every weight shows as 0.0")
+    words = [f"t{i}" for i in range(300)]  # causal, uniform over the allowed keys
+    causal = np.tril(np.ones((300, 300))) / np.arange(1, 301)[:, None]
+    causal[299, :2] = [0.004, 2 / 300 - 0.004]  # uneven, every weight still below 0.005
+    lines = readouts(words, causal, digits=2)
+    assert lines[299] == (q("t299") + " spreads its weight over 300 tokens, too thinly to show: "
+                          "every weight shows as 0.00")
+    assert lines[0] == q("t0") + " gives its largest weight, 1.00, to " + q("t0")
+    masked = np.array([[0.0, 0.0], [0.5, 0.5]])
+    assert readouts(["a", "b"], masked)[0] == q("a") + (" gives no weight to any token (it has no "
+                                                        "allowed key)")
+
+
+def test_the_readout_judges_an_even_row_on_the_exact_weights_and_reads_one_token():
+    # R-FX4-57 finding 2: at digits=1, [0.14, 0.06, 0.1 x 8] all show as 0.1 and read as "evenly"
+    words = [f"t{i}" for i in range(10)]
+    weights = np.full((10, 10), 0.1)
+    weights[0, :2] = [0.14, 0.06]
+    lines = readouts(words, weights, digits=1)
+    assert lines[0] == (q("t0") + " gives its largest weight, 0.1, to each of " +
+                        ", ".join(q(f"t{i}") for i in range(5)) + " and 5 others")
+    assert lines[1] == q("t1") + " spreads its weight evenly, 0.1 to each token"
+    assert readouts(["a"], np.array([[1.0]])) == [q("a") + " gives all its weight, 1.000, to itself"]
+    # the mean over heads of [0.6, 0.4] and [0.4, 0.6] is even; of [0.5, 0.5] and [1, 0] it is not
+    heads = np.array([[[0.6, 0.4], [0.5, 0.5]], [[0.4, 0.6], [1.0, 0.0]]])
+    assert readouts(["a", "b"], heads, head="mean") == [
+        q("a") + " spreads its weight evenly, 0.500 to each token",
+        q("b") + " gives its largest weight, 0.750, to " + q("a")]
+
+
+def test_the_readout_names_at_most_five_tied_tokens():
+    # R-FX4-57 finding 3: 301 tied tokens were named in one line of 2,347 characters
+    words = [f"t{i}" for i in range(512)]
+    causal = np.tril(np.ones((512, 512))) / np.arange(1, 513)[:, None]
+    lines = readouts(words, causal)
+    assert lines[300] == (q("t300") + " gives its largest weight, 0.003, to each of " +
+                          ", ".join(q(f"t{i}") for i in range(5)) + " and 296 others")
+    assert lines[5] == (q("t5") + " gives its largest weight, 0.167, to each of " +
+                        ", ".join(q(f"t{i}") for i in range(6)))

@@ -104,12 +104,25 @@ _SCRIPT = """(function () {
       el.classList.toggle("ax-query", j === i);
     });
     var most = values.reduce(function (a, b) { return Number(b) > Number(a) ? b : a; });
-    values.forEach(function (v, j) { if (v === most) top.push(quoted(j)); });
-    readout.textContent = quoted(i) + (Number(most) === 0
-      ? " gives no weight to any token (it has no allowed key)"
-      : top.length === values.length ? " spreads its weight evenly, " + most + " to each token"
-      : " gives its largest weight, " + most + ", to " + (top.length > 1 ? "each of " : "") +
-        top.join(", "));
+    values.forEach(function (v, j) { if (v === most) top.push(j); });
+    readout.textContent = quoted(i) + said(kind(i), most, top);
+  }
+  function kind(i) {  // "0": no allowed key, "=": even, ".": neither, judged on the exact weights
+    var kinds = data.kinds[layer ? Number(layer.value) : 0];
+    return kinds[head && head.value === "mean" ? kinds.length - 1 : head ? Number(head.value) : 0][i];
+  }
+  function said(k, most, top) {  // the readout, after the query's name
+    if (k === "0") return " gives no weight to any token (it has no allowed key)";
+    if (tokens.length === 1) return " gives all its weight, " + most + ", to itself";
+    if (Number(most) === 0) return " spreads its weight" + (k === "=" ? " evenly" : "") +
+      " over " + tokens.length + " tokens, too thinly to show: every weight shows as " + most;
+    if (k === "=") return " spreads its weight evenly, " + most + " to each token";
+    return " gives its largest weight, " + most + ", to " + (top.length > 1 ? "each of " : "") +
+      named(top);
+  }
+  function named(top) {  // the tokens' names, at most six, or five and how many others
+    var names = top.slice(0, top.length > 6 ? 5 : 6).map(quoted);
+    return names.join(", ") + (top.length > 6 ? " and " + (top.length - 5) + " others" : "");
   }
   function quoted(i) { return "\\u201c" + shown(i) + "\\u201d"; }
   function shown(i) {  // token i as its element shows it: control characters as pictures
@@ -156,6 +169,16 @@ def _json_for_script(data: object) -> str:
     return json.dumps(data, separators=(",", ":"), ensure_ascii=False).translate(_SCRIPT_ESCAPES)
 
 
+def _kinds(weights: np.ndarray) -> list[list[str]]:
+    """For each layer, one string per head and one for the mean over heads, with a character per
+    query, judged on the weights before they are rounded: "0" for a row of zeros (no allowed
+    key), "=" for a row whose weights are all equal (within a relative 1e-9), "." otherwise."""
+    rows = np.concatenate([weights, weights.mean(axis=1, keepdims=True)], axis=1)  # (L, H+1, T, T)
+    largest, smallest = rows.max(axis=-1), rows.min(axis=-1)
+    kinds = np.where(largest == 0, "0", np.where(largest - smallest <= 1e-9 * largest, "=", "."))
+    return [["".join(head) for head in layer] for layer in kinds.tolist()]
+
+
 def explorer_html(tokens: list[str] | tuple[str, ...], weights: np.ndarray, uid: str,
                   title: str = "", digits: int = 3) -> str:
     """The explorer's HTML for `weights` over `tokens`, checked by explorer_weights (appendix C),
@@ -172,7 +195,7 @@ def explorer_html(tokens: list[str] | tuple[str, ...], weights: np.ndarray, uid:
         f'<span class="ax-token" tabindex="0" data-token-index="{i}">'
         f'<span class="ax-text">{_as_text(token)}</span><span class="ax-value"></span></span>'
         for i, token in enumerate(tokens))
-    data = {"tokens": list(tokens), "digits": digits,
+    data = {"tokens": list(tokens), "digits": digits, "kinds": _kinds(weights),
             "weights": np.round(weights, digits).tolist()}  # (L, H, T, T)
     return (f'<div class="attnbook-explorer" id="{uid}"><style>{_STYLE}</style>'
             f'<div class="ax-title">{_as_text(title)}</div>'
