@@ -186,6 +186,17 @@ def test_encode_decode_split_and_cross_weights():
     torch.testing.assert_close(weights[0].sum(-1), torch.ones(3, 2, 4, dtype=torch.float64))
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_encode_is_zero_at_padding_and_each_source_alone_elsewhere(seed):
+    model = _model(seed)
+    src, _, lengths = _batch(seed, b=4, ls=6)
+    memory = model.encode(src, lengths)  # (B, Ls, d_model)
+    pad = ~padding_mask(lengths, src.shape[1])
+    assert pad.any() and (memory[pad] == 0).all()  # exactly 0, not merely small
+    for row, n in enumerate(lengths.tolist()):  # the real positions: the source without padding
+        torch.testing.assert_close(memory[row, :n], model.encode(src[row:row + 1, :n])[0])
+
+
 def test_length_one_and_dropout_modes():
     model = _model(dtype=torch.float32, dropout=0.2)
     src, tgt = torch.tensor([[5]]), torch.tensor([[BOS]])
