@@ -143,11 +143,21 @@ def test_bad_shapes_are_refused_with_a_message_naming_them(message, error, shape
         (np.ones((3, 4), [("a", int)]), r"hold only 0 and 1, got dtype \[\('a'"),  # structured
         (np.ones((3, 4), "m8[s]"), r"hold only 0 and 1, got dtype timedelta64\[s\]"),
         (np.ones((3, 4), int).astype(object) * Fraction(1), "hold only 0 and 1, got dtype object"),
+        ([[True] * 4, [True] * 3, [True] * 4], "mask must be rectangular"),  # a ragged list
     ],
 )
 def test_bad_masks(mask, message):
     with pytest.raises(ValueError, match=message):
         scaled_dot_product_attention(np.ones((3, 8)), np.ones((4, 8)), np.ones((4, 2)), mask=mask)
+
+
+@pytest.mark.parametrize("name", ["Q", "K", "V"])
+def test_a_ragged_list_is_refused_by_its_name(name):
+    arrays = dict(Q=np.ones((3, 8)), K=np.ones((4, 8)), V=np.ones((4, 2)))
+    rows = arrays[name].tolist()
+    arrays[name] = [rows[0][:-1], *rows[1:]]  # the first row one number short
+    with pytest.raises(ValueError, match=f"{name} must be rectangular"):
+        scaled_dot_product_attention(**arrays)
 
 
 @pytest.mark.parametrize(

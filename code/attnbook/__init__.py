@@ -4,7 +4,7 @@
 Modules, in the order the book builds them:
 
 - attnbook.attention (chapters/01-queries-keys-values.md): Scaled dot-product attention in
-  NumPy: a softmax that cannot overflow, masks, and the shape check of Q, K and V.
+  NumPy: a softmax whose exponentials cannot overflow, masks, and the shape check of Q, K and V.
 - attnbook.scaling (chapters/02-scaling.md): Why scores are divided by the square root of d:
   random scores, the softmax's peak and its Jacobian.
 - attnbook.layers (chapters/03-heads.md): The layers of a Transformer: multi-head attention with

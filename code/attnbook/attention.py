@@ -1,6 +1,6 @@
 # Do not edit: tools/tangle.py generates this file from chapters/01-queries-keys-values.md.
-"""Scaled dot-product attention in NumPy: a softmax that cannot overflow, masks, and the shape
-check of Q, K and V.
+"""Scaled dot-product attention in NumPy: a softmax whose exponentials cannot overflow, masks, and
+the shape check of Q, K and V.
 
 Built and explained in the book's chapter chapters/01-queries-keys-values.md.
 """
@@ -48,13 +48,13 @@ def compute_dtype(dtype: Any) -> "torch.dtype | np.dtype[Any]":  # typed by the 
 
 
 def softmax(x: npt.ArrayLike, axis: int = -1) -> np.ndarray:
-    """Softmax along `axis`, without overflow: a slice of all -inf gives zeros, NaN or inf gives
+    """Softmax along `axis`, no exponential overflows: a slice of all -inf gives zeros, NaN or inf gives
     NaN (as in torch.softmax). float16 is computed in float32; integers become float64."""
     x = check_array("x", x, min_ndim=1)
     work = x.astype(compute_dtype(x.dtype), copy=False)
     shift = np.max(work, axis=axis, keepdims=True, initial=-np.inf)  # -inf for an empty slice
     shift[np.isneginf(shift)] = 0.0  # all -inf: exp(-inf - 0) = 0, never -inf - (-inf)
-    exps = np.exp(work - shift)  # every exponent <= 0: nothing overflows
+    exps = np.exp(work - shift)  # every exponent <= 0 (or -inf): no exp overflows
     weights = divide_or_zero(exps, exps.sum(axis=axis, keepdims=True))  # 0 only for all -inf
     return weights.astype(x.dtype, copy=False)
 
@@ -115,7 +115,10 @@ def _as_mask(mask: npt.ArrayLike, scores_shape: tuple[int, ...]) -> np.ndarray:
     """`mask` (True or 1 = may attend) as a bool array that broadcasts to the scores' shape."""
     dtype: Any = getattr(mask, "dtype", None)  # read first: np.asarray fails on bfloat16 tensors
     if not _is_float(dtype):
-        array = np.asarray(mask)
+        try:
+            array = np.asarray(mask)
+        except ValueError as error:  # nested lists of different lengths
+            raise ValueError(f"mask must be rectangular, and NumPy says: {error}") from None
         if array.dtype == object:  # the elements decide: an object array of floats holds floats
             array = np.asarray(array.tolist())
         dtype = array.dtype if array.size else np.dtype(bool)  # `[]` holds no numbers to misread

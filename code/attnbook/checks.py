@@ -205,6 +205,8 @@ def check_array(name: str, x: object, min_ndim: int = 0) -> np.ndarray:
     except (TypeError, RuntimeError) as error:
         raise TypeError(f"{name} must be a NumPy array or a CPU tensor (float16, float32 or "
                         f"float64, without grad), got {name} of type {type(x).__name__}: {error}") from None
+    except ValueError as error:  # nested lists of different lengths
+        raise ValueError(f"{name} must be rectangular, and NumPy says: {error}") from None
     if np.issubdtype(x.dtype, np.integer):
         x = x.astype(np.float64)
     elif not np.issubdtype(x.dtype, np.floating):
