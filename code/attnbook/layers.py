@@ -747,6 +747,7 @@ class Block(nn.Module):
         return (x, self_w, cross_w) if return_weights else x
 
 
+# chapters/07-blocks.md, "The block"
 def _inside_attention(c: BlockConfig) -> tuple[nn.Module | None, nn.Module | None]:
     """The self-attention's `rotary` and `fast` (chapter 3) for c.positions: RoPE turns q and
     k, ALiBi attends with a bias; None keeps the attention's own."""
