@@ -72,6 +72,7 @@ def _rope(x: torch.Tensor, positions: torch.Tensor, base: float) -> torch.Tensor
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(x.dtype)
 
 
+# chapters/05-positions.md, "Rotary position embeddings (RoPE)"
 def _wide(device: torch.device) -> torch.dtype:
     return torch.float32 if device.type == "mps" else torch.float64  # MPS has no float64
 
