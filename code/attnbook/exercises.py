@@ -427,7 +427,7 @@ def _rope_case(shape: tuple[int, ...], first_position: int = 0,
 
 _CH5 = 'chapter 5, "Rotary position embeddings (RoPE)"'
 _OVERFLOW_HINT = ("float16 input, NaN or inf where the reference is finite: float16 stops at 65504, "
-                  "and an intermediate result likely passed it: compute in float32 and round to "
+                  "and an intermediate result may have passed it: compute in float32 and round to "
                   "float16 once, at the end")
 _EXP16 = _OVERFLOW_HINT + ("; in a softmax, e^s overflows once s > 11.09: subtract each row's "
                            "largest score first")  # the overflow hint where e^s is computed
