@@ -18,7 +18,7 @@ from test_exercises_parts_1_2 import bert_input, heads_numpy, softmax_backward
 from attnbook.attention import scaled_dot_product_attention as numpy_attention
 from attnbook.attention import softmax
 from attnbook.efficient import elu_feature_map
-from attnbook.exercises import _F16, _OVERFLOW_HINT, EXERCISES, TOLERANCES, check
+from attnbook.exercises import _EXP16, _F16, EXERCISES, TOLERANCES, check
 
 CASES = {"2.3": "float16, 300 keys, gradients near 1000",
          "3.3": "float16, tokens with a large common part",
@@ -166,7 +166,7 @@ def test_an_answer_in_float16_arithmetic_fails_the_float16_case_with_its_hint(
     assert_fails_with_hint(exercise, candidate, CASES[exercise], "round to float16 once")
     result = check(exercise, candidate, show=False)
     # e^s of the raw scores overflows float16 (inf, then NaN): the hint is about overflow
-    assert result.hint == _OVERFLOW_HINT if kind == "unshifted" else result.hint.startswith(_F16)
+    assert result.hint == _EXP16 if kind == "unshifted" else result.hint.startswith(_F16)
     assert "float16" in result.inputs and result.max_diff > 0
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from test_exercises import linear_sums_in_input_dtype
 
 from attnbook.exercises import EXERCISES, CheckResult, check
 
@@ -93,12 +94,12 @@ def grouped_half_unshifted(q, k, v):
 
 
 def test_a_float16_answer_that_overflows_gets_the_overflow_hint_not_the_rounding_one():
-    from attnbook.exercises import _F16, _OVERFLOW_HINT
+    from attnbook.exercises import _EXP16, _F16
 
     result = check("4.2", grouped_half_unshifted, show=False)
     assert result.case == "float16, keys with a large common part", result
     assert "yours nan" in result.problem or "yours inf" in result.problem, result
-    assert result.hint == _OVERFLOW_HINT and "largest score" in result.hint
+    assert result.hint == _EXP16 and "largest score" in result.hint
     assert _F16 not in result.hint
 
 
@@ -178,3 +179,49 @@ def test_chapter_3s_layer_in_float16_fails_the_float16_case_as_its_hint_says():
         return layer_in_float16(*(w.astype(wide) for w in (x, *rest[:4])), rest[4]).astype(x.dtype)
 
     assert check("3.3", layer_in_float32, show=False).passed
+
+
+def rope_with_one_entry(value):
+    """5.1 answered right, except that the float16 answer's first entry is `value`."""
+    from attnbook.exercises import _rope_interleaved
+
+    def rope(x, positions):
+        y = _rope_interleaved(x.double(), positions).to(x.dtype)
+        if x.dtype == torch.float16:
+            y[0, 0, 0] = value
+        return y
+    return rope
+
+
+def test_an_infinite_float16_answer_is_reported_as_inf_with_the_overflow_hint():
+    """inf must stay inf in the report (np.nan_to_num once made it 1.8e308, which hid the
+    overflow hint behind the case's own and printed a difference no answer had)."""
+    from attnbook.exercises import _OVERFLOW_HINT
+
+    for value in (math.inf, -math.inf, math.nan):
+        result = check("5.1", rope_with_one_entry(value), show=False)
+        assert result.case.startswith("float16") and result.max_diff == math.inf, result
+        assert f"largest difference inf at output[0, 0, 0]: yours {value}" in result.problem
+        assert result.hint == _OVERFLOW_HINT, result  # RoPE has no softmax: no score in the hint
+        assert "score" not in result.hint and "e^s" not in result.hint
+
+
+def test_17_3s_float16_hints_name_what_overflows_on_the_cases_inputs():
+    """The hints say the running sums reach thousands and the numerator phi(q_i) . S_i passes
+    65504 in some rows: measured on the case's own inputs, in float64; a float16 cumsum answer
+    gets the exercise's overflow hint, which names the numerator and no softmax."""
+    exercise = EXERCISES["17.3"]
+    number, case = next((i, c) for i, c in enumerate(exercise.cases) if "float16" in c.name)
+    inputs, _ = case.build(np.random.default_rng([sum(map(ord, "17.3")), number]))
+    q, k, v = (inputs[name].double() for name in "qkv")
+    fq, fk = (torch.nn.functional.elu(t) + 1 for t in (q, k))
+    sums = torch.cumsum(fk[..., :, None] * v[..., None, :], dim=-3), torch.cumsum(fk, dim=-2)
+    numerator = torch.einsum("...ld,...ldv->...lv", fq, sums[0])  # (..., L, Dv)
+    assert 1000 <= max(float(s.abs().max()) for s in sums) < 65504
+    overflowing = int((numerator.abs() > 65504).any(-1).sum())
+    assert 0 < overflowing < numerator.shape[-2]  # some rows, not all
+    assert "numerator phi(q_i) . S_i passes" in case.hint and "running sums reach thousands" in case.hint
+    result = check("17.3", linear_sums_in_input_dtype, show=False)
+    assert result.case == case.name and "yours inf" in result.problem, result
+    assert result.hint == exercise.overflow_hint and "numerator" in result.hint
+    assert "score" not in result.hint and "e^s" not in result.hint

@@ -41,9 +41,9 @@ from attnbook.checks import check_bool, check_callable, check_choice, check_real
 from attnbook.efficient import linear_attention, sliding_window_mask
 from attnbook.positions import apply_rope
 
-TOLERANCES = {  # (absolute, relative): a few roundings of the dtype, whose unit is 2^-11,
-    "float16": (1e-3, 2e-3),  # 2^-24 and 2^-53; float16 answers are rounded to float16 once
-    "float32": (2e-5, 2e-5),
+TOLERANCES = {  # (absolute, relative): the relative one is 4.1 roundings of float16 (2^-11),
+    "float16": (1e-3, 2e-3),  # 336 of float32 (2^-24) and 9.0e6 of float64 (2^-53); float16
+    "float32": (2e-5, 2e-5),  # answers are rounded to float16 once
     "float64": (1e-10, 1e-9),
 }
 NARROWER = {  # an input dtype: (the rounding of a narrower dtype, relative differences that fit)
@@ -107,7 +107,7 @@ def _difference(got: Any, expected: Any, tolerance: tuple[float, float], name: s
     e, (atol, rtol) = _numbers(expected), tolerance
     with np.errstate(invalid="ignore"):  # inf - inf: equal infinities differ by 0
         diff = np.where(g == e, 0.0, np.abs(g - e))
-    diff = np.where(np.isnan(g) != np.isnan(e), np.inf, np.nan_to_num(diff, nan=0.0))
+    diff = np.where(np.isnan(g) != np.isnan(e), np.inf, np.where(np.isnan(diff), 0.0, diff))
     if diff.size == 0 or np.all(diff <= atol + rtol * np.abs(np.nan_to_num(e))):
         return None
     where = tuple(map(int, np.unravel_index(int(np.argmax(diff)), diff.shape)))
@@ -119,7 +119,7 @@ def _difference(got: Any, expected: Any, tolerance: tuple[float, float], name: s
     digits = next((n for n in range(6, 18) if f"{g[where]:.{n}g}" != f"{e[where]:.{n}g}"), 17)
     return (f"largest difference {diff[where]:.3g} at {at}: yours {g[where]:.{digits}g}, expected "
             f"{e[where]:.{digits}g} (allowed: {atol:g} + {rtol:g} |expected|)"
-            + _rounding_note(diff[where] / max(1.0, abs(float(e[where]))), narrowest),
+            + _rounding_note(float(diff[where]) / max(1.0, abs(float(e[where]))), narrowest),
             float(diff[where]), where)
 
 
@@ -130,11 +130,11 @@ def _narrower(got: np.dtype, expected: np.dtype) -> bool:
 
 
 def _rounding_note(relative: float, narrowest: str) -> str:
-    """A note when a relative difference is the size of a dtype narrower than the inputs'."""
+    """A note when a relative difference lies in NARROWER's band for a narrower dtype."""
     wider = "float32 and round to float16 once" if narrowest == "float16" else f"{narrowest} or wider"
     for rounding, low, high in NARROWER.get(narrowest, ()):
         if low <= relative < high:
-            return f": a difference of {rounding}: compute in {wider}"
+            return f": a difference that may be {rounding}: compute in {wider}"
     return ""
 
 
@@ -298,15 +298,15 @@ class Exercise:
     tolerance: tuple[float, float] | None = None
     in_child: Callable[[], bool] | None = None  # True: each call runs in a child process
     crash_hint: str | None = None  # what a crash of that process most likely means
+    overflow_hint: str | None = None  # what overflows float16 here; None: _OVERFLOW_HINT
 
 
 @dataclass(frozen=True)
 class CheckResult:
     """What `check` found: `passed`, or the first failing `case` (its number and name), its
     `inputs`, the `problem` in words, the `max_diff` and its index `where` when numbers differ
-    (an index into the output the problem names, such as `output[2]` of a tuple; () for a 0-d
-    output), and the case's `hint` (given only when the numbers differ); `str(result)` is the
-    report `check` prints."""
+    (into the output the problem names, such as `output[2]` of a tuple; () for a 0-d output),
+    and a `hint` (see _hint); `str(result)` is the report `check` prints."""
 
     exercise: str
     passed: bool
@@ -335,8 +335,7 @@ class CheckResult:
 
 # chapters/a6-checking-exercises.md, "The exercises"
 def _describe(inputs: dict[str, Any]) -> str:
-    """'X (6, 4) float64 with NaN at [3, 0], W_Q (4, 4) float64, ...' for a report; a mask
-    (booleans) says how many entries are True and its rows with none (how many, and the first)."""
+    """'X (6, 4) float64 with NaN at [3, 0], W_Q (4, 4) float64, ...'; a mask: see _mask_rows."""
     def one(x: Any) -> str:
         if isinstance(x, (tuple, list)):
             return "(" + ", ".join(map(one, x)) + ")"
@@ -427,6 +426,11 @@ def _rope_case(shape: tuple[int, ...], first_position: int = 0,
 
 
 _CH5 = 'chapter 5, "Rotary position embeddings (RoPE)"'
+_OVERFLOW_HINT = ("float16 input, NaN or inf where the reference is finite: float16 stops at 65504, "
+                  "and an intermediate result may have passed it: compute in float32 and round to "
+                  "float16 once, at the end")
+_EXP16 = _OVERFLOW_HINT + ("; in a softmax, e^s overflows once s > 11.09: subtract each row's "
+                           "largest score first")  # the overflow hint where e^s is computed
 _F16 = ("float16 input: compute in float32 and round to float16 once, at the end: float16 "
         "arithmetic rounds every intermediate result to 11 bits, and here that moves the answer "
         "by more than a few float16 roundings")
@@ -555,9 +559,10 @@ EXERCISES["17.3"] = Exercise("causal linear attention", (
     Case("70 positions", _linear_case((1, 2, 70, 8), 6),
          "a longer sequence: check the running sums' bounds"),
     Case("float16, 2048 positions", _linear_case((1, 1, 2048, 8), 4, np.float16, v_mean=3.0),
-         "float16 input: sum in float32 (the running sums grow with the length, here past "
-         "float16's largest number, 65504)"),
-))
+         "float16 input: sum in float32 and round to float16 once, at the end: the running sums "
+         "reach thousands here, and the numerator phi(q_i) . S_i passes float16's largest "
+         "number, 65504, in some rows"),
+), overflow_hint=_OVERFLOW_HINT + " (here the numerator phi(q_i) . S_i passes it in some rows)")
 
 
 # chapters/a6-checking-exercises.md, "The check"
@@ -643,8 +648,7 @@ _CHILD_OUTCOMES = {  # _call_in_child's outcomes other than an answer or an erro
     "unsendable": "output is {unsendable}, which cannot leave its child process: return a tensor",
     "too_large": "answered in {too_large:.3g} s, but the answer was too large to send back from "
                  "its child process within {timeout:g} s",
-    "crashed": "its process crashed ({crashed}) on this case, with no answer; your notebook "
-               "goes on",
+    "crashed": "its process crashed ({crashed}) on this case; your notebook goes on",
     "exited": "its process exited with code {exited} (os._exit or sys.exit) before answering; "
               "your notebook goes on",
 }
@@ -652,23 +656,20 @@ _CHILD_OUTCOMES = {  # _call_in_child's outcomes other than an answer or an erro
 
 def _hint(found: _Found, done: dict[str, Any], case: Case, exercise: Exercise,
           kept: dict[str, Any], expected: Any) -> str | None:
-    """The case's hint names a mistake in the numbers, or one that makes the function raise on
-    this case's inputs (an index of -100): shown for those; a crash gets the exercise's crash
-    hint, a wrong dtype the dtype's; anything else (no return, a changed input) none. A float16
-    answer NaN or infinite where `expected` is finite gets the overflow hint, not the case's."""
+    """The case's hint for numbers that differ or a raise on this case's inputs (an index of
+    -100); a crash: the exercise's crash hint; a wrong dtype: the dtype's; else (no return, a
+    changed input) none. A float16 answer NaN or inf where `expected` is finite gets the
+    exercise's overflow hint instead, unless the exercise only moves numbers (exact tolerance)."""
     if "crashed" in done:
         return exercise.crash_hint
-    if found[1] == math.inf and _narrowest(kept) == "float16" and \
-            _lost_finite(done["value"], expected):
-        return _OVERFLOW_HINT
+    if found[1] == math.inf and _narrowest(kept) == "float16" and exercise.tolerance is None \
+            and _lost_finite(done["value"], expected):
+        return exercise.overflow_hint or _OVERFLOW_HINT
     if found[1] is not None or found[0].startswith("raised "):
         return case.hint
     return _DTYPE_HINT if " has dtype " in found[0] else None
 
 
-_OVERFLOW_HINT = ("float16 input, NaN or inf where the reference is finite: float16 stops at 65504, "
-                  "so e^s overflows once s > 11.09: subtract each row's largest score first, or "
-                  "compute in float32 and round to float16 once, at the end")
 _DTYPE_HINT = ("return the dtype the reference returns: compute wider if you like (x.double(), "
                "x.astype(np.float64)), then convert the answer back")
 
@@ -688,7 +689,7 @@ def _ch2_backward_case(shape: tuple[int, ...], dtype: npt.DTypeLike = np.float64
                        spread: float = 1.0, masked: int | slice | None = None,
                        nan_row: int | None = None, grad_offset: float = 0.0) -> Builder:
     def build(rng: np.random.Generator) -> Built:
-        from attnbook.scaling import softmax_jacobian
+        from attnbook.scaling import softmax_jacobian  # here: appendix F's imports stay as they are
 
         scores = rng.standard_normal(shape) * spread
         grad = rng.standard_normal(shape) + grad_offset  # J g ignores a constant added to g
@@ -729,7 +730,7 @@ EXERCISES["2.3"] = Exercise("the gradient through the softmax", (
     Case("a NaN score in row 1", _ch2_backward_case((3, 5), nan_row=1),
          "a NaN score makes its row's weights, and so its row's gradient, NaN; the other rows "
          "stay as they are: never replace a NaN (np.nan_to_num)"),
-))
+), overflow_hint=_EXP16)
 
 
 # chapters/a7-exercise-cases.md, "Chapter 3"
@@ -783,7 +784,7 @@ EXERCISES["3.3"] = Exercise("multi-head self-attention in NumPy", (
     Case("a NaN in sequence 0, position 2", _ch3_heads_case(2, 5, 8, 2, nan_at=(0, 2)),
          "every position reads position 2's key and value, so sequence 0's outputs are all NaN "
          "and sequence 1's are not: never replace a NaN (np.nan_to_num)"),
-))
+), overflow_hint=_EXP16)
 
 
 # chapters/a7-exercise-cases.md, "Chapter 4"
@@ -842,7 +843,7 @@ EXERCISES["4.2"] = Exercise("causal grouped-query attention", (
          "a NaN key reaches the outputs that read it, group 1's query heads at positions 3 and "
          "later in sequence 0, and no other: mask the scores with masked_fill (a NaN times a "
          "zero weight, or plus -inf, stays NaN), and never replace a NaN (torch.nan_to_num)"),
-))
+), overflow_hint=_EXP16)
 
 
 # chapters/a7-exercise-cases.md, "Chapter 7"
@@ -1060,7 +1061,7 @@ EXERCISES["11.1"] = Exercise("cross-attention over a padded source", (
     Case("a NaN in a source key", _ch11_cross_case([4, 3], 3, nan_key=(0, 0)),
          "a NaN in a real source token's key makes that head's scores, and so its outputs for "
          "that sequence, NaN: never replace a NaN (torch.nan_to_num)"),
-))
+), overflow_hint=_EXP16)
 
 
 # chapters/a7-exercise-cases.md, "Chapter 12"
@@ -1239,7 +1240,7 @@ EXERCISES["16.1"] = Exercise("the backward pass of attention", (
     Case("a NaN in query 2", _ch16_backward_case((1, 1, 4), 4, 5, nan_query=2),
          "a NaN in query 2 makes its row of P NaN: dq's row 2 and every dk and dv are NaN, the "
          "other rows of dq are not: never replace a NaN (torch.nan_to_num)"),
-))
+), overflow_hint=_EXP16)
 
 
 # chapters/a7-exercise-cases.md, "Chapter 18"
@@ -1262,8 +1263,7 @@ EXERCISES["18.1"] = Exercise("unpatchify, the inverse of patchify", (
          "patches come row by row of patches, and each is flattened row by row: put the patch "
          "row before the offset within it on each axis: " + _CH18),
     Case("6 x 6, three channels, patches of 3 x 3", _ch18_patches_case(1, 3, 6, 3),
-         "each patch is flattened channel first, (C, p, p), not with the channel last: "
-         + _CH18),
+         "each patch is flattened channel first, (C, p, p), not with the channel last: " + _CH18),
     Case("one patch covering an 8 x 8 image", _ch18_patches_case(2, 2, 8, 8),
          "a single patch is the whole image, flattened as (C, H, W)"),
     Case("a batch of 5, 12 x 12, two channels, patches of 4 x 4", _ch18_patches_case(5, 2, 12, 4),
@@ -1326,4 +1326,4 @@ EXERCISES["19.3"] = Exercise("causal attention with ALiBi, as in BLOOM", (
          "a NaN key reaches the queries that read it, head 1's at positions 3 and later in "
          "sequence 0, and no other: hide the later keys with masked_fill (a NaN plus -inf stays "
          "NaN), and never replace a NaN (torch.nan_to_num)"),
-))
+), overflow_hint=_EXP16)
