@@ -380,24 +380,26 @@ def _check_attention_call(layer: Attention, x: object, context: object, mask: ob
 
 
 def _check_tokens(name: str, t: object, weight: torch.Tensor, batch: int | None = None) -> torch.Tensor:
-    """`t`, (batch, length, d_model), in the dtype (unless autocasting) and device of `weight`."""
-    try:  # under torch.autocast, nn.Linear casts its inputs itself: any float dtype will do
-        dtype = None if torch.is_autocast_enabled(weight.device.type) else weight.dtype
-    except RuntimeError:  # a device with no autocast at all, such as meta
-        dtype = weight.dtype
-    return check_tensor(name, t, dtype=dtype, device=weight.device,
-                        shape=(batch, None, weight.shape[1]))  # (B, L, d_model)
+    """`t`, (batch, length, d_model), on the device of `weight`, in its dtype, or under autocast
+    in a dtype autocast casts (not float64, which it leaves: nn.Linear would then fail)."""
+    casts = _autocast_dtype(weight) is not None
+    t = check_tensor(name, t, dtype=None if casts else weight.dtype, device=weight.device,
+                     shape=(batch, None, weight.shape[1]))  # (B, L, d_model)
+    if casts and t.dtype == torch.float64:
+        raise TypeError(f"{name} must be a float16, bfloat16 or float32 tensor under "
+                        f"torch.autocast, which leaves float64 uncast, got dtype {t.dtype}")
+    return t
 
 
-def _projected_dtype(weight: torch.Tensor) -> torch.dtype:
-    """The dtype of what nn.Linear with `weight` gives: autocast's, when autocast is on for its
-    device (and the weight is not float64, which autocast leaves), else the weight's."""
+def _autocast_dtype(weight: torch.Tensor) -> torch.dtype | None:
+    """The dtype nn.Linear with `weight` casts its input to: autocast's, when autocast is on for
+    its device and the weight is not float64 (which autocast leaves); else None."""
     try:
         if torch.is_autocast_enabled(weight.device.type) and weight.dtype != torch.float64:
             return torch.get_autocast_dtype(weight.device.type)
     except RuntimeError:  # a device with no autocast at all, such as meta
         pass
-    return weight.dtype
+    return None
 
 
 # chapters/03-heads.md, "Checking against PyTorch's MultiheadAttention"
@@ -519,9 +521,10 @@ class LayerCache:
         for name in ("keys", "values"):
             check_tensor(f"cache.{name}", getattr(self, name), 4, device=w.device,
                          shape=(b, hkv, None, hs))
-        if self.keys.dtype != _projected_dtype(w):  # noqa: F821 (chapter 3's; else rounded)
+        dtype = _autocast_dtype(w) or w.dtype  # noqa: F821 (chapter 3's): what the projections give
+        if self.keys.dtype != dtype:  # else rounded
             raise ValueError(f"cache holds {self.keys.dtype}, but the layer's keys and values are "
-                             f"{_projected_dtype(w)}: allocate the cache in the layer's dtype")  # noqa: F821
+                             f"{dtype}: allocate the cache in the layer's dtype")
         _check_fits(self, x.shape[1], x.requires_grad or w.requires_grad)
 
     @classmethod
