@@ -638,6 +638,29 @@ def test_runs_on_a_device_without_autocast():
     assert mha(x, is_causal=True).shape == (2, 5, 16)
 
 
+
+@pytest.mark.parametrize("layer_dtype,x_dtype", [(torch.float32, DOUBLE), (DOUBLE, torch.float32),
+                                                 (DOUBLE, torch.bfloat16)])
+@pytest.mark.parametrize("argument", ["x", "context"])
+@torch.no_grad()
+def test_float64_is_refused_by_name_under_autocast_unless_everything_is_float64(
+        layer_dtype, x_dtype, argument):
+    # Autocast casts float16/bfloat16/float32 inputs but leaves float64 ones (and float64 weights):
+    # nn.Linear, like nn.MultiheadAttention, then fails with "mat1 and mat2 must have the same dtype".
+    layer = MultiHeadAttention(16, 2).to(layer_dtype)
+    good, bad = torch.randn(1, 3, 16, dtype=layer_dtype), torch.randn(1, 3, 16, dtype=x_dtype)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        torch_mha = nn.MultiheadAttention(16, 2, batch_first=True, dtype=layer_dtype)
+        with pytest.raises(RuntimeError, match="same dtype"):  # PyTorch's own layer: a raw error
+            torch_mha(bad, bad, bad) if argument == "x" else torch_mha(good, bad, bad)
+        with pytest.raises(TypeError, match=rf"^{argument} must be a .*got dtype {x_dtype}$"):
+            layer(bad) if argument == "x" else layer(good, bad)
+        if layer_dtype == DOUBLE:  # all float64: autocast stays out, and the layer computes
+            assert layer(good, good).dtype == DOUBLE
+        else:  # float16, bfloat16, float32: autocast casts them all
+            for dtype in (torch.float16, torch.bfloat16, torch.float32):
+                assert layer(torch.randn(1, 3, 16, dtype=dtype)).dtype == torch.bfloat16
+
 def gated_output(layer, x, gate, mask=None):
     """The layer's output with head h's output times gate[h], written with PyTorch's attention
     and key/value heads repeated for their groups (an independent reference)."""

@@ -37,6 +37,8 @@ from torch import nn
 
 from attnbook.attention import compute_dtype
 from attnbook.checks import (
+    _autocast_dtype,  # noqa: F401 (chapter 4's LayerCache)
+    _check_tokens,
     check_bool,
     check_choice,
     check_device,
@@ -379,27 +381,6 @@ def _check_attention_call(layer: Attention, x: object, context: object, mask: ob
     return None
 
 
-def _check_tokens(name: str, t: object, weight: torch.Tensor, batch: int | None = None) -> torch.Tensor:
-    """`t`, (batch, length, d_model), in the dtype (unless autocasting) and device of `weight`."""
-    try:  # under torch.autocast, nn.Linear casts its inputs itself: any float dtype will do
-        dtype = None if torch.is_autocast_enabled(weight.device.type) else weight.dtype
-    except RuntimeError:  # a device with no autocast at all, such as meta
-        dtype = weight.dtype
-    return check_tensor(name, t, dtype=dtype, device=weight.device,
-                        shape=(batch, None, weight.shape[1]))  # (B, L, d_model)
-
-
-def _projected_dtype(weight: torch.Tensor) -> torch.dtype:
-    """The dtype of what nn.Linear with `weight` gives: autocast's, when autocast is on for its
-    device (and the weight is not float64, which autocast leaves), else the weight's."""
-    try:
-        if torch.is_autocast_enabled(weight.device.type) and weight.dtype != torch.float64:
-            return torch.get_autocast_dtype(weight.device.type)
-    except RuntimeError:  # a device with no autocast at all, such as meta
-        pass
-    return weight.dtype
-
-
 # chapters/03-heads.md, "Checking against PyTorch's MultiheadAttention"
 def from_torch(module: nn.MultiheadAttention) -> MultiHeadAttention:
     """A MultiHeadAttention with the weights, device, dtype and mode of `module`, which reads and
@@ -424,6 +405,7 @@ def from_torch(module: nn.MultiheadAttention) -> MultiHeadAttention:
     return ours.train(module.training)
 
 
+# chapters/03-heads.md, "Checking against PyTorch's MultiheadAttention"
 class _TorchLayout(MultiHeadAttention):
     """MultiHeadAttention for inputs and outputs in an nn.MultiheadAttention's layout: (L, B,
     d_model) sequence first, (B, L, d_model) batch first, or unbatched (L, d_model) in either (its
@@ -519,9 +501,10 @@ class LayerCache:
         for name in ("keys", "values"):
             check_tensor(f"cache.{name}", getattr(self, name), 4, device=w.device,
                          shape=(b, hkv, None, hs))
-        if self.keys.dtype != _projected_dtype(w):  # noqa: F821 (chapter 3's; else rounded)
+        dtype = _autocast_dtype(w) or w.dtype  # noqa: F821 (chapter 3 imports it): what q, k, v are
+        if self.keys.dtype != dtype:  # else rounded
             raise ValueError(f"cache holds {self.keys.dtype}, but the layer's keys and values are "
-                             f"{_projected_dtype(w)}: allocate the cache in the layer's dtype")  # noqa: F821
+                             f"{dtype}: allocate the cache in the layer's dtype")
         _check_fits(self, x.shape[1], x.requires_grad or w.requires_grad)
 
     @classmethod
