@@ -159,19 +159,7 @@ class EncoderDecoder(nn.Module):
         src = _check_ids("src", src, self.config.src_vocab, self.config.context_length)
         if src_lengths is None:
             return src, src != self.config.pad_id
-        b, ls = src.shape  # src_lengths: B ints in [1, ls], as a sequence, tensor or array
-        wanted = f"src_lengths must hold {b} ints in [1, {ls}]"  # a repr only when refusing:
-        if tuple(getattr(src_lengths, "shape", (b,))) != (b,):  # it would cut a traced graph
-            raise ValueError(f"{wanted}, got {src_lengths=}")
-        if isinstance(src_lengths, torch.Tensor) and torch.compiler.is_compiling():
-            return src, _traced_padding(src_lengths, wanted, ls, src.device)
-        values = src_lengths.tolist() if hasattr(src_lengths, "tolist") else src_lengths
-        if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
-            raise TypeError(f"{wanted}, got {src_lengths=}")
-        if len(values) != b:
-            raise ValueError(f"{wanted}, got {src_lengths=}")
-        lengths = [check_int(f"src_lengths[{i}]", n, 1, ls) for i, n in enumerate(values)]
-        return src, padding_mask(lengths, ls, device=src.device)
+        return src, _lengths_padding(src_lengths, len(src), src.shape[1], src.device)  # checked
 
     def source_padding(self, src: torch.Tensor, src_lengths: _Lengths = None) -> torch.Tensor:
         """(B, Ls) bool, True at real source tokens (chapter 6's padding mask)."""
@@ -186,7 +174,7 @@ class EncoderDecoder(nn.Module):
         return self._decode(tgt_in, self._encode(src, src_padding), src_padding)[0]
 
     def encode(self, src: torch.Tensor, src_lengths: _Lengths = None) -> torch.Tensor:
-        """The encoder's output, the `memory` (B, Ls, d_model)."""
+        """The encoder's output, the `memory` (B, Ls, d_model), 0 at the padded source positions."""
         return self._encode(*self._source(src, src_lengths))
 
     def greedy_decode(self, src: torch.Tensor, max_new_tokens: int | None = None,
@@ -207,31 +195,34 @@ class EncoderDecoder(nn.Module):
         """Logits (B, Lt, tgt_vocab) for `tgt_in` given `memory` (B, Ls, d_model) and
         `src_padding` (B, Ls), True at real source tokens (None: all); with `return_weights`, also
         each decoder block's cross-attention weights (B, nh, Lt, Ls)."""
-        c = self.config
-        weight = self.lm_head.weight  # memory must have the model's dtype and device
-        memory = check_tensor("memory", memory, ndim=3, size=c.d_model, dtype=weight.dtype,
-                              device=weight.device)
-        shape = tuple(memory.shape[:2])  # (B, Ls): src_padding's
-        tgt_in = _check_ids("tgt_in", tgt_in, c.tgt_vocab, c.context_length, batch=shape[0])
-        return_weights = check_bool("return_weights", return_weights)
-        if src_padding is not None:
-            check_mask("src_padding", src_padding, shape, device=memory.device)
-            if src_padding.shape != shape:  # a (1, Ls) mask would broadcast over the batch
-                raise ValueError(f"src_padding of shape {tuple(src_padding.shape)} is not {shape}")
-            memory = memory.masked_fill(~src_padding[..., None], 0.0)  # NaN there reaches nothing
+        tgt_in, memory, return_weights = _decode_args(self, tgt_in, memory, src_padding, return_weights)
+        if src_padding is not None:  # 0 at padding, as encode gives: a NaN there reaches nothing
+            memory = memory.masked_fill(~src_padding[..., None], 0.0)
         logits, weights = self._decode(tgt_in, memory, src_padding, return_weights)
         return (logits, weights) if return_weights else logits
 
 
 # chapters/11-encoder-decoder.md, "The model"
-def _traced_padding(lengths: torch.Tensor, wanted: str, ls: int, device: torch.device
-                    ) -> torch.Tensor:
-    """The padding mask (B, ls) of a (B,) tensor of lengths, under torch.compile: the values are
-    checked inside the graph (a RuntimeError when it runs), not read into Python (appendix H)."""
-    if lengths.dtype == torch.bool or lengths.is_floating_point() or lengths.is_complex():
-        raise TypeError(f"{wanted}, got dtype {lengths.dtype}")
-    torch._assert_async(((lengths >= 1) & (lengths <= ls)).all(), wanted)
-    return torch.arange(ls, device=device)[None, :] < lengths.to(device)[:, None]  # (B, ls)
+def _lengths_padding(src_lengths: Sequence[int] | torch.Tensor | np.ndarray, b: int, ls: int,
+                     device: torch.device) -> torch.Tensor:
+    """The padding mask (b, ls) of src_lengths: b ints in [1, ls], as a sequence, tensor or
+    array. Under torch.compile a tensor's values are checked inside the graph (a RuntimeError
+    when it runs), not read into Python (appendix H)."""
+    wanted = f"src_lengths must hold {b} ints in [1, {ls}]"  # a repr only when refusing:
+    if tuple(getattr(src_lengths, "shape", (b,))) != (b,):  # it would cut a traced graph
+        raise ValueError(f"{wanted}, got {src_lengths=}")
+    if isinstance(src_lengths, torch.Tensor) and torch.compiler.is_compiling():
+        if (kind := src_lengths.dtype) == torch.bool or kind.is_floating_point or kind.is_complex:
+            raise TypeError(f"{wanted}, got dtype {kind}")
+        torch._assert_async(((src_lengths >= 1) & (src_lengths <= ls)).all(), wanted)
+        return torch.arange(ls, device=device)[None, :] < src_lengths.to(device)[:, None]
+    values = src_lengths.tolist() if hasattr(src_lengths, "tolist") else src_lengths
+    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+        raise TypeError(f"{wanted}, got {src_lengths=}")
+    if len(values) != b:
+        raise ValueError(f"{wanted}, got {src_lengths=}")
+    lengths = [check_int(f"src_lengths[{i}]", n, 1, ls) for i, n in enumerate(values)]
+    return padding_mask(lengths, ls, device=device)
 
 
 def _check_ids(name: str, ids: torch.Tensor, vocab: int, longest: int, batch: int | None = None
@@ -239,6 +230,22 @@ def _check_ids(name: str, ids: torch.Tensor, vocab: int, longest: int, batch: in
     ids = check_token_ids(name, ids, vocab, shape=(batch, None))
     check_int(f"{name}'s length", ids.shape[1], minimum=1, maximum=longest)
     return ids
+
+
+def _decode_args(model: "EncoderDecoder", tgt_in: torch.Tensor, memory: torch.Tensor,
+                 src_padding: torch.Tensor | None, return_weights: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """decode's arguments, checked: memory of the model's dtype and device, and the rest."""
+    c, weight = model.config, model.lm_head.weight
+    memory = check_tensor("memory", memory, ndim=3, size=c.d_model, dtype=weight.dtype,
+                          device=weight.device)
+    shape = tuple(memory.shape[:2])  # (B, Ls): src_padding's
+    tgt_in = _check_ids("tgt_in", tgt_in, c.tgt_vocab, c.context_length, batch=shape[0])
+    if src_padding is not None:
+        check_mask("src_padding", src_padding, shape, device=memory.device)
+        if src_padding.shape != shape:  # a (1, Ls) mask would broadcast over the batch
+            raise ValueError(f"src_padding of shape {tuple(src_padding.shape)} is not {shape}")
+    return tgt_in, memory, check_bool("return_weights", return_weights)
 
 
 # chapters/11-encoder-decoder.md, "Greedy decoding"
