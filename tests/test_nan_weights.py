@@ -2,7 +2,7 @@
 projection gives NaN logits on every backend and variant. PyTorch's SDPA on the CPU breaks this
 on the `sdpa` backend without a mask: its flash kernel (chosen for is_causal and for no mask)
 turns a query row of NaN scores into a finite row, where the explicit and masked kernels give NaN
-(chapter 16 says so). A guard in chapter 3's `_sdpa_attention` (NaN where q is not finite) would
+(appendix H says so). A guard in chapter 3's `_sdpa_attention` (NaN where q is not finite) would
 keep it; measured at one thread, it slowed the chapter-size training step 8.6% and generation
 20%, so it is not applied: the case is recorded here as an expected failure."""
 

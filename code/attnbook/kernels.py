@@ -201,8 +201,8 @@ def _key_range(start_m, Lq, Lk, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
 
 @triton.jit
 def _scores(q, k, rows, cols, Lq, Lk, qk_scale, CAUSAL: tl.constexpr):
-    # Base-2 scores (len(rows), len(cols)) in float32, and where they are allowed. The caller
-    # masks: exp2(where(ok, s - lse, -inf)) needs fewer registers than where(ok, s, -inf) - lse.
+    # Base-2 scores (len(rows), len(cols)) in float32, and where they are allowed: the caller
+    # masks them (the forward before its maximum, the backward kernels inside exp2).
     s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
     ok = cols[None, :] < Lk
     if CAUSAL:
