@@ -6,7 +6,8 @@ so a change to a kernel that makes it spill, or no longer fit a T4, fails here w
 
 Compiling is slow (from under a second to half a minute per kernel and GPU: ptxas is slow on
 kernels that spill), so the module compiles each request once, and only those that can change
-what a test checks (see _tile_table_plan). The `compiler` fixture gathers the requests of the
+what a test checks (see _tile_table_plan), and only as far as the test reads: where a rule reads
+nothing but the shared memory (the T4's tiles), a shared_only request stops before LLVM and ptxas. The `compiler` fixture gathers the requests of the
 selected tests and compiles them in as few batches as it can. compile_kernels keeps each report
 in the folder ATTNBOOK_COMPILE_CACHE names (here _build/compile-check/ unless it names another;
 `make clean` removes it) under a key made of the request, the source of attnbook.kernels and
@@ -149,10 +150,13 @@ class CompileReportWarning(UserWarning):
 
 def _describe(r: Compiled) -> str:
     """One line of the compile report."""
-    return (f"{'WIDE ' if r.wide else ''}{r.kernel:7} {r.gpu:4} {r.dtype:8} D={r.head_dim:<3} "
-            f"{r.block}x{r.block_n} "
-            f"warps {r.warps} stages {r.stages}: {r.shared_bytes} B shared of "
-            f"{SHARED_MEMORY[r.gpu]}, {r.registers} registers, {r.spill_bytes} B spilled, "
+    shared = (f"{'WIDE ' if r.wide else ''}{r.kernel:7} {r.gpu:4} {r.dtype:8} D={r.head_dim:<3} "
+              f"{r.block}x{r.block_n} "
+              f"warps {r.warps} stages {r.stages}: {r.shared_bytes} B shared of "
+              f"{SHARED_MEMORY[r.gpu]}")
+    if r.shared_only:
+        return f"{shared} (compiled for the shared memory only)"
+    return (f"{shared}, {r.registers} registers, {r.spill_bytes} B spilled, "
             f"{'tensor cores' if r.tensor_cores else 'no tensor cores'}")
 
 
@@ -473,6 +477,10 @@ def test_hold_reports_another_triton_without_failing(tmp_path):
     report_file = tmp_path / "report.txt"
     line = _describe(_spilling())
     assert line.endswith("255 registers, 8 B spilled, tensor cores")
+    part = replace(_spilling(), registers=None, spill_bytes=None, tensor_cores=None,
+                   shared_only=True)
+    assert _describe(part) == line.split(", 255 registers")[0] + (
+        " (compiled for the shared memory only)")
     with pytest.warns(CompileReportWarning, match="Triton 3.6.0 \\(the lock pins 3.7.1\\): 1 "
                       "compiled kernels break the rule 'spills nothing'") as caught:
         with pytest.raises(pytest.xfail.Exception, match="Triton 3.6.0 is not the lock's 3.7.1"):
