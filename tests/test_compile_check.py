@@ -630,13 +630,18 @@ json.dump(answers, sys.stdout)
 """
 
 
-def test_a_child_that_writes_much_to_stderr_does_not_deadlock(tmp_path, monkeypatch):
-    monkeypatch.delenv("ATTNBOOK_COMPILE_CACHE", raising=False)  # compile, and keep nothing
-    (tmp_path / "child.py").write_text(CHATTY_CHILD)
+def _use_child(tmp_path, monkeypatch, source: str) -> None:
+    """compile_kernels' children run `source` instead of the compiler."""
+    (tmp_path / "child.py").write_text(source)
     python = tmp_path / "python"
     python.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{tmp_path / "child.py"}"\n')
     python.chmod(0o755)
     monkeypatch.setattr(sys, "executable", str(python))
+
+
+def test_a_child_that_writes_much_to_stderr_does_not_deadlock(tmp_path, monkeypatch):
+    monkeypatch.delenv("ATTNBOOK_COMPILE_CACHE", raising=False)  # compile, and keep nothing
+    _use_child(tmp_path, monkeypatch, CHATTY_CHILD)
     requests = [dict(kernel=k, gpu="A100", dtype="float16", head_dim=64, block=32)
                 for k in KERNELS]
     done = []
@@ -660,11 +665,7 @@ json.dump([dict(r, shared_bytes=1024, **dict.fromkeys(measured) if r["shared_onl
 
 
 def test_reports_are_kept_where_attnbook_compile_cache_says(tmp_path, monkeypatch):
-    (tmp_path / "child.py").write_text(COUNTING_CHILD)
-    python = tmp_path / "python"
-    python.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{tmp_path / "child.py"}"\n')
-    python.chmod(0o755)
-    monkeypatch.setattr(sys, "executable", str(python))
+    _use_child(tmp_path, monkeypatch, COUNTING_CHILD)
     compiled = lambda: (tmp_path / "count").read_text().count("x")  # noqa: E731
     first = [dict(kernel=k, gpu="A100", dtype="float16", head_dim=64, block=32) for k in KERNELS]
     monkeypatch.delenv("ATTNBOOK_COMPILE_CACHE", raising=False)
@@ -706,11 +707,7 @@ def test_reports_are_kept_where_attnbook_compile_cache_says(tmp_path, monkeypatc
 
 
 def test_a_shared_only_report_is_never_read_back_as_a_full_one(tmp_path, monkeypatch):
-    (tmp_path / "child.py").write_text(COUNTING_CHILD)
-    python = tmp_path / "python"
-    python.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{tmp_path / "child.py"}"\n')
-    python.chmod(0o755)
-    monkeypatch.setattr(sys, "executable", str(python))
+    _use_child(tmp_path, monkeypatch, COUNTING_CHILD)
     monkeypatch.setenv("ATTNBOOK_COMPILE_CACHE", str(tmp_path / "reports"))
     compiled = lambda: (tmp_path / "count").read_text().count("x")  # noqa: E731
     full = dict(kernel="forward", gpu="T4", dtype="float16", head_dim=128, block=64)
