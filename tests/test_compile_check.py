@@ -6,7 +6,8 @@ so a change to a kernel that makes it spill, or no longer fit a T4, fails here w
 
 Compiling is slow (from under a second to half a minute per kernel and GPU: ptxas is slow on
 kernels that spill), so the module compiles each request once, and only those that can change
-what a test checks (see _tile_table_plan). The `compiler` fixture gathers the requests of the
+what a test checks (see _tile_table_plan), and only as far as the test reads: where a rule reads
+nothing but the shared memory (the T4's tiles), a shared_only request stops before LLVM and ptxas. The `compiler` fixture gathers the requests of the
 selected tests and compiles them in as few batches as it can. compile_kernels keeps each report
 in the folder ATTNBOOK_COMPILE_CACHE names (here _build/compile-check/ unless it names another;
 `make clean` removes it) under a key made of the request, the source of attnbook.kernels and
@@ -62,18 +63,18 @@ def _tile_rows(kernel, head_dim, element_size) -> int:
 
 
 def _request(kernel, gpu, dtype, head_dim, causal=True, block=None, block_n=None, warps=None,
-             stages=None, wide=False) -> dict:
+             stages=None, wide=False, shared_only=False) -> dict:
     """A request with its defaults filled in as compile_kernels fills them (block None: the
     launcher's settings on that GPU; a block alone: square tiles, 4 warps, 2 stages), so that
     equal compilations have equal requests."""
     return compile_check._checked(dict(kernel=kernel, gpu=gpu, dtype=dtype, head_dim=head_dim,
                                        causal=causal, block=block, block_n=block_n, warps=warps,
-                                       stages=stages, wide=wide))
+                                       stages=stages, wide=wide, shared_only=shared_only))
 
 
 def _clean(r: Compiled) -> bool:
     """What choose_tiles asks of one compiled candidate: it fits the GPU's shared memory, and
-    spills nothing unless the GPU is the T4."""
+    spills nothing unless the GPU is the T4 (whose report may therefore be shared_only)."""
     return r.fits and (r.gpu == "T4" or r.spill_bytes == 0)
 
 
@@ -105,6 +106,8 @@ def _tile_table_plan(dtype: str):
     each tile t that a kernel's row of the table holds, that t is clean on every GPU at the
     widest head that takes t (`own`, when t is 64 or 32), and that 2t is not clean on some GPU
     at the narrowest head that takes t (`larger`, (dtype, kernel, head_dim, 2t), when t < 64).
+    The rule reads only the T4's shared memory, so the T4 compiles shared_only (no LLVM, PTX or
+    ptxas: its spilling tiles took up to a minute each).
     """
     own, larger = [], []
     for kernel in KERNELS:
@@ -113,7 +116,8 @@ def _tile_table_plan(dtype: str):
         for t in sorted(set(tiles)):
             heads = [d for d, tile in zip(HEAD_DIMS, tiles) if tile == t]
             if t in (64, 32):
-                own += [_request(kernel, g, dtype, max(heads), block=t) for g in GPUS]
+                own += [_request(kernel, g, dtype, max(heads), block=t, shared_only=g == "T4")
+                        for g in GPUS]
             if t < 64:
                 larger.append((dtype, kernel, min(heads), 2 * t))
     return own, larger
@@ -146,10 +150,13 @@ class CompileReportWarning(UserWarning):
 
 def _describe(r: Compiled) -> str:
     """One line of the compile report."""
-    return (f"{'WIDE ' if r.wide else ''}{r.kernel:7} {r.gpu:4} {r.dtype:8} D={r.head_dim:<3} "
-            f"{r.block}x{r.block_n} "
-            f"warps {r.warps} stages {r.stages}: {r.shared_bytes} B shared of "
-            f"{SHARED_MEMORY[r.gpu]}, {r.registers} registers, {r.spill_bytes} B spilled, "
+    shared = (f"{'WIDE ' if r.wide else ''}{r.kernel:7} {r.gpu:4} {r.dtype:8} D={r.head_dim:<3} "
+              f"{r.block}x{r.block_n} "
+              f"warps {r.warps} stages {r.stages}: {r.shared_bytes} B shared of "
+              f"{SHARED_MEMORY[r.gpu]}")
+    if r.shared_only:
+        return f"{shared} (compiled for the shared memory only)"
+    return (f"{shared}, {r.registers} registers, {r.spill_bytes} B spilled, "
             f"{'tensor cores' if r.tensor_cores else 'no tensor cores'}")
 
 
@@ -185,7 +192,8 @@ def _larger_tiles(compiler, larger) -> list[Compiled]:
     REJECTS_FIRST until one rejects it (or all accept it): one batch per GPU, for all of them."""
     compiled, pending = [], list(larger)
     for gpu in REJECTS_FIRST:
-        reports = compiler([_request(k, gpu, t, d, block=b) for t, k, d, b in pending])
+        reports = compiler([_request(k, gpu, t, d, block=b, shared_only=gpu == "T4")
+                            for t, k, d, b in pending])
         compiled += reports
         pending = [c for c, r in zip(pending, reports) if _clean(r)]
     return compiled
@@ -218,6 +226,8 @@ WIDE_CANDIDATES = [
 # float32 on the T4, at the launcher's settings (the portable tiles): appendix D's second report.
 FLOAT32_T4 = [dict(kernel=kernel, gpu="T4", dtype="float32", head_dim=d)
               for kernel in KERNELS for d in HEAD_DIMS]
+# Full compiles (the T4's float32 kernels, two of the H100's) beside their shared_only twins.
+SHARED_ONLY = [twin for r in FLOAT32_T4 + REPORT for twin in (r, dict(r, shared_only=True))]
 
 
 @pytest.fixture(scope="module")
@@ -241,7 +251,9 @@ def compiler(request):
                   "test_float32_products_do_not_use_tensor_cores": FLOAT32_DQ,
                   "test_wide_requests_compile_the_64_bit_rows": WIDE,
                   "test_every_wide_launch_candidate_compiles_cleanly_on_its_gpu": WIDE_CANDIDATES,
-                  "test_float32_kernels_fit_the_t4_and_spill_nothing": FLOAT32_T4}.get(name, [])
+                  "test_float32_kernels_fit_the_t4_and_spill_nothing": FLOAT32_T4,
+                  "test_shared_only_reports_the_shared_memory_of_a_full_compile": SHARED_ONLY,
+                  }.get(name, [])
     # compile_kernels deals the requests out to its processes in turn: the slowest first (the
     # larger tiles, which spill heavily, biggest first), so that they are dealt out evenly
     first.sort(key=lambda r: -(r.get("block") or 0) ** 2 * r["head_dim"])
@@ -275,18 +287,25 @@ def test_largest_tiles_applies_choose_tiles_to_every_candidate(monkeypatch):
 
     def fake_compile(requests, workers=None):
         asked.extend(_request(**r) for r in requests)
-        return [Compiled(**_request(**r), registers=128, tensor_cores=True,
-                         shared_bytes=(65 if (r["kernel"], r["gpu"], r["block"]) ==
-                                       ("forward", "T4", 64) else 16) * 1024,
-                         spill_bytes=8 if (r["kernel"], r["gpu"], r["block"]) ==
-                         ("dkdv", "H100", 64) else 0) for r in requests]
+        return [Compiled(**_request(**r), shared_bytes=(65 if (r["kernel"], r["gpu"], r["block"])
+                                                        == ("forward", "T4", 64) else 16) * 1024,
+                         **_measured(r["gpu"] == "T4", spill_bytes=8 if (
+                             r["kernel"], r["gpu"], r["block"]) == ("dkdv", "H100", 64) else 0))
+                for r in requests]
 
     monkeypatch.setattr(compile_check, "compile_kernels", fake_compile)
     chosen = largest_tiles("float32")
     assert sorted(map(json.dumps, asked)) == sorted(
-        json.dumps(_request(k, g, "float32", d, block=b))
+        json.dumps(_request(k, g, "float32", d, block=b, shared_only=g == "T4"))
         for k in KERNELS for d in HEAD_DIMS for b in (64, 32) for g in GPUS)
     assert chosen == {(k, d): 64 if k == "dq" else 32 for k in KERNELS for d in HEAD_DIMS}
+
+
+def _measured(shared_only, registers=128, spill_bytes=0, tensor_cores=True) -> dict:
+    """What ptxas reports, or for a shared_only report the Nones that stand for it."""
+    if shared_only:
+        return dict(registers=None, spill_bytes=None, tensor_cores=None)
+    return dict(registers=registers, spill_bytes=spill_bytes, tensor_cores=tensor_cores)
 
 
 def _fake(gpu, block, shared_kb=16, spill=0):
@@ -308,6 +327,11 @@ def test_choose_tiles_states_the_chapters_rule():
     assert choose_tiles(_on_all(64, shared_kb=65) + spilling) == {("dq", 64): 16}
     # a tile that was not compiled is not chosen
     assert choose_tiles(_on_all(32)) == {("dq", 64): 32}
+    # the T4's shared memory alone is enough: a shared_only report of it counts as a full one
+    t4_part = [replace(r, **_measured(True), shared_only=True) if r.gpu == "T4" else r
+               for r in _on_all(64, shared_kb=65) + _on_all(32)]
+    assert choose_tiles(t4_part) == {("dq", 64): 32}
+    assert choose_tiles(t4_part[3:]) == {("dq", 64): 32}
 
 
 def test_choose_tiles_refuses_mixed_dtypes_and_rectangular_tiles():
@@ -327,6 +351,8 @@ def test_choose_tiles_refuses_mixed_dtypes_and_rectangular_tiles():
      "compiled gpu must be one of .*, got compiled gpu='V100'"),
     (lambda: choose_tiles([{"gpu": "T4"}]), TypeError, "compiled item must be an instance of"),
     (lambda: choose_tiles(None), TypeError, "compiled must be an instance of list"),
+    (lambda: choose_tiles([replace(_fake("H100", 64), **_measured(True), shared_only=True)]),
+     ValueError, "compiled holds a shared_only report for the H100, whose spills choose_tiles"),
     (lambda: compile_kernels(None), TypeError, "requests must be an instance of list"),
     (lambda: largest_tiles("float16", head_dims=64), TypeError,
      "head_dims must be an instance of tuple or list, got head_dims=64"),
@@ -425,6 +451,17 @@ def test_float32_kernels_fit_the_t4_and_spill_nothing(compiler):
     _hold("float32 on the T4 fits and spills nothing", broken)
 
 
+def test_shared_only_reports_the_shared_memory_of_a_full_compile(compiler):
+    # shared_only stops before LLVM, PTX and ptxas, where the full compile reads shared memory
+    # off its third stage: the two agree, and the shared_only report claims nothing else.
+    reports = compiler(SHARED_ONLY)
+    for full, part in zip(reports[::2], reports[1::2]):
+        assert not full.shared_only and part.shared_only
+        assert part == replace(full, registers=None, spill_bytes=None, tensor_cores=None,
+                               shared_only=True)
+    assert {r.gpu for r in reports} == {"T4", "H100"}
+
+
 def _spilling(gpu="A100", spill=8):
     return Compiled("dkdv", gpu, "float16", 128, True, 64, 64, 8, 2, 74240, 255, spill, True)
 
@@ -440,6 +477,10 @@ def test_hold_reports_another_triton_without_failing(tmp_path):
     report_file = tmp_path / "report.txt"
     line = _describe(_spilling())
     assert line.endswith("255 registers, 8 B spilled, tensor cores")
+    part = replace(_spilling(), registers=None, spill_bytes=None, tensor_cores=None,
+                   shared_only=True)
+    assert _describe(part) == line.split(", 255 registers")[0] + (
+        " (compiled for the shared memory only)")
     with pytest.warns(CompileReportWarning, match="Triton 3.6.0 \\(the lock pins 3.7.1\\): 1 "
                       "compiled kernels break the rule 'spills nothing'") as caught:
         with pytest.raises(pytest.xfail.Exception, match="Triton 3.6.0 is not the lock's 3.7.1"):
@@ -497,7 +538,7 @@ def test_compiling_in_an_interpreting_process_is_refused():
     if not kernels.INTERPRETED:
         pytest.skip("the kernels are compiled in this process")
     with pytest.raises(RuntimeError, match="interpreted mode"):
-        _compile_here("forward", "T4", "float16", 64, True, 64, 64, 4, 2, False)
+        _compile_here("forward", "T4", "float16", 64, True, 64, 64, 4, 2, False, False)
 
 
 # What the launcher passes for each parameter of a typical call, as a table written out by hand
@@ -558,6 +599,8 @@ def test_signature_is_the_launchers_specialisation_of_a_typical_call():
      "request causal must be True or False, got request causal='yes'"),
     (dict(kernel="dq", gpu="T4", dtype="float16", head_dim=64, wide=1), TypeError,
      "request wide must be True or False, got request wide=1"),
+    (dict(kernel="dq", gpu="T4", dtype="float16", head_dim=64, shared_only="yes"), TypeError,
+     "request shared_only must be True or False, got request shared_only='yes'"),
     (dict(kernel="dq", gpu="T4", dtype="float16", head_dim=64.0), TypeError,
      "request head_dim must be an int, got request head_dim=64.0"),
     (dict(kernel="dq", gpu="T4", dtype="float16", head_dim=64, block=True), TypeError,
@@ -587,13 +630,18 @@ json.dump(answers, sys.stdout)
 """
 
 
-def test_a_child_that_writes_much_to_stderr_does_not_deadlock(tmp_path, monkeypatch):
-    monkeypatch.delenv("ATTNBOOK_COMPILE_CACHE", raising=False)  # compile, and keep nothing
-    (tmp_path / "child.py").write_text(CHATTY_CHILD)
+def _use_child(tmp_path, monkeypatch, source: str) -> None:
+    """compile_kernels' children run `source` instead of the compiler."""
+    (tmp_path / "child.py").write_text(source)
     python = tmp_path / "python"
     python.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{tmp_path / "child.py"}"\n')
     python.chmod(0o755)
     monkeypatch.setattr(sys, "executable", str(python))
+
+
+def test_a_child_that_writes_much_to_stderr_does_not_deadlock(tmp_path, monkeypatch):
+    monkeypatch.delenv("ATTNBOOK_COMPILE_CACHE", raising=False)  # compile, and keep nothing
+    _use_child(tmp_path, monkeypatch, CHATTY_CHILD)
     requests = [dict(kernel=k, gpu="A100", dtype="float16", head_dim=64, block=32)
                 for k in KERNELS]
     done = []
@@ -610,17 +658,14 @@ COUNTING_CHILD = """import json, pathlib, sys
 requests = json.load(sys.stdin)
 with open(pathlib.Path(__file__).with_name("count"), "a") as f:
     f.write("x" * len(requests))
-json.dump([dict(r, shared_bytes=1024, registers=32, spill_bytes=0, tensor_cores=True)
+measured = dict(registers=32, spill_bytes=0, tensor_cores=True)
+json.dump([dict(r, shared_bytes=1024, **dict.fromkeys(measured) if r["shared_only"] else measured)
            for r in requests], sys.stdout)
 """
 
 
 def test_reports_are_kept_where_attnbook_compile_cache_says(tmp_path, monkeypatch):
-    (tmp_path / "child.py").write_text(COUNTING_CHILD)
-    python = tmp_path / "python"
-    python.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{tmp_path / "child.py"}"\n')
-    python.chmod(0o755)
-    monkeypatch.setattr(sys, "executable", str(python))
+    _use_child(tmp_path, monkeypatch, COUNTING_CHILD)
     compiled = lambda: (tmp_path / "count").read_text().count("x")  # noqa: E731
     first = [dict(kernel=k, gpu="A100", dtype="float16", head_dim=64, block=32) for k in KERNELS]
     monkeypatch.delenv("ATTNBOOK_COMPILE_CACHE", raising=False)
@@ -659,3 +704,28 @@ def test_reports_are_kept_where_attnbook_compile_cache_says(tmp_path, monkeypatc
     monkeypatch.setattr(os, "access", lambda *args: False)  # a folder this user cannot write
     with pytest.raises(ValueError, match="ATTNBOOK_COMPILE_CACHE=.* must name a folder"):
         compile_kernels(first)
+
+
+def test_a_shared_only_report_is_never_read_back_as_a_full_one(tmp_path, monkeypatch):
+    _use_child(tmp_path, monkeypatch, COUNTING_CHILD)
+    monkeypatch.setenv("ATTNBOOK_COMPILE_CACHE", str(tmp_path / "reports"))
+    compiled = lambda: (tmp_path / "count").read_text().count("x")  # noqa: E731
+    full = dict(kernel="forward", gpu="T4", dtype="float16", head_dim=128, block=64)
+    part = dict(full, shared_only=True)
+    reports = compile_kernels([full, part])
+    assert [r.shared_only for r in reports] == [False, True] and compiled() == 2
+    assert (reports[1].registers, reports[1].spill_bytes, reports[1].tensor_cores) == (None,) * 3
+    assert compile_kernels([part, full]) == reports[::-1] and compiled() == 2  # both kept
+    paths = dict(zip(("full", "part"), compile_check._report_paths(
+        [compile_check._checked(full), compile_check._checked(part)])))
+    assert paths["full"] != paths["part"]
+    kept = {name: json.loads(path.read_text()) for name, path in paths.items()}
+    paths["full"].write_text(json.dumps(kept["part"]))  # a shared_only report where a full one
+    assert compile_kernels([full]) == reports[:1] and compiled() == 3  # belongs: compiled again
+    paths["part"].write_text(json.dumps(kept["full"]))  # and the other way round
+    assert compile_kernels([part]) == reports[1:] and compiled() == 4
+    for bad in (dict(kept["part"], registers=32), dict(kept["part"], shared_bytes=None),
+                dict(kept["full"], tensor_cores=None), dict(kept["full"], spill_bytes=None)):
+        paths["part" if bad["shared_only"] else "full"].write_text(json.dumps(bad))
+        assert compile_kernels([part, full]) == reports[::-1]  # measured where unknown, or the
+    assert compiled() == 4 + 4  # other way round: compiled again

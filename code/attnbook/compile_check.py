@@ -50,7 +50,8 @@ DTYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
 
 @dataclass(frozen=True)
 class Compiled:
-    """What one kernel, compiled for one GPU, asks of it."""
+    """What one kernel, compiled for one GPU, asks of it: all of it, or with shared_only the
+    shared memory alone (registers, spill_bytes and tensor_cores None, since ptxas did not run)."""
 
     kernel: str  # "forward", "dkdv" or "dq"
     gpu: str  # a key of GPUS
@@ -62,10 +63,11 @@ class Compiled:
     warps: int  # num_warps: threads per program / 32
     stages: int  # num_stages: tiles loaded ahead
     shared_bytes: int  # shared memory per program
-    registers: int  # 32-bit registers per thread
-    spill_bytes: int  # registers that did not fit, stored to slow local memory
-    tensor_cores: bool  # whether the machine code uses matrix-multiply (mma/wgmma) instructions
+    registers: int | None  # 32-bit registers per thread
+    spill_bytes: int | None  # registers that did not fit, stored to slow local memory
+    tensor_cores: bool | None  # whether the machine code has matrix-multiply (mma/wgmma) steps
     wide: bool = False  # compiled as a WIDE launch (64-bit rows), else with 32-bit rows
+    shared_only: bool = False  # compiled only as far as Triton's layout of the shared memory
 
     @property
     def fits(self) -> bool:
@@ -127,7 +129,8 @@ def _ptxas_usage(log: str) -> tuple[int, int]:
 
 
 def _compile_here(kernel: str, gpu: str, dtype: str, head_dim: int, causal: bool, block: int,
-                  block_n: int, warps: int, stages: int, wide: bool) -> Compiled:
+                  block_n: int, warps: int, stages: int, wide: bool, shared_only: bool
+                  ) -> Compiled:
     # Compile in this process, which must have imported the kernels in compiled mode.
     import triton
 
@@ -140,16 +143,50 @@ def _compile_here(kernel: str, gpu: str, dtype: str, head_dim: int, causal: bool
     # (B * H, tiles) grid that every length under 65,536 tiles launches on
     constants.update(CAUSAL=causal, BLOCK_M=block, BLOCK_N=block_n, HEAD_DIM=head_dim,
                      WIDE=wide, TILES_FIRST=False)
+    source = triton.compiler.ASTSource(kernels.TRITON_KERNELS[kernel], signature, constants,
+                                       attrs)
+    target = triton.backends.compiler.GPUTarget("cuda", GPUS[gpu], 32)
+    options = {"num_warps": warps, "num_stages": stages}
+    request = (kernel, gpu, dtype, head_dim, causal, block, block_n, warps, stages)
+    if shared_only:
+        return Compiled(*request, _shared_memory(source, target, options), None, None, None,
+                        wide, shared_only=True)
     log = io.StringIO()
     with contextlib.redirect_stdout(log):
-        compiled = triton.compile(
-            triton.compiler.ASTSource(kernels.TRITON_KERNELS[kernel], signature, constants, attrs),
-            target=triton.backends.compiler.GPUTarget("cuda", GPUS[gpu], 32),
-            options={"num_warps": warps, "num_stages": stages})
+        compiled = triton.compile(source, target=target, options=options)
     registers, spills = _ptxas_usage(log.getvalue())
     tensor_cores = re.search(r"\b(wgmma\.mma_async|mma\.sync)", compiled.asm["ptx"]) is not None
-    return Compiled(kernel, gpu, dtype, head_dim, causal, block, block_n, warps, stages,
-                    compiled.metadata.shared, registers, spills, tensor_cores, wide)
+    return Compiled(*request, compiled.metadata.shared, registers, spills, tensor_cores, wide)
+
+
+def _shared_memory(source: Any, target: Any, options: dict[str, int]) -> int:
+    # The shared memory of one program, as triton.compile lays it out: its first two stages
+    # (Triton IR, then TritonGPU IR, where the tiles get their layouts), then the passes with
+    # which its third stage (make_llir) begins, up to the shared memory's allocation.
+    import triton
+    from triton._C.libtriton import ir, nvidia, passes
+    from triton.backends.nvidia.compiler import get_ptx_version_from_options
+
+    backend = triton.compiler.make_backend(target)
+    parsed = backend.parse_options(options)
+    context = ir.context()
+    ir.load_dialects(context)
+    backend.load_dialects(context)
+    module = source.make_ir(target, parsed, backend.get_codegen_implementation(parsed),
+                            backend.get_module_map(), context)
+    stages: dict[str, Any] = {}
+    backend.add_stages(stages, parsed, source.language)
+    for stage in ("ttir", "ttgir"):
+        module = stages[stage](module, {})
+    manager = ir.pass_manager(context)
+    passes.ttgpuir.add_combine_tensor_select_and_if(manager)
+    passes.ttgpuir.add_allocate_warp_groups(manager)
+    passes.convert.add_scf_to_cf(manager)
+    passes.gluon.add_inliner(manager)
+    nvidia.passes.ttgpuir.add_allocate_shared_memory_nv(
+        manager, target.arch, get_ptx_version_from_options(parsed, target.arch))
+    manager.run(module, "shared_only")
+    return int(module.get_int_attr("ttg.shared"))
 
 
 # chapters/a4-compiling.md, "Appendix D: Compiling for GPUs the machine does not have"
@@ -159,8 +196,9 @@ def compile_kernels(requests: Sequence[dict[str, object]], workers: int | None =
     `workers` (at most 4) fresh processes, and report their resources. Each request names kernel, gpu, dtype (in
     KERNELS, GPUS, DTYPES), head_dim, and optionally causal (True), block and block_n (rows
     of the query and key tiles), warps and stages (all the launcher's, or block alone: square
-    tiles, NUM_WARPS and NUM_STAGES), and wide (False: 32-bit rows; True: the launch of a
-    tensor spanning 2**31 elements or more). With $ATTNBOOK_COMPILE_CACHE set, reports are
+    tiles, NUM_WARPS and NUM_STAGES), wide (False: 32-bit rows; True: the launch of a
+    tensor spanning 2**31 elements or more) and shared_only (False; True: the shared memory
+    alone, without LLVM, PTX and ptxas). With $ATTNBOOK_COMPILE_CACHE set, reports are
     kept in the folder it names and read back rather than compiled again (see below)."""
     requests = [_checked(r) for r in check_instance("requests", requests, (list, tuple))]
     workers = (os.cpu_count() or 1) if workers is None else check_int("workers", workers, 1)
@@ -192,13 +230,13 @@ _CHILD = "from attnbook.compile_check import _main; _main()"
 _SIZES = (16, 32, 64, 128)  # of a head, or of a tile's rows
 _ELEMENT_SIZE = {"float16": 2, "bfloat16": 2, "float32": 4}  # bytes, by dtype
 # A request's keys and the values each may take: the first four are required; the launcher's
-# four settings (_LAUNCHER) may be None, their default, and causal and wide default to _DEFAULTS.
+# four settings (_LAUNCHER) may be None, their default, and the others default to _DEFAULTS.
 _KEYS: dict[str, tuple[Any, ...]] = {
     "kernel": KERNELS, "gpu": tuple(GPUS), "dtype": tuple(DTYPES), "head_dim": _SIZES,
     "causal": (True, False), "block": _SIZES, "block_n": _SIZES, "warps": (1, 2, 4, 8, 16),
-    "stages": (1, 2, 3, 4, 5, 6), "wide": (True, False)}
+    "stages": (1, 2, 3, 4, 5, 6), "wide": (True, False), "shared_only": (True, False)}
 _LAUNCHER = ("block", "block_n", "warps", "stages")
-_DEFAULTS = {"causal": True, "wide": False, **dict.fromkeys(_LAUNCHER)}
+_DEFAULTS = {"causal": True, "wide": False, "shared_only": False, **dict.fromkeys(_LAUNCHER)}
 
 
 def _checked(request: dict[str, object]) -> dict[str, object]:
@@ -280,13 +318,16 @@ def _read_report(path: Path | None, request: dict[str, object]) -> Compiled | No
         report = asdict(Compiled(**json.loads(path.read_text()))) if path else None
     except (OSError, ValueError, TypeError):
         return None
-    numbers = [report[k] for k in ("shared_bytes", "registers", "spill_bytes")] if report else []
     if (report is None or json.dumps({k: report[k] for k in request}, sort_keys=True)
-            != json.dumps(request, sort_keys=True)  # as JSON: 1 is not true, 64.0 not 64
-            or any(type(n) is not int or n < 0 for n in numbers)
-            or type(report["tensor_cores"]) is not bool):
-        return None
-    return Compiled(**report)
+            != json.dumps(request, sort_keys=True)):  # as JSON: 1 is not true, 64.0 not 64
+        return None  # another request's report: a shared-only one is never taken for a full one
+    measured = [report[k] for k in ("registers", "spill_bytes", "tensor_cores")]
+    if report["shared_only"]:  # what ptxas would report: unknown
+        valid = measured == [None, None, None]
+    else:
+        valid = all(type(n) is int and n >= 0 for n in measured[:2]) and type(measured[2]) is bool
+    shared = report["shared_bytes"]
+    return Compiled(**report) if valid and type(shared) is int and shared >= 0 else None
 
 
 def _write_report(path: Path | None, report: Compiled) -> None:
@@ -301,13 +342,17 @@ def _write_report(path: Path | None, report: Compiled) -> None:
 def choose_tiles(compiled: Sequence[Compiled]) -> dict[tuple[str, int], int]:
     """{(kernel, head_dim): rows}: the largest of 64 and 32 rows that fits the shared memory of
     every GPU compiled for and spills no register on the A100 and the H100, else 16.
-    `compiled` holds square tiles (block_n == block) of one dtype, on GPUS."""
+    `compiled` holds square tiles (block_n == block) of one dtype, on GPUS; the T4's may be
+    shared_only, since only their shared memory counts."""
     ok: dict[tuple[str, int, int], bool] = {}  # (kernel, head_dim, rows): fits everywhere
     for c in check_instance("compiled", compiled, (list, tuple)):
         check_choice("compiled gpu", check_instance("compiled item", c, Compiled).gpu, GPUS)
         if c.block_n != c.block or c.dtype != compiled[0].dtype:
             raise ValueError(f"compiled must hold square tiles of one dtype, got {c.block}x"
                              f"{c.block_n} rows of {c.dtype} beside {compiled[0].dtype}")
+        if c.shared_only and c.gpu != "T4":
+            raise ValueError(f"compiled holds a shared_only report for the {c.gpu}, whose "
+                             "spills choose_tiles reads")
         key = (c.kernel, c.head_dim, c.block)
         ok[key] = ok.get(key, True) and c.fits and (c.gpu == "T4" or c.spill_bytes == 0)
     return {(k, d): next((b for b in (64, 32) if ok.get((k, d, b))), 16) for k, d, _ in ok}
@@ -320,6 +365,6 @@ def largest_tiles(dtype: str, head_dims: Sequence[int] = (16, 32, 64, 128),
     check_instance("head_dims", head_dims, (tuple, list))
     check_instance("kernels", kernels, (tuple, list))  # a str would be iterated letter by letter
     candidates: list[dict[str, object]] = [
-        dict(kernel=k, dtype=dtype, head_dim=d, block=b, gpu=g)
+        dict(kernel=k, dtype=dtype, head_dim=d, block=b, gpu=g, shared_only=g == "T4")
         for k in kernels for d in head_dims for b in (64, 32) for g in GPUS]
     return choose_tiles(compile_kernels(candidates, workers))
