@@ -51,13 +51,7 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor | None = None,
     """RoPE on `x` (..., L, d), d even, row l standing at `positions[l]` (default l): half-split
     pairs (i, i + d/2), as in GPT-NeoX and Llama, turned by position * base**(-2i/d), computed in
     float64 (float32 on MPS). Returns x's shape and dtype."""
-    x, base = check_tensor("x", x), check_positive("base", base)
-    if x.dtype.itemsize == 1:  # float8: PyTorch has no arithmetic for it
-        raise TypeError(f"x must be float16 or wider, got dtype {x.dtype}")
-    d = x.shape[-1] if x.dim() else 0  # x is (..., L, d)
-    if x.dim() < 2 or d < 2 or d % 2:
-        raise ValueError(f"x must have shape (..., L, d) with an even d >= 2, got shape "
-                         f"{tuple(x.shape)} (d = {d})")
+    x, base = _rope_input(x), check_positive("base", base)
     return _rope(x, _as_positions(positions, x.shape[-2], x.device, _wide(x.device)), base)
 
 
@@ -75,6 +69,18 @@ def _rope(x: torch.Tensor, positions: torch.Tensor, base: float) -> torch.Tensor
 # chapters/05-positions.md, "Rotary position embeddings (RoPE)"
 def _wide(device: torch.device) -> torch.dtype:
     return torch.float32 if device.type == "mps" else torch.float64  # MPS has no float64
+
+
+def _rope_input(x: object) -> torch.Tensor:
+    """`x` checked as apply_rope's input: a float16-or-wider tensor (..., L, d), d even."""
+    x = check_tensor("x", x)
+    if x.dtype.itemsize == 1:  # float8: PyTorch has no arithmetic for it
+        raise TypeError(f"x must be float16 or wider, got dtype {x.dtype}")
+    d = x.shape[-1] if x.dim() else 0  # x is (..., L, d)
+    if x.dim() < 2 or d < 2 or d % 2:
+        raise ValueError(f"x must have shape (..., L, d) with an even d >= 2, got shape "
+                         f"{tuple(x.shape)} (d = {d})")
+    return x
 
 
 def _as_positions(positions: object, length: int, device: torch.device,
