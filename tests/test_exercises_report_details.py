@@ -193,17 +193,63 @@ def rope_with_one_entry(value):
     return rope
 
 
-def test_an_infinite_float16_answer_is_reported_as_inf_with_the_overflow_hint():
-    """inf must stay inf in the report (np.nan_to_num once made it 1.8e308, which hid the
-    overflow hint behind the case's own and printed a difference no answer had)."""
-    from attnbook.exercises import _OVERFLOW_HINT
-
+def test_an_infinite_float16_answer_is_reported_as_inf_with_the_cases_own_hint():
+    """inf must stay inf in the report (np.nan_to_num once made it 1.8e308); RoPE declares no
+    overflow hint (nothing in it can pass 65504), so the case's own hint stays."""
+    exercise = EXERCISES["5.1"]
     for value in (math.inf, -math.inf, math.nan):
         result = check("5.1", rope_with_one_entry(value), show=False)
         assert result.case.startswith("float16") and result.max_diff == math.inf, result
         assert f"largest difference inf at output[0, 0, 0]: yours {value}" in result.problem
-        assert result.hint == _OVERFLOW_HINT, result  # RoPE has no softmax: no score in the hint
-        assert "score" not in result.hint and "e^s" not in result.hint
+        assert result.hint == next(c.hint for c in exercise.cases if c.name == result.case)
+        assert "65504" not in result.hint, result
+
+
+def bert_input_variance_by_moments(ids, segments, word, position, token_type, gamma, beta):
+    """8.2 in float16 with the textbook variance E[x^2] - E[x]^2, which cancels to 0 or below."""
+    x = word[ids] + position[: ids.shape[1]] + token_type[segments]
+    mean = x.mean(-1, keepdim=True)
+    variance = (x * x).mean(-1, keepdim=True) - mean * mean
+    return (x - mean) / torch.sqrt(variance + 1e-12) * gamma + beta
+
+
+def test_a_float16_nan_or_inf_from_cancellation_keeps_the_cases_hint_not_an_overflow_one():
+    """8.2's float16 LayerNorm by moments gives inf and NaN although nothing passes 65504 (the
+    variance cancels to 0 or below, and eps = 1e-12 is 0 in float16): the case's hint says so,
+    and no overflow hint may replace it (one did, before exercises declared their own)."""
+    exercise = EXERCISES["8.2"]
+    number, case = next((i, c) for i, c in enumerate(exercise.cases) if "float16" in c.name)
+    inputs, _ = case.build(np.random.default_rng([sum(map(ord, "8.2")), number]))
+    x = inputs["word"][inputs["ids"]] + inputs["position"][: inputs["ids"].shape[1]] \
+        + inputs["token_type"][inputs["segments"]]
+    assert float((x.float() * x.float()).max()) < 65504 and float(torch.tensor(1e-12).half()) == 0
+    result = check("8.2", bert_input_variance_by_moments, show=False)
+    assert result.case == case.name and result.max_diff == math.inf, result
+    assert result.hint == case.hint and "65504" not in result.hint, result
+
+
+def test_a_wider_numpy_answer_to_a_float16_case_gets_no_overflow_hint():
+    """A float64 answer with a NaN did not overflow float16: 3.3's case hint, not _EXP16."""
+    from attnbook.exercises import _EXP16
+
+    exercise = EXERCISES["3.3"]
+    built = [c.build(np.random.default_rng([sum(map(ord, "3.3")), i]))
+             for i, c in enumerate(exercise.cases)]
+
+    def lookup_then_nan(*args):
+        x = args[0]
+        expected = next(e for inputs, e in built if inputs["x"].dtype == x.dtype
+                        and inputs["x"].shape == x.shape and np.array_equal(inputs["x"], x))
+        if args[0].dtype != np.float16:
+            return expected
+        answer = expected.astype(np.float64)
+        answer[0, 1, 2] = np.nan
+        return answer
+
+    result = check("3.3", lookup_then_nan, show=False)
+    assert result.case.startswith("float16") and "yours nan" in result.problem, result
+    assert result.hint != _EXP16 and result.hint == next(
+        c.hint for c in exercise.cases if c.name == result.case), result
 
 
 def test_17_3s_float16_hints_name_what_overflows_on_the_cases_inputs():
