@@ -9,6 +9,7 @@ subprocess runs start together (one fixture); the rest train a tiny model for 1 
 this process, so that the file takes well under a minute.
 """
 
+import argparse
 import contextlib
 import hashlib
 import importlib.metadata
@@ -422,10 +423,27 @@ def test_a_garbled_log_line_is_named(copy):
 
 
 def test_a_resume_with_a_checkpoint_beyond_steps_is_refused(copy):
+    (copy / "model.pt").unlink()  # stopped after its checkpoint of step 4
     before = files(copy)
     with pytest.raises(ValueError, match=r"step-00000004, is at step 4, beyond --steps 2"):
         run(copy, "--resume", steps=2)
     assert files(copy) == before  # no 4-step model written for a 2-step run
+
+
+@pytest.mark.parametrize("finished", [True, False])
+def test_following_a_resume_refusals_advice_is_accepted(copy, finished):
+    """A finished run (model.pt at step 4) given --steps 2 was told '--steps 4 or more', and
+    then refused at --steps 4 ('above 4'): the advice printed must be one that is accepted."""
+    if not finished:
+        (copy / "model.pt").unlink()
+    with pytest.raises(ValueError) as refused:
+        run(copy, "--resume", steps=2)
+    advice = re.search(r"give --steps (above )?(\d+)", str(refused.value))
+    assert advice, refused.value
+    steps = int(advice[2]) + (advice[1] is not None)
+    assert steps == (5 if finished else 4)
+    run(copy, "--resume", steps=steps)
+    assert torch.load(copy / "model.pt", weights_only=True)["step"] == steps
 
 
 @pytest.mark.parametrize("option, value, recorded", [
@@ -584,9 +602,14 @@ def refusal(argv, monkeypatch, processes=1):
 
 
 @pytest.mark.parametrize("option, value, message", [
-    ("--steps", "0", f"argument --steps: must be in [1, {2**20}], got '0'"),
+    ("--steps", "0", f"argument --steps: must be in [1, {2**20 - 1}], got '0'"),
     ("--steps", "2.5", "argument --steps: must be an integer, got '2.5'"),
     ("--global-batch", "-1", "argument --global-batch: must be at least 1"),
+    ("--context", "0", "argument --context: must be at least 1, got '0'"),
+    ("--d-model", "0", "argument --d-model: must be at least 1, got '0'"),
+    ("--layers", "1.5", "argument --layers: must be an integer, got '1.5'"),
+    ("--weight-decay", "-0.1", "argument --weight-decay: must be at least 0, got '-0.1'"),
+    ("--eval-every", "0", "argument --eval-every: must be at least 1, got '0'"),
     ("--dropout", "1.5", r"argument --dropout: must be in [0, 1], got '1.5'"),
     ("--dropout", "nan", "argument --dropout: must be in [0, 1], got 'nan'"),
     ("--lr", "0", "argument --lr: must be above 0, got '0'"),
@@ -614,34 +637,40 @@ def test_a_seed_or_steps_beyond_the_batch_streams_is_refused_before_torch_or_a_f
     script = textwrap.dedent(f"""
         import sys
         from attnbook import train_command
-        for option, value in (("--seed", "4096"), ("--seed", "-1"), ("--steps", str(2**20 + 1))):
+        for option, value in (("--seed", "4096"), ("--seed", "-1"), ("--steps", str(2**20))):
             try:
                 train_command.main(["gpt", option, value, "--overwrite", "--out", {str(out)!r}])
             except SystemExit as exit:
                 assert exit.code == 2, exit.code
         print("torch loaded:", "torch" in sys.modules)
     """)
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=ENV)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=ENV,
+                          timeout=120)  # an accepted --steps would train, for hours
     assert done.returncode == 0 and done.stdout.strip().endswith("torch loaded: False"), done
     for said in ("argument --seed: must be in [0, 4095], got '4096'",
                  "argument --seed: must be in [0, 4095], got '-1'",
-                 f"argument --steps: must be in [1, {2**20}], got '{2**20 + 1}'"):
+                 f"argument --steps: must be in [1, {2**20 - 1}], got '{2**20}'"):
         assert said in done.stderr, done.stderr
     assert [p.name for p in out.iterdir()] == ["model.pt"]
 
 
 def test_the_commands_seed_and_steps_bounds_are_recipe_batchs(monkeypatch):
-    from attnbook.recipe import batch
-    ids = torch.arange(10)
-    options = train.parse_options(["gpt", "--seed", "4095", "--steps", str(2**20), "--out", "x"])
-    batch(ids, options.steps - 1, 1, 2, options.seed)  # the last step's batch exists
+    """The loop trains steps 1 to --steps, step s on batch_share(..., s, ...): the largest --steps
+    accepted has its last batch, and one more is refused (2**20 was accepted, and its run failed
+    at its last step without writing model.pt)."""
+    ids = torch.arange(1000)
+    options = train.parse_options(["gpt", "--seed", "4095", "--steps", str(2**20 - 1), "--out", "x"])
+    x, _ = train.batch_share(ids, options.steps, options)  # the last step's batch exists
+    assert x.shape == (options.global_batch, options.context)
     with pytest.raises(ValueError, match="seed"):
-        batch(ids, 0, 1, 2, options.seed + 1)
+        train.batch_share(ids, 1, argparse.Namespace(**{**vars(options), "seed": 4096}))
     with pytest.raises(ValueError, match="step"):
-        batch(ids, options.steps, 1, 2, 0)
+        train.batch_share(ids, options.steps + 1, options)
+    assert "--steps: must be in" in refusal(["gpt", "--steps", str(options.steps + 1), "--out",
+                                             "x"], monkeypatch)
 
 
-@pytest.mark.parametrize("name, value", [("seed", 4096), ("seed", -1), ("steps", 2**20 + 1)])
+@pytest.mark.parametrize("name, value", [("seed", 4096), ("seed", -1), ("steps", 2**20)])
 def test_a_recorded_seed_or_steps_beyond_the_bounds_is_refused_at_resume(name, value):
     recorded = {**train_command.DEFAULTS, "model": "gpt"}
     assert train_command.check_run_options(recorded) == []
@@ -681,6 +710,7 @@ def test_the_help_says_what_is_trusted(monkeypatch):
         train.parse_options(["--help"])
     text = " ".join(said.getvalue().split())
     assert "What is trusted" in text and "weights_only=True" in text and "SHA-256" in text
+    assert "nothing in --out or --run is run as code, as far as two loaders are sound" in text
 
 
 def test_batch_shares_are_disjoint_slices_of_one_global_batch(monkeypatch):
@@ -707,6 +737,11 @@ def test_memory_per_process():
     assert fsdp == sorted(fsdp, reverse=True) and fsdp[-1] < 16 * params
     # what is sharded shrinks as 1/W; what is gathered (a root and blocks) does not
     assert fsdp[1] - fsdp[2] == pytest.approx(16 * params / 4, abs=1)
+    # gathered: the root's (embeddings, final norm) weights and gradient, in float32, and three
+    # blocks' weights or gradients (the one computing: both; the next: its weights)
+    block = sum(p.numel() for p in GPT(config).blocks[0].parameters())
+    root = params - config.num_layers * block
+    assert fsdp[-1] == math.ceil(16 * params / 8) + 4 * (2 * root + 3 * block)
 
 
 def test_corpus_is_chapter_8s_text():

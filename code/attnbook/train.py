@@ -126,7 +126,7 @@ def memory_per_process(config: GPTConfig, processes: int, strategy: str) -> int:
         return 16 * params
     block = max(sum(p.numel() for p in b.parameters()) for b in model.blocks)
     root = params - sum(p.numel() for p in model.blocks.parameters())  # embeddings, final norm
-    return math.ceil(16 * params / processes) + 4 * root + 3 * 4 * block
+    return math.ceil(16 * params / processes) + 2 * 4 * root + 3 * 4 * block  # root: w and grad
 
 
 # chapters/a2-training-at-scale.md, "The training loop"
@@ -378,9 +378,6 @@ def _prepare_out(options: argparse.Namespace, rank: int, processes: int,
         raise ValueError(f"--out {out} already holds a run ({', '.join(found)}): give --resume to "
                          f"continue it, --overwrite to delete it and start afresh, or another "
                          f"--out")
-    if latest is not None and "model.pt" in found and (done := _finished_at(out)) >= options.steps:
-        raise ValueError(f"--resume: the run in {out} has finished, at step {done}: give --steps "
-                         f"above {done} to train it further, or another --out")
     if options.context >= held_out:
         raise ValueError(f"--context {options.context} is not shorter than the held-out text "
                          f"({held_out} characters): give a shorter --context")
@@ -400,7 +397,7 @@ def _prepare_out(options: argparse.Namespace, rank: int, processes: int,
 
 
 def _check_resumable(path: Path, options: argparse.Namespace, processes: int) -> None:
-    """Refuse a checkpoint that this run cannot continue; else take the run's options."""
+    """Refuse what this run cannot continue, a finished run first; else take the run's options."""
     manifest, latest = read_manifest(path), path.parent.parent / "run.json"
     recorded = manifest["options"]  # and what may change, as the run's last start set it
     if latest.exists():
@@ -409,6 +406,9 @@ def _check_resumable(path: Path, options: argparse.Namespace, processes: int) ->
     if manifest["processes"] != processes:
         raise ValueError(f"--resume: the checkpoint {path} was written by {manifest['processes']} "
                          f"processes, and this run has {processes}: resume with as many")
+    if (options.out / "model.pt").exists() and (done := _finished_at(options.out)) >= options.steps:
+        raise ValueError(f"--resume: the run in {options.out} has finished, at step {done}: give "
+                         f"--steps above {done} to train it further, or another --out")
     if manifest["step"] > options.steps:
         raise ValueError(f"--resume: the latest checkpoint, {path}, is at step "
                          f"{manifest['step']}, beyond --steps {options.steps}: give --steps "
@@ -509,8 +509,8 @@ class _Progress:
         done = self.steps - self.start
         said = (f"nothing to train: the checkpoint is at step {self.steps}" if not done else
                 f"trained steps {self.start + 1} to {self.steps} in {time.perf_counter() - self.began:.1f}"
-                f" s, {self.tokens * done / self.total:,.0f} tokens/s, final loss {self.last['loss']:.4f}"
-                f", held-out loss {self.last['held_out_loss']:.4f}")
+                f" s ({self.tokens * done / self.total:,.0f} tokens/s in the steps alone), final loss "
+                f"{self.last['loss']:.4f}, held-out loss {self.last['held_out_loss']:.4f}")
         print(f"{said}; wrote {out / 'model.pt'}, {out / 'log.jsonl'}", file=sys.stderr, flush=True)
 
 

@@ -41,12 +41,12 @@ RUN_OPTIONS = ("model", "context", "d_model", "layers", "heads", "dropout", "lr"
                "min_lr_ratio", "weight_decay", "clip", "seed", "dtype", "global_batch")
 # What a resumed run also takes from its checkpoint, unless given again: these may change.
 RESUMABLE = ("steps", "checkpoint_every", "keep_checkpoints", "eval_every", "strategy")
-TRUST = ("What is trusted: nothing in --out or --run is run as code. --resume reads a checkpoint "
-         "only if every file matches the SHA-256 its manifest.json lists, then unpickles its "
-         ".metadata admitting only torch.distributed.checkpoint's metadata types, and tensors and "
-         "`sample`'s model.pt only with torch.load(weights_only=True), as safe as that loader "
-         "(CVE-2025-32434 broke it before PyTorch 2.6). The hashes catch damage, not forgery: "
-         "whoever can write to the folder can hand you other weights; resume and sample your own runs.")
+TRUST = ("What is trusted: nothing in --out or --run is run as code, as far as two loaders are sound. "
+         "--resume reads a checkpoint only if every file matches the SHA-256 its manifest.json "
+         "lists, then unpickles its .metadata admitting only torch.distributed.checkpoint's metadata "
+         "types, and tensors and `sample`'s model.pt only with torch.load(weights_only=True) (broken "
+         "before PyTorch 2.6: CVE-2025-32434). The hashes catch damage, not forgery: whoever can "
+         "write to the folder can hand you other weights; resume and sample your own runs.")
 
 
 def parse_options(argv: list[str] | None = None) -> argparse.Namespace:
@@ -150,7 +150,7 @@ DEFAULTS = {"steps": 500, "global_batch": 32, "context": 64, "d_model": 128, "la
             "heads": 4, "dropout": 0.0, "lr": 6e-3, "warmup": 30, "min_lr_ratio": 0.1,
             "weight_decay": 0.1, "clip": 1.0, "seed": 0, "dtype": "float32", "strategy": "ddp",
             "checkpoint_every": 0, "keep_checkpoints": 3, "eval_every": 50}  # chapter 10's sizes
-MAX_SEED, MAX_STEPS = 2**12 - 1, 2**20  # recipe.batch's streams: 12 bits of seed, 20 of step
+MAX_SEED, MAX_STEPS = 2**12 - 1, 2**20 - 1  # recipe.batch's streams: 12 bits of seed, 20 of step
 
 
 def _training_options(add: Callable[..., object]) -> None:
