@@ -504,7 +504,7 @@ class LayerCache:
         dtype = _autocast_dtype(w) or w.dtype  # noqa: F821 (chapter 3 imports it): what q, k, v are
         if self.keys.dtype != dtype:  # else rounded
             raise ValueError(f"cache holds {self.keys.dtype}, but the layer's keys and values are "
-                             f"{dtype}: allocate the cache in the layer's dtype")
+                             f"{dtype}: allocate the cache in {dtype}")
         _check_fits(self, x.shape[1], x.requires_grad or w.requires_grad)
 
     @classmethod
