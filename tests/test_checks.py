@@ -662,7 +662,7 @@ def test_check_tokens_under_autocast_takes_exactly_the_three_dtypes_its_message_
     weight = torch.nn.Linear(16, 16).weight  # float32: autocast casts what the projections get
     with torch.autocast("cpu", dtype=torch.bfloat16):
         for good in (torch.float16, torch.bfloat16, torch.float32):
-            assert c._check_tokens("x", torch.zeros(2, 3, 16, dtype=good), weight).dtype == good
+            assert c.check_tokens("x", torch.zeros(2, 3, 16, dtype=good), weight).dtype == good
         with pytest.raises(TypeError, match=r"^x must be a float16, bfloat16 or float32 tensor "
                                             rf"under torch.autocast.*got dtype {dtype}$"):
-            c._check_tokens("x", torch.zeros(2, 3, 16).to(dtype), weight)
+            c.check_tokens("x", torch.zeros(2, 3, 16).to(dtype), weight)
