@@ -839,7 +839,9 @@ def test_a_cache_in_autocasts_dtype_is_accepted_under_autocast():
     cache = LayerCache(*torch.zeros(2, 1, 2, 8, 16, dtype=torch.bfloat16))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = layer(x, is_causal=True, cache=cache)
-        with pytest.raises(ValueError, match="cache holds torch.float32"):
+        with pytest.raises(ValueError, match="cache holds torch.float32, but the layer's keys and "
+                                             "values are torch.bfloat16: allocate the cache in "
+                                             "torch.bfloat16$"):  # not "the layer's": float32
             layer(x, cache=LayerCache(*torch.zeros(2, 1, 2, 8, 16)))
     torch.testing.assert_close(out.float(), layer(x, is_causal=True), atol=0.05, rtol=0.05)
 

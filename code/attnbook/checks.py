@@ -30,6 +30,8 @@ __all__ = [
     "check_mask",
     "check_padding_mask",
     "check_writable",
+    "check_tokens",
+    "autocast_dtype",
 ]
 
 # chapters/a8-argument-checks.md, "The checks, one per concept"
@@ -457,22 +459,23 @@ def check_writable(name: str, x: "torch.Tensor") -> "torch.Tensor":
 
 
 # chapters/a8-argument-checks.md, "A layer's input under autocast"
-def _check_tokens(name: str, t: object, weight: "torch.Tensor",
+def check_tokens(name: str, t: object, weight: "torch.Tensor",
                   batch: int | None = None) -> "torch.Tensor":
     """`t`, (batch, length, d_model), on the device of `weight`, in its dtype, or under autocast
-    in a dtype autocast casts (not float64, which it leaves: nn.Linear would then fail)."""
+    float16, bfloat16 or float32, the dtypes autocast is made for (not float64, which it leaves:
+    nn.Linear would then fail)."""
     import torch  # here, not at the top: the NumPy chapters import this module without torch
 
-    casts = _autocast_dtype(weight) is not None
+    casts = autocast_dtype(weight) is not None
     t = check_tensor(name, t, dtype=None if casts else weight.dtype, device=weight.device,
                      shape=(batch, None, weight.shape[1]))  # (B, L, d_model)
-    if casts and t.dtype == torch.float64:
+    if casts and t.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise TypeError(f"{name} must be a float16, bfloat16 or float32 tensor under "
-                        f"torch.autocast, which leaves float64 uncast, got dtype {t.dtype}")
+                        f"torch.autocast (which leaves float64 uncast), got dtype {t.dtype}")
     return t
 
 
-def _autocast_dtype(weight: "torch.Tensor") -> "torch.dtype | None":
+def autocast_dtype(weight: "torch.Tensor") -> "torch.dtype | None":
     """The dtype nn.Linear with `weight` casts its input to: autocast's, when autocast is on for
     its device and the weight is not float64 (which autocast leaves); else None."""
     import torch  # here, not at the top: the NumPy chapters import this module without torch

@@ -37,8 +37,7 @@ from torch import nn
 
 from attnbook.attention import compute_dtype
 from attnbook.checks import (
-    _autocast_dtype,  # noqa: F401 (chapter 4's LayerCache)
-    _check_tokens,
+    autocast_dtype,  # noqa: F401 (chapter 4's LayerCache)
     check_bool,
     check_choice,
     check_device,
@@ -51,6 +50,7 @@ from attnbook.checks import (
     check_probability,
     check_scale,
     check_tensor,
+    check_tokens,
     check_writable,  # noqa: F401 (chapter 4's LayerCache)
     type_error,
 )
@@ -363,9 +363,9 @@ def _check_attention_call(layer: Attention, x: object, context: object, mask: ob
                           cache: Any) -> torch.Tensor | None:
     """Refuse, naming the argument, what Attention.forward cannot compute; return the mask with
     two dimensions at least."""
-    x = _check_tokens("x", x, layer.q_proj.weight)
+    x = check_tokens("x", x, layer.q_proj.weight)
     if context is not None:
-        context = _check_tokens("context", context, layer.k_proj.weight, batch=x.shape[0])
+        context = check_tokens("context", context, layer.k_proj.weight, batch=x.shape[0])
     check_bool("is_causal", is_causal), check_bool("return_weights", return_weights)
     (b, lq, _), lk = x.shape, x.shape[1] if context is None else context.shape[1]
     if cache is not None:
@@ -501,10 +501,10 @@ class LayerCache:
         for name in ("keys", "values"):
             check_tensor(f"cache.{name}", getattr(self, name), 4, device=w.device,
                          shape=(b, hkv, None, hs))
-        dtype = _autocast_dtype(w) or w.dtype  # noqa: F821 (chapter 3 imports it): what q, k, v are
+        dtype = autocast_dtype(w) or w.dtype  # noqa: F821 (chapter 3 imports it): what q, k, v are
         if self.keys.dtype != dtype:  # else rounded
             raise ValueError(f"cache holds {self.keys.dtype}, but the layer's keys and values are "
-                             f"{dtype}: allocate the cache in the layer's dtype")
+                             f"{dtype}: allocate the cache in {dtype}")
         _check_fits(self, x.shape[1], x.requires_grad or w.requires_grad)
 
     @classmethod
