@@ -462,16 +462,15 @@ def check_writable(name: str, x: "torch.Tensor") -> "torch.Tensor":
 def check_tokens(name: str, t: object, weight: "torch.Tensor",
                   batch: int | None = None) -> "torch.Tensor":
     """`t`, (batch, length, d_model), on the device of `weight`, in its dtype, or under autocast
-    float16, bfloat16 or float32, the dtypes autocast is made for (not float64, which it leaves:
-    nn.Linear would then fail)."""
+    any dtype autocast casts (not float64, which it leaves: nn.Linear would then fail)."""
     import torch  # here, not at the top: the NumPy chapters import this module without torch
 
     casts = autocast_dtype(weight) is not None
     t = check_tensor(name, t, dtype=None if casts else weight.dtype, device=weight.device,
                      shape=(batch, None, weight.shape[1]))  # (B, L, d_model)
-    if casts and t.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise TypeError(f"{name} must be a float16, bfloat16 or float32 tensor under "
-                        f"torch.autocast (which leaves float64 uncast), got dtype {t.dtype}")
+    if casts and t.dtype == torch.float64:
+        raise TypeError(f"{name} must be of a dtype torch.autocast casts (not float64, which it "
+                        f"leaves uncast), got dtype {t.dtype}")
     return t
 
 
