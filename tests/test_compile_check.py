@@ -7,8 +7,9 @@ so a change to a kernel that makes it spill, or no longer fit a T4, fails here w
 Compiling is slow (from under a second to half a minute per kernel and GPU: ptxas is slow on
 kernels that spill), so the module compiles each request once, and only those that can change
 what a test checks (see _tile_table_plan), and only as far as the test reads: where a rule reads
-nothing but the shared memory (the T4's tiles), a shared_only request stops before LLVM and ptxas. The `compiler` fixture gathers the requests of the
-selected tests and compiles them in as few batches as it can. compile_kernels keeps each report
+nothing but the shared memory (the T4's tiles), a shared_only request stops before LLVM and
+ptxas. The `compiler` fixture gathers the requests of the selected tests and compiles them in as
+few batches as it can. compile_kernels keeps each report
 in the folder ATTNBOOK_COMPILE_CACHE names (here _build/compile-check/ unless it names another;
 `make clean` removes it) under a key made of the request, the source of attnbook.kernels and
 attnbook.compile_check, what Triton keys its own cache on (its sources and library, ptxas's
@@ -226,8 +227,13 @@ WIDE_CANDIDATES = [
 # float32 on the T4, at the launcher's settings (the portable tiles): appendix D's second report.
 FLOAT32_T4 = [dict(kernel=kernel, gpu="T4", dtype="float32", head_dim=d)
               for kernel in KERNELS for d in HEAD_DIMS]
-# Full compiles (the T4's float32 kernels, two of the H100's) beside their shared_only twins.
-SHARED_ONLY = [twin for r in FLOAT32_T4 + REPORT for twin in (r, dict(r, shared_only=True))]
+# float16 on the T4, compiled in full elsewhere: at the launcher's settings, and the portable
+# dK, dV tile of D = 128 that appendix D compiles (the tile table's own T4 request).
+T4_FLOAT16 = [r for r in LAUNCH_CANDIDATES if r["gpu"] == "T4"] + [
+    dict(kernel="dkdv", gpu="T4", dtype="float16", head_dim=128, block=32)]
+# Full compiles (the T4's, two of the H100's) beside their shared_only twins.
+SHARED_ONLY = [twin for r in FLOAT32_T4 + T4_FLOAT16 + REPORT
+               for twin in (r, dict(r, shared_only=True))]
 
 
 @pytest.fixture(scope="module")
@@ -332,6 +338,13 @@ def test_choose_tiles_states_the_chapters_rule():
                for r in _on_all(64, shared_kb=65) + _on_all(32)]
     assert choose_tiles(t4_part) == {("dq", 64): 32}
     assert choose_tiles(t4_part[3:]) == {("dq", 64): 32}
+
+
+def test_choose_tiles_refuses_a_full_report_without_spills():
+    # Before, a full A100 report with spill_bytes None counted as spilling: 16 rows, silently.
+    unmeasured = replace(_fake("A100", 64), **_measured(True))
+    with pytest.raises(ValueError, match="full report for the A100 with spill_bytes None"):
+        choose_tiles([_fake("T4", 64), unmeasured, _fake("H100", 64)])
 
 
 def test_choose_tiles_refuses_mixed_dtypes_and_rectangular_tiles():
@@ -459,7 +472,8 @@ def test_shared_only_reports_the_shared_memory_of_a_full_compile(compiler):
         assert not full.shared_only and part.shared_only
         assert part == replace(full, registers=None, spill_bytes=None, tensor_cores=None,
                                shared_only=True)
-    assert {r.gpu for r in reports} == {"T4", "H100"}
+    assert {(r.gpu, r.dtype) for r in reports} == {("T4", "float32"), ("T4", "float16"),
+                                                   ("H100", "float16")}
 
 
 def _spilling(gpu="A100", spill=8):
@@ -729,3 +743,37 @@ def test_a_shared_only_report_is_never_read_back_as_a_full_one(tmp_path, monkeyp
         paths["part" if bad["shared_only"] else "full"].write_text(json.dumps(bad))
         assert compile_kernels([part, full]) == reports[::-1]  # measured where unknown, or the
     assert compiled() == 4 + 4  # other way round: compiled again
+
+
+# A child under a Triton that renamed one of the passes _shared_memory names (Triton's own
+# stage still finds it): it counts its full compiles in a file beside it.
+RENAMED_PASS_CHILD = """import pathlib, sys
+import triton
+from triton._C.libtriton import passes
+inliner = passes.gluon.add_inliner
+def renamed(manager):
+    if sys._getframe(1).f_globals["__name__"] == "attnbook.compile_check":
+        raise AttributeError("module 'passes.gluon' has no attribute 'add_inliner'")
+    inliner(manager)
+passes.gluon.add_inliner = renamed
+full_compile = triton.compile
+def counted(*args, **kwargs):
+    with open(pathlib.Path(__file__).with_name("count"), "a") as f:
+        f.write("x")
+    return full_compile(*args, **kwargs)
+triton.compile = counted
+from attnbook.compile_check import _main
+_main()
+"""
+
+
+def test_a_triton_without_the_early_passes_compiles_shared_only_requests_in_full(
+        tmp_path, monkeypatch):
+    # Before, the child raised AttributeError, and every test whose batch held a shared_only
+    # request failed in the compiler fixture's setup.
+    monkeypatch.delenv("ATTNBOOK_COMPILE_CACHE", raising=False)
+    request = dict(kernel="forward", gpu="T4", dtype="float32", head_dim=16, shared_only=True)
+    (early,) = compile_kernels([request])  # the early passes, as the locked Triton has them
+    _use_child(tmp_path, monkeypatch, RENAMED_PASS_CHILD)
+    assert compile_kernels([request]) == [early]
+    assert (tmp_path / "count").read_text() == "x"  # one full compile

@@ -51,7 +51,8 @@ DTYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
 @dataclass(frozen=True)
 class Compiled:
     """What one kernel, compiled for one GPU, asks of it: all of it, or with shared_only the
-    shared memory alone (registers, spill_bytes and tensor_cores None, since ptxas did not run)."""
+    shared memory alone (registers, spill_bytes and tensor_cores None, since neither LLVM, PTX
+    nor ptxas ran)."""
 
     kernel: str  # "forward", "dkdv" or "dq"
     gpu: str  # a key of GPUS
@@ -149,8 +150,13 @@ def _compile_here(kernel: str, gpu: str, dtype: str, head_dim: int, causal: bool
     options = {"num_warps": warps, "num_stages": stages}
     request = (kernel, gpu, dtype, head_dim, causal, block, block_n, warps, stages)
     if shared_only:
-        return Compiled(*request, _shared_memory(source, target, options), None, None, None,
-                        wide, shared_only=True)
+        try:
+            shared = _shared_memory(source, target, options)
+        except (AttributeError, ImportError, KeyError, TypeError):  # another Triton's passes
+            # (or names): compile in full, and read the same number off it
+            with contextlib.redirect_stdout(io.StringIO()):  # ptxas's log, kept off stdout
+                shared = triton.compile(source, target=target, options=options).metadata.shared
+        return Compiled(*request, shared, None, None, None, wide, shared_only=True)
     log = io.StringIO()
     with contextlib.redirect_stdout(log):
         compiled = triton.compile(source, target=target, options=options)
@@ -162,7 +168,8 @@ def _compile_here(kernel: str, gpu: str, dtype: str, head_dim: int, causal: bool
 def _shared_memory(source: Any, target: Any, options: dict[str, int]) -> int:
     # The shared memory of one program, as triton.compile lays it out: its first two stages
     # (Triton IR, then TritonGPU IR, where the tiles get their layouts), then the passes with
-    # which its third stage (make_llir) begins, up to the shared memory's allocation.
+    # which its third stage (make_llir) begins, up to the shared memory's allocation. The pass
+    # list is Triton 3.7's: under a Triton that renames one, _compile_here compiles in full.
     import triton
     from triton._C.libtriton import ir, nvidia, passes
     from triton.backends.nvidia.compiler import get_ptx_version_from_options
@@ -183,8 +190,12 @@ def _shared_memory(source: Any, target: Any, options: dict[str, int]) -> int:
     passes.ttgpuir.add_allocate_warp_groups(manager)
     passes.convert.add_scf_to_cf(manager)
     passes.gluon.add_inliner(manager)
+    # make_llir's own arguments. The capability does not move these kernels' numbers (tried
+    # from 75 to 120), so the tests' comparison with full compiles guards the target of the
+    # first two stages, not this argument.
     nvidia.passes.ttgpuir.add_allocate_shared_memory_nv(
-        manager, target.arch, get_ptx_version_from_options(parsed, target.arch))
+        manager, backend._parse_arch(parsed.arch),
+        get_ptx_version_from_options(parsed, target.arch))
     manager.run(module, "shared_only")
     return int(module.get_int_attr("ttg.shared"))
 
@@ -353,6 +364,9 @@ def choose_tiles(compiled: Sequence[Compiled]) -> dict[tuple[str, int], int]:
         if c.shared_only and c.gpu != "T4":
             raise ValueError(f"compiled holds a shared_only report for the {c.gpu}, whose "
                              "spills choose_tiles reads")
+        if not c.shared_only and c.spill_bytes is None:
+            raise ValueError(f"compiled holds a full report for the {c.gpu} with spill_bytes "
+                             "None: a full report has ptxas's numbers")
         key = (c.kernel, c.head_dim, c.block)
         ok[key] = ok.get(key, True) and c.fits and (c.gpu == "T4" or c.spill_bytes == 0)
     return {(k, d): next((b for b in (64, 32) if ok.get((k, d, b))), 16) for k, d, _ in ok}
