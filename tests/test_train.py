@@ -430,20 +430,65 @@ def test_a_resume_with_a_checkpoint_beyond_steps_is_refused(copy):
     assert files(copy) == before  # no 4-step model written for a 2-step run
 
 
-@pytest.mark.parametrize("finished", [True, False])
-def test_following_a_resume_refusals_advice_is_accepted(copy, finished):
+@pytest.mark.parametrize("state", ["finished", "unfinished", "finished, then resumed further"])
+def test_following_a_resume_refusals_advice_is_accepted(copy, state):
     """A finished run (model.pt at step 4) given --steps 2 was told '--steps 4 or more', and
-    then refused at --steps 4 ('above 4'): the advice printed must be one that is accepted."""
-    if not finished:
+    then refused at --steps 4 ('above 4'); a run finished at 4 and resumed to a checkpoint at 8
+    (model.pt still at 4) was called finished and told 'above 4', then refused at 5: the advice
+    printed must be one that is accepted."""
+    if state == "unfinished":
         (copy / "model.pt").unlink()
+    elif state != "finished":
+        stale = (copy / "model.pt").read_bytes()
+        run(copy, "--resume", steps=8)
+        (copy / "model.pt").write_bytes(stale)  # as if killed after its checkpoint of step 8
     with pytest.raises(ValueError) as refused:
         run(copy, "--resume", steps=2)
     advice = re.search(r"give --steps (above )?(\d+)", str(refused.value))
     assert advice, refused.value
     steps = int(advice[2]) + (advice[1] is not None)
-    assert steps == (5 if finished else 4)
+    assert steps == {"finished": 5, "unfinished": 4}.get(state, 8)
     run(copy, "--resume", steps=steps)
     assert torch.load(copy / "model.pt", weights_only=True)["step"] == steps
+
+
+def reseal_options(path, **changes):
+    """Rewrite a manifest.json or run.json with `changes` to its options, sealed anew."""
+    fields = json.loads(path.read_text())
+    del fields["sha256"]
+    fields.update(changes) if "options" not in fields else fields["options"].update(changes)
+    train._write_sealed(path, fields)
+
+
+def test_a_run_recorded_with_an_unsound_steps_resumes_with_a_sound_one(copy):
+    """The old bound let a run record --steps 1048576 (2**20); a resume that gives a sound
+    --steps must replace it, not be told to start afresh."""
+    (copy / "model.pt").unlink()
+    reseal_options(train.latest_checkpoint(copy) / "manifest.json", steps=2**20)
+    reseal_options(copy / "run.json", steps=2**20)
+    with pytest.raises(ValueError, match=r"records no sound --steps .*: give --steps anew"):
+        train.train(train.parse_options(["gpt", "--resume", "--out", str(copy)]))
+    run(copy, "--resume", steps=6)
+    assert torch.load(copy / "model.pt", weights_only=True)["step"] == 6
+
+
+@pytest.mark.parametrize("resumes", [(4,), (4, 8)])
+def test_no_note_of_a_new_schedule_where_none_is_followed(tmp_path, monkeypatch, resumes):
+    """A run of 8 steps stopped at its checkpoint of step 4: resumed with --steps 4 (the advice
+    for fewer), no step is trained; then with --steps 8, its own length, its log is the
+    uninterrupted run's. Neither gets the note that the result is that of neither run."""
+    out = tmp_path / "run"
+    monkeypatch.setattr(sys, "stderr", io.StringIO())
+    run(out, "--checkpoint-every", "2", steps=8)
+    whole = [(e["step"], e["loss"], e["lr"]) for e in log(out)]
+    (out / "model.pt").unlink()
+    for step in (6, 8):
+        shutil.rmtree(out / "checkpoints" / f"step-{step:08d}")
+    for steps in resumes:
+        with contextlib.redirect_stderr(io.StringIO()) as said:
+            run(out, "--resume", steps=steps)
+    assert "note:" not in said.getvalue()  # the last resume's
+    assert [(e["step"], e["loss"], e["lr"]) for e in log(out)] == whole[:steps]
 
 
 @pytest.mark.parametrize("option, value, recorded", [

@@ -376,12 +376,11 @@ def _prepare_out(options: argparse.Namespace, rank: int, processes: int,
         _take_run_options(_read_sealed(out / "run.json"), out / "run.json", options)
     elif found and not (options.resume or options.overwrite):
         raise ValueError(f"--out {out} already holds a run ({', '.join(found)}): give --resume to "
-                         f"continue it, --overwrite to delete it and start afresh, or another "
-                         f"--out")
+                         f"continue it, --overwrite to delete it and start afresh, or another --out")
     if options.context >= held_out:
         raise ValueError(f"--context {options.context} is not shorter than the held-out text "
                          f"({held_out} characters): give a shorter --context")
-    if rank == 0 and getattr(options, "run_steps", options.steps) != options.steps:
+    if rank == 0 and getattr(options, "run_steps", None) not in (None, options.steps):
         print(f"note: --steps {options.steps}, where the run had {options.run_steps}: the learning "
               f"rate follows a {options.steps}-step schedule from here on, so the result is that "
               f"of neither uninterrupted run", file=sys.stderr, flush=True)
@@ -403,10 +402,12 @@ def _check_resumable(path: Path, options: argparse.Namespace, processes: int) ->
     if latest.exists():
         recorded = {**recorded, **{k: v for k, v in _read_sealed(latest).items() if k in RESUMABLE}}
     _take_run_options(recorded, path, options)
+    options.run_steps = manifest["options"]["steps"] if manifest["step"] < options.steps else None
     if manifest["processes"] != processes:
         raise ValueError(f"--resume: the checkpoint {path} was written by {manifest['processes']} "
                          f"processes, and this run has {processes}: resume with as many")
-    if (options.out / "model.pt").exists() and (done := _finished_at(options.out)) >= options.steps:
+    if (options.out / "model.pt").exists() and options.steps <= (done := _finished_at(options.out)) \
+            and done >= manifest["step"]:  # a model.pt older than the checkpoint is no finish
         raise ValueError(f"--resume: the run in {options.out} has finished, at step {done}: give "
                          f"--steps above {done} to train it further, or another --out")
     if manifest["step"] > options.steps:
@@ -418,17 +419,17 @@ def _check_resumable(path: Path, options: argparse.Namespace, processes: int) ->
 def _take_run_options(recorded: dict[str, Any], where: Path, options: argparse.Namespace) -> None:
     """Take the run's options, as `where` records them, where not given; refuse others given."""
     flag: Callable[[str], str] = lambda name: "--" + name.replace("_", "-")  # noqa: E731
-    if wrong := check_run_options(recorded):
-        raise ValueError(f"--resume: {where} records no sound {', '.join(map(flag, wrong))} "
-                         f"(damaged, or written by an older attnbook-train): start afresh with "
-                         f"another --out")
     given = set(getattr(options, "given", RUN_OPTIONS + RESUMABLE)) | {"model"}
+    if wrong := [n for n in check_run_options(recorded) if n not in given or n not in RESUMABLE]:
+        flags = ", ".join(map(flag, wrong))  # a given RESUMABLE one replaces the recorded one
+        raise ValueError(f"--resume: {where} records no sound {flags} (damaged, or written by an "
+                         f"older attnbook-train): " + (f"give {flags} anew" if set(wrong) <=
+                         set(RESUMABLE) else "start afresh with another --out"))
     if differ := [f"{flag(name)} {getattr(options, name)} (the run's: {recorded[name]})"
                   for name in RUN_OPTIONS if name in given and getattr(options, name) != recorded[name]]:
         raise ValueError(f"--resume: the run in {options.out} was trained with other options: "
                          f"{'; '.join(differ)}. Leave them out to resume with the run's own, or "
                          f"start afresh with another --out")
-    options.run_steps = recorded["steps"]  # said once every check has passed (_prepare_out)
     for name in RUN_OPTIONS + RESUMABLE:
         setattr(options, name, getattr(options, name) if name in given else recorded[name])
 

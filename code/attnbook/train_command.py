@@ -83,8 +83,7 @@ def parse_options(argv: list[str] | None = None) -> argparse.Namespace:
         gpt.error(f"argument --global-batch: {options.global_batch} sequences cannot be shared "
                   f"equally by {count} processes")
     if options.d_model % options.heads:
-        gpt.error(f"argument --heads: {options.heads} heads do not divide "
-                  f"--d-model {options.d_model}")
+        gpt.error(f"argument --heads: {options.heads} heads do not divide --d-model {options.d_model}")
     return options
 
 
