@@ -144,6 +144,8 @@ def test_bad_shapes_are_refused_with_a_message_naming_them(message, error, shape
         (np.ones((3, 4), "m8[s]"), r"hold only 0 and 1, got dtype timedelta64\[s\]"),
         (np.ones((3, 4), int).astype(object) * Fraction(1), "hold only 0 and 1, got dtype object"),
         ([[True] * 4, [True] * 3, [True] * 4], "mask must be rectangular"),  # a ragged list
+        (np.array([[[True] * 4, [True] * 3, [True] * 4]], dtype=object)[0],  # rows of lists
+         "mask must be rectangular"),
     ],
 )
 def test_bad_masks(mask, message):
