@@ -3,6 +3,7 @@ cells or imports, even where a chapter's `# noqa: F821` leaves the name to anoth
 of the same package module (chapter 10's GPT calls chapter 19's padding helpers)."""
 
 import json
+import re
 import subprocess
 import symtable
 import sys
@@ -18,7 +19,8 @@ def undefined_names(notebook: Path) -> set[str]:
     """The names that ruff's F821 finds undefined in the notebook's code, its noqa comments ignored."""
     cells = json.loads(notebook.read_text())["cells"]
     code = "\n\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "code")
-    code = "\n".join(line for line in code.splitlines() if not line.lstrip().startswith(("%", "!")))
+    code = "\n".join(line for line in code.splitlines()  # IPython's magics and shell escapes,
+                     if not re.match(r"\s*(%|!(?!=))", line))  # not a line that starts with !=
     found = subprocess.run(
         [sys.executable, "-m", "ruff", "check", "--select", "F821", "--ignore-noqa", "--no-cache",
          "--output-format", "json", "--stdin-filename", notebook.stem + ".py", "-"],
