@@ -63,6 +63,17 @@ def test_glue_refuses_to_round_what_is_not_a_number():
         glue("ratio", "high", digits=2)
 
 
+def test_glue_checks_its_name_and_rounds_what_significant_rounds(monkeypatch):
+    calls = recorded(monkeypatch)  # both were accepted on 47c9c8f: a record named None, a refusal
+    for name in (None, 3.0):
+        with pytest.raises(TypeError, match=r"^name must be"):
+            glue(name, 0.5)
+    assert glue("t", torch.tensor(0.5049), digits=2) == 0.5 == significant(torch.tensor(0.5049), 2)
+    assert glue("a", np.array(0.5049), digits=2) == 0.5
+    assert calls == [("t", 0.5, False), ("t__digits", 2, False), ("a", 0.5, False),
+                     ("a__digits", 2, False)]
+
+
 def test_median_seconds_warms_up_batches_and_times_every_call_in_turns():
     order, syncs = [], []
     calls = [lambda: order.append("a"), lambda: order.append("b")]

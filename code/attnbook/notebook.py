@@ -42,6 +42,7 @@ from attnbook.checks import (
     check_int,
     check_positive,
     check_real,
+    check_text,
     env_flag,
     type_error,
 )
@@ -72,13 +73,16 @@ def significant(value: object, digits: int) -> float:
 def glue(name: str, value: object, *, digits: int | None = None) -> object:
     """Record `value` as `name` for the chapter's prose, `{glue:text}`name``, in a book build.
 
-    Appendix, "Numbers in the prose". With `digits`, a real number is recorded rounded to that many
+    Appendix, "Numbers in the prose". With `digits`, a real number (or a 0-d array or tensor of one) is recorded rounded to that many
     significant digits: the precision its cell asserts, so that the record, which the tests
     compare, is the same on every machine. Returns the recorded value, for the cell to print (a
     number comes back as a float or int that a notebook does not display when a cell ends in
     glue(...)). Without myst-nb (Colab, a plain script) nothing is recorded, since only the book
     build reads glued values."""
+    name = check_text("name", name)
     if digits is not None:
+        if getattr(value, "ndim", None) == 0 and hasattr(value, "item"):  # as significant takes it
+            value = value.item()
         if not isinstance(value, Real) or isinstance(value, bool):
             raise TypeError(f"digits= rounds a real number, got {name}={value!r}")
         value = significant(value, digits)
