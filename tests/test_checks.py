@@ -627,6 +627,35 @@ def test_check_int_keeps_a_symbolic_size_symbolic_outside_torch_compile():
         assert torch.equal(exported.module()(torch.ones(7)), torch.full((7,), 7.0))
 
 
+def test_check_int_puts_the_bounds_of_a_size_known_only_at_run_time_into_the_graph():
+    """A size computed from a tensor's values (an unbacked symbol, u0) passes the traced test;
+    torch._check puts its bounds into the graph, which refuses it naming the bound, not the
+    argument (appendix H, "Checks that a compiled model keeps")."""
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):
+        compiled = torch.compile(lambda x: x * c.check_int("n", (x > 0).sum().item(), 0, 8),
+                                 fullgraph=True, backend="eager")
+        assert torch.equal(compiled(torch.ones(4)), torch.full((4,), 4.0))
+        with pytest.raises(RuntimeError, match=r"u\d+ <= 8"):
+            compiled(torch.ones(9))
+
+
+def test_an_exported_program_does_not_check_a_lower_bound_of_2():
+    """PyTorch's gap that appendix H names: torch.export assumes every dynamic size is at least
+    2, so lengths 1 and 0 pass the exported program where the eager call refuses them. If this
+    test fails, PyTorch has closed the gap and the appendix's sentence must go."""
+    class LengthTimes(torch.nn.Module):
+        def forward(self, x):
+            return _length_times(x)  # check_int(..., 2, 8)
+
+    exported = torch.export.export(LengthTimes(), (torch.ones(5),),
+                                   dynamic_shapes={"x": {0: torch.export.Dim("n", max=8)}})
+    for length in (1, 0):
+        with pytest.raises(ValueError, match="must be at least 2"):
+            _length_times(torch.ones(length))
+        assert torch.equal(exported.module()(torch.ones(length)), torch.full((length,), float(length)))
+
+
 def test_check_int_refuses_in_eager_code_as_before():
     """Outside torch.compile (torch imported), the refusals keep their type and their message."""
     with pytest.raises(ValueError, match=r"^n must be at least 1, got n=np.int64\(0\)$"):
