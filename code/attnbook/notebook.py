@@ -73,9 +73,9 @@ def significant(value: object, digits: int) -> float:
 def glue(name: str, value: object, *, digits: int | None = None) -> object:
     """Record `value` as `name` for the chapter's prose, `{glue:text}`name``, in a book build.
 
-    Appendix, "Numbers in the prose". With `digits`, a real number (or a 0-d array or tensor of one) is recorded rounded to that many
-    significant digits: the precision its cell asserts, so that the record, which the tests
-    compare, is the same on every machine. Returns the recorded value, for the cell to print (a
+    Appendix, "Numbers in the prose". With `digits`, a real number (or a 0-d array or tensor of
+    one) is recorded rounded to that many significant digits: the precision its cell asserts, so
+    that the record, which the tests compare, is the same on every machine. Returns the recorded value, for the cell to print (a
     number comes back as a float or int that a notebook does not display when a cell ends in
     glue(...)). Without myst-nb (Colab, a plain script) nothing is recorded, since only the book
     build reads glued values."""
