@@ -472,6 +472,38 @@ def test_a_run_recorded_with_an_unsound_steps_resumes_with_a_sound_one(copy):
     assert torch.load(copy / "model.pt", weights_only=True)["step"] == 6
 
 
+FRONTS = {"python -m attnbook.train_command": [sys.executable, "-m", "attnbook.train_command"],
+          "python -m attnbook.train": [sys.executable, "-m", "attnbook.train"],
+          "attnbook-train": [str(Path(sys.executable).with_name("attnbook-train"))]}
+
+
+@pytest.mark.parametrize("front", FRONTS)
+def test_every_way_to_start_the_command_checks_a_recorded_steps(copy, front):
+    """`python -m attnbook.train_command` runs that module as __main__, a second copy of it: its
+    parser filled the copy's table of rules, and check_run_options (attnbook.train imports the
+    other copy) found an empty one, so a run recorded with --steps 1048576 resumed towards it."""
+    (copy / "model.pt").unlink()
+    reseal_options(train.latest_checkpoint(copy) / "manifest.json", steps=2**20)
+    reseal_options(copy / "run.json", steps=2**20)
+    before = files(copy)
+    try:
+        done = subprocess.run([*FRONTS[front], "gpt", "--resume", "--out", str(copy)],
+                              capture_output=True, text=True, env=ENV, timeout=180)
+    except subprocess.TimeoutExpired as timeout:  # the old code trained on, towards 2**20 steps
+        pytest.fail(f"not refused in {timeout.timeout} s: it trained; it said {timeout.stderr!r}")
+    assert done.returncode == 1 and "records no sound --steps" in done.stderr, done
+    assert files(copy) == before
+
+
+def test_check_run_options_needs_no_parser_built_before_it():
+    """Its rules were those a parser, once built in the process, had left in the module."""
+    script = ("from attnbook.train_command import DEFAULTS, check_run_options\n"
+              "print(check_run_options({**DEFAULTS, 'model': 'gpt', 'steps': 2**20, 'seed': -1}))")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=ENV,
+                          timeout=120)
+    assert done.returncode == 0 and done.stdout == "['seed', 'steps']\n", done
+
+
 @pytest.mark.parametrize("resumes", [(4,), (4, 8)])
 def test_no_note_of_a_new_schedule_where_none_is_followed(tmp_path, monkeypatch, resumes):
     """A run of 8 steps stopped at its checkpoint of step 4: resumed with --steps 4 (the advice

@@ -53,10 +53,9 @@ def parse_options(argv: list[str] | None = None) -> argparse.Namespace:
     """The options of `attnbook-train gpt ...` or `... sample ...`; a bad one exits naming it, a
     bad torchrun environment is a ValueError naming it. `options.given`: the RUN_OPTIONS and
     RESUMABLE given (the others hold defaults, which a resumed run replaces by its own)."""
-    parser = argparse.ArgumentParser(
-        prog=PROGRAM, epilog=TRUST,
-        description="Train the book's character-level GPT (chapter 10) on its corpus, in one "
-                    "process or several under torchrun (DDP or FSDP2); or continue a prompt.")
+    parser = argparse.ArgumentParser(prog=PROGRAM, epilog=TRUST, description=(
+        "Train the book's character-level GPT (chapter 10) on its corpus, in one process or "
+        "several under torchrun (DDP or FSDP2); or continue a prompt."))
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="{gpt,sample}")
     gpt = commands.add_parser("gpt", help="train the GPT")
@@ -122,7 +121,7 @@ def check_run_options(recorded: dict[str, Any]) -> list[str]:
     """What is wrong with a run's recorded options (RUN_OPTIONS and RESUMABLE, read back from a
     checkpoint or run.json), judged by the command line's own rules: [] if nothing."""
     wrong = [name for name in RUN_OPTIONS + RESUMABLE if name not in recorded]
-    for name, rule in _RULES.items():
+    for name, rule in _training_options(lambda *args, **kwargs: None).items():  # add: no parser
         value = recorded.get(name)
         if name not in wrong and not (value in rule if isinstance(rule, list) else
                                       type(value) in (int, float) and _read(rule, value)):
@@ -152,10 +151,12 @@ DEFAULTS = {"steps": 500, "global_batch": 32, "context": 64, "d_model": 128, "la
 MAX_SEED, MAX_STEPS = 2**12 - 1, 2**20 - 1  # recipe.batch's streams: 12 bits of seed, 20 of step
 
 
-def _training_options(add: Callable[..., object]) -> None:
+def _training_options(add: Callable[..., object]) -> dict[str, Any]:
+    rules: dict[str, Any] = {}  # what each option accepts (its choices or its type): returned
+
     def option(flag: str, text: str, **kwargs: Any) -> None:  # default None: we know what was given
         name = flag[2:].replace("-", "_")
-        _RULES[name] = kwargs.get("choices") or kwargs["type"]  # also for check_run_options
+        rules[name] = kwargs.get("choices") or kwargs["type"]
         add(flag, default=None, help=f"{text} (default {DEFAULTS[name]})", **kwargs)
 
     option("--steps", "optimizer steps in all", type=_number(int, 1, MAX_STEPS))
@@ -187,6 +188,7 @@ def _training_options(add: Callable[..., object]) -> None:
     add("--out", type=_folder, required=True,
         help="the run's folder: model.pt, log.jsonl and checkpoints/; it must not hold another "
              "run, unless --resume or --overwrite is given")
+    return rules
 
 
 def _sample_options(add: Callable[..., object]) -> None:
@@ -198,9 +200,6 @@ def _sample_options(add: Callable[..., object]) -> None:
     add("--top-k", type=_number(int, 1), default=10,
         help="drawn among the K likeliest characters only (default 10)")
     add("--seed", type=_number(int, 0), default=0, help="the draws' seed (default 0)")
-
-
-_RULES: dict[str, list[str] | Callable[[str], object]] = {}  # filled by _training_options
 
 
 def _folder(text: str) -> Path:
