@@ -44,6 +44,16 @@ def test_softmax_extremes():
     assert softmax(np.array([1, 2], dtype=np.float32)).dtype == np.float32
 
 
+@pytest.mark.parametrize("dtype, big", [(np.float64, 1e308), (np.float32, 3e38)])
+def test_softmax_of_a_range_wide_row_is_exact_and_silent(dtype, big):
+    # -big - big overflows to -inf, whose exponential is 0: the right weight, with no warning
+    # (even under np.errstate(over="raise")); a NaN or +inf row gives NaN, silently too
+    with np.errstate(all="raise"):
+        np.testing.assert_array_equal(softmax(np.array([big, -big], dtype)), [1.0, 0.0])
+        assert np.isnan(softmax(np.array([np.nan, 0.0], dtype))).all()
+        assert np.isnan(softmax(np.array([np.inf, 0.0], dtype))).all()
+
+
 @pytest.mark.parametrize("seed", range(8))
 def test_sdpa_matches_torch_random_shapes_and_masks(seed):
     rng = np.random.default_rng(seed)

@@ -112,6 +112,8 @@ def test_the_rounding_note_names_eps_for_float64_and_the_dtype_it_fits():
         return rms_norm(x, weight, eps=0.0)
     missing_eps = check("7.1", rms_norm_without_eps, show=False)
     assert "such as eps" in missing_eps.problem
+    # float64 in and out, eps left out: the note must not only say "compute in float64"
+    assert missing_eps.problem.endswith("compute in float64 or wider, or check that constant")
 
     def heads_through_float16(x, W_Q, W_K, W_V, W_O, num_heads):
         rounded = (a.astype(np.float16).astype(np.float64) for a in (x, W_Q, W_K, W_V, W_O))

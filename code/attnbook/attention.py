@@ -54,7 +54,10 @@ def softmax(x: npt.ArrayLike, axis: int = -1) -> np.ndarray:
     work = x.astype(compute_dtype(x.dtype), copy=False)
     shift = np.max(work, axis=axis, keepdims=True, initial=-np.inf)  # -inf for an empty slice
     shift[np.isneginf(shift)] = 0.0  # all -inf: exp(-inf - 0) = 0, never -inf - (-inf)
-    exps = np.exp(work - shift)  # every exponent <= 0 (or -inf): no exp overflows
+    with np.errstate(over="ignore", invalid="ignore"):  # no warning for these two cases:
+        # exponents <= 0, and a difference past the float range rounds to -inf (exp gives 0);
+        # NaN where the row holds NaN or +inf (inf - inf), as the docstring says
+        exps = np.exp(work - shift)
     weights = divide_or_zero(exps, exps.sum(axis=axis, keepdims=True))  # 0 only for all -inf
     return weights.astype(x.dtype, copy=False)
 

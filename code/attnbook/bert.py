@@ -231,18 +231,8 @@ def _hf_bert_names(num_layers: int) -> dict[str, str]:
 # chapters/08-bert.md, "Loading a pretrained BERT's weights"
 def _from_hf_bert(cls: type[BERT], model: Any) -> BERT:
     """BERT.from_hf_bert: the sizes come from the weights and modules, not model.config."""
-    # model: Any, as transformers' classes (an optional dependency, not imported here) are read
-    # by their attributes' names (config, bert.embeddings, ...), which nn.Module does not declare
-    encoder_only = hasattr(model, "encoder") and hasattr(model, "embeddings")  # a BertModel
-    parts = ("config", "state_dict", "training") + (() if encoder_only else ("bert", "cls"))
-    if not all(hasattr(model, a) for a in parts):
-        raise TypeError("model must be a transformers BertForMaskedLM or BertModel, "
-                        f"got {type(getattr(model, '_orig_mod', model)).__name__}")  # compiled
-    check_holds_weights("model", model)  # a model on the meta device: shapes, no values
-    for name, wanted in (("hidden_act", "gelu"), ("is_decoder", False),
-                         ("position_embedding_type", "absolute")):
-        if (found := getattr(model.config, name, wanted)) != wanted:
-            raise ValueError(f"model.config.{name} must be {wanted!r}, got {found!r}")
+    # model: Any, as transformers' classes (optional, not imported here) are read by attribute
+    encoder_only = _check_hf_model(model)  # True for a BertModel; refusals in the next cell
     prefix = "bert." if encoder_only else ""  # BertModel's names lack "bert."; no pooler used
     theirs = {prefix + key.replace("_orig_mod.", ""): value  # "_orig_mod.": added by torch.compile
               for key, value in model.state_dict().items()}  # (of the model or of a part of it)
@@ -250,11 +240,8 @@ def _from_hf_bert(cls: type[BERT], model: Any) -> BERT:
     names = _hf_bert_names(max(len(layers), 1))
     if encoder_only:  # no MLM head to copy: ours keeps its random initialisation
         names = {mine: name for mine, name in names.items() if not mine.startswith("mlm_head.")}
-    if missing := [name for name in names.values() if name not in theirs]:
-        raise ValueError(f"model has no parameters {missing[:3]}...: not a BertForMaskedLM?")
+    _check_hf_weights(theirs, names)
     word = theirs["bert.embeddings.word_embeddings.weight"]  # (vocab_size, d_model)
-    if not torch.equal(theirs.get("cls.predictions.decoder.weight", word), word):
-        raise ValueError("model's cls.predictions.decoder.weight is not tied to its embeddings")
     bert = model if encoder_only else model.bert
     embeddings, attention = bert.embeddings, bert.encoder.layer[0].attention.self
     config = BERTConfig(
@@ -270,6 +257,31 @@ def _from_hf_bert(cls: type[BERT], model: Any) -> BERT:
     ours.load_state_dict({mine: theirs[name] for mine, name in names.items()},
                          strict=not encoder_only)
     return ours.train(model.training)
+
+
+# chapters/08-bert.md, "Loading a pretrained BERT's weights"
+def _check_hf_model(model: Any) -> bool:
+    """from_hf_bert's refusals before reading the weights; True for a BertModel (the encoder)."""
+    encoder_only = hasattr(model, "encoder") and hasattr(model, "embeddings")  # a BertModel
+    parts = ("config", "state_dict", "training") + (() if encoder_only else ("bert", "cls"))
+    if not all(hasattr(model, a) for a in parts):
+        raise TypeError("model must be a transformers BertForMaskedLM or BertModel, "
+                        f"got {type(getattr(model, '_orig_mod', model)).__name__}")  # compiled
+    check_holds_weights("model", model)  # a model on the meta device: shapes, no values
+    for name, wanted in (("hidden_act", "gelu"), ("is_decoder", False),
+                         ("position_embedding_type", "absolute")):
+        if (found := getattr(model.config, name, wanted)) != wanted:
+            raise ValueError(f"model.config.{name} must be {wanted!r}, got {found!r}")
+    return encoder_only
+
+
+def _check_hf_weights(theirs: dict[str, torch.Tensor], names: dict[str, str]) -> None:
+    """from_hf_bert's refusals of the weights: every name in `names` present, the output tied."""
+    if missing := [name for name in names.values() if name not in theirs]:
+        raise ValueError(f"model has no parameters {missing[:3]}...: not a BertForMaskedLM?")
+    word = theirs["bert.embeddings.word_embeddings.weight"]  # (vocab_size, d_model)
+    if not torch.equal(theirs.get("cls.predictions.decoder.weight", word), word):
+        raise ValueError("model's cls.predictions.decoder.weight is not tied to its embeddings")
 
 
 # chapters/08-bert.md, "A trained encoder that ships offline: MiniLM"

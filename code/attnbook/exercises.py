@@ -44,8 +44,7 @@ from attnbook.positions import apply_rope
 TOLERANCES = {  # (absolute, relative): the relative one is 4.1 roundings of float16 (2^-11),
     "float16": (1e-3, 2e-3),  # 336 of float32 (2^-24) and 9.0e6 of float64 (2^-53); float16
     "float32": (2e-5, 2e-5),  # answers are rounded to float16 once
-    "float64": (1e-10, 1e-9),
-}
+    "float64": (1e-10, 1e-9)}
 NARROWER = {  # an input dtype: (the rounding of a narrower dtype, relative differences that fit)
     "float64": (("float32 rounding size (or of a small constant such as eps)", 1e-9, 1e-5),
                 ("float16 or bfloat16 rounding size (or of a constant such as eps)", 1e-5, 5e-2)),
@@ -134,7 +133,8 @@ def _rounding_note(relative: float, narrowest: str) -> str:
     wider = "float32 and round to float16 once" if narrowest == "float16" else f"{narrowest} or wider"
     for rounding, low, high in NARROWER.get(narrowest, ()):
         if low <= relative < high:
-            return f": a difference that may be {rounding}: compute in {wider}"
+            constant = ", or check that constant" if "constant" in rounding else ""  # float64
+            return f": a difference that may be {rounding}: compute in {wider}{constant}"
     return ""
 
 
