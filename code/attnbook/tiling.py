@@ -39,6 +39,29 @@ from attnbook.checks import (  # noqa: F401 (check_choice, check_positive, check
 )
 
 
+def _running_state(m: npt.ArrayLike, l: npt.ArrayLike, block: np.ndarray
+                   ) -> tuple[np.ndarray, np.ndarray, np.dtype]:
+    """online_softmax_update's m and l as arrays, one value per row of `block`, and the dtype to
+    update in: the wider of the block's and theirs (Python numbers take the block's)."""
+    given, (m, l) = (m, l), (check_array("m", m), check_array("l", l))
+    for name, x in (("m", m), ("l", l)):
+        if x.shape != block.shape[:-1]:
+            raise ValueError(f"{name} must have shape {block.shape[:-1]}, block's rows, got "
+                             f"shape {x.shape}")
+    dtype = np.result_type(block, *(x for x, g in zip((m, l), given)
+                                    if type(g) not in (int, float)))  # np.float64 stays
+    return m, l, dtype
+
+
+def _checked_tally(tally: dict[str, int] | None) -> dict[str, int]:
+    """flash_attention_numpy's `tally` (chapter 14): a new dict, or the caller's of int counts."""
+    tally = {} if tally is None else check_instance("tally", tally, dict)
+    for key, count in tally.items():  # counts, added to
+        check_int(f"tally[{key!r}]", count)
+    return tally
+
+
+# chapters/13-tiling.md, "Softmax from a stream of blocks"
 def online_softmax_update(m: npt.ArrayLike, l: npt.ArrayLike, block: npt.ArrayLike
                           ) -> tuple[np.ndarray, np.ndarray]:
     """Fold a block of scores (..., b) into the running max `m` and sum `l` (both (...,), starting
@@ -46,13 +69,7 @@ def online_softmax_update(m: npt.ArrayLike, l: npt.ArrayLike, block: npt.ArrayLi
     the state keeps the wider of its dtype and the block's (Python numbers take the block's)."""
     block = check_array("block", block, min_ndim=1)
     block = block.astype(compute_dtype(block.dtype), copy=False)
-    given, (m, l) = (m, l), (check_array("m", m), check_array("l", l))
-    for name, x in (("m", m), ("l", l)):  # one running value per row of the block
-        if x.shape != block.shape[:-1]:
-            raise ValueError(f"{name} must have shape {block.shape[:-1]}, block's rows, got "
-                             f"shape {x.shape}")
-    dtype = np.result_type(block, *(x for x, g in zip((m, l), given)
-                                    if type(g) not in (int, float)))  # np.float64 stays
+    m, l, dtype = _running_state(m, l, block)  # checked, with the dtype to update in
     return _fold(m.astype(dtype, copy=False), l.astype(dtype, copy=False),
                  block.astype(dtype, copy=False))
 
@@ -118,9 +135,7 @@ def flash_attention_numpy(Q: npt.ArrayLike, K: npt.ArrayLike, V: npt.ArrayLike,
     Q, K, V = check_qkv(Q, K, V)
     block_size = check_int("block_size", block_size, minimum=1)
     causal, scale = check_bool("causal", causal), check_scale(scale, Q.shape[-1])
-    tally = {} if tally is None else check_instance("tally", tally, dict)
-    for key, count in tally.items():  # counts, added to
-        check_int(f"tally[{key!r}]", count)
+    tally = _checked_tally(tally)
     dtype = np.result_type(Q, K, V)
     batch = np.broadcast_shapes(Q.shape[:-2], K.shape[:-2], V.shape[:-2])
     Q, K, V = (np.broadcast_to(x.astype(compute_dtype(dtype), copy=False), batch + x.shape[-2:])
