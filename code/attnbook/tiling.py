@@ -14,6 +14,7 @@ __all__ = [
     "schedule_flops",
     "GPUSpec",
     "GPUS",
+    "KERNEL_QUERY_ROWS",
     "find_gpu",
     "BOARDS",
     "roofline_seconds",
@@ -236,7 +237,7 @@ def _naive_elements(Lq: int, Lk: int, d: int, backward: bool) -> dict[str, int]:
     nn, q, k = Lq * Lk, Lq * d, Lk * d
     if not backward:  # S = scale Q K^T;  P = softmax(S);  O = P V
         return {"Q": q, "K": k, "V": k, "S": 2 * nn, "P": 2 * nn, "O": q}
-    # dV = P^T dO;  dP = dO V^T;  dS = P (dP - rowsum(P dP));  dQ = dS K;  dK = dS^T Q
+    # chapter 16's backward pass written out: the matrices P, dP and dS read and written whole
     return {"P": 2 * nn, "dO": 2 * q, "V": k, "dP": 2 * nn, "dS": 3 * nn, "K": k, "Q": q,
             "dQ": q, "dK": k, "dV": k}
 
@@ -245,8 +246,7 @@ def _tiled_elements(Lq: int, Lk: int, d: int, key_rows: int, query_rows: int,
                     backward: bool) -> dict[str, int]:
     if not backward:  # Q once, K and V per visit, O and the logsumexp once
         return {"Q": Lq * d, "K": key_rows * d, "V": key_rows * d, "O": Lq * d, "lse": Lq}
-    # delta kernel: O, dO -> delta;  dK dV kernel: K, V once, Q, dO, lse, delta per visit;
-    # dQ kernel: Q, dO, lse, delta once, K, V per visit
+    # chapter 16's three backward kernels ("The bytes of the backward pass" there)
     return {"O": Lq * d, "dO": (2 * Lq + query_rows) * d, "delta": 2 * Lq + query_rows,
             "Q": (query_rows + Lq) * d, "K": (Lk + key_rows) * d, "V": (Lk + key_rows) * d,
             "lse": query_rows + Lq, "dQ": Lq * d, "dK": Lk * d, "dV": Lk * d}
@@ -294,6 +294,9 @@ GPUS = {
     "H100": GPUSpec("NVIDIA H100 SXM5", 3.35e12, 989.5e12, 67e12, "nvidia2022h100"),
     "H200": GPUSpec("NVIDIA H200 SXM", 4.8e12, 989.5e12, 67e12, "nvidia2023h200"),
 }
+# The query rows of chapter 15's forward tile on each GPU, in float16 with D <= 64: the first
+# (default) entry of its launch table; on a GPU its autotuner may pick another candidate.
+KERNEL_QUERY_ROWS = {"T4": 32, "A100": 64, "H100": 128, "H200": 128}
 
 
 # chapters/14-traffic-and-roofline.md, "The roofline: which side binds"
