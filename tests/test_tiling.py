@@ -14,6 +14,7 @@ from attnbook.attention import scaled_dot_product_attention, softmax
 from attnbook.cost import attention_flops
 from attnbook.tiling import (
     GPUS,
+    KERNEL_QUERY_ROWS,
     GPUSpec,
     attention_bytes,
     attention_traffic,
@@ -511,6 +512,16 @@ def test_gpus_and_the_roofline():
     assert roofline_seconds(0, 0, "H100") == 0.0
     with pytest.raises(dataclasses.FrozenInstanceError):
         GPUS["T4"].bandwidth = 1.0
+
+
+def test_kernel_query_rows_are_chapter_15s_forward_tiles():
+    # chapter 14 counts chapter 15's kernel with these tiles: its launch table's first entry
+    launch_settings = pytest.importorskip("attnbook.kernels").launch_settings
+    capability = {"T4": 75, "A100": 80, "H100": 90, "H200": 90}
+    assert sorted(KERNEL_QUERY_ROWS) == sorted(GPUS) == sorted(capability)
+    for key, rows in KERNEL_QUERY_ROWS.items():
+        for d in (16, 32, 64):
+            assert launch_settings("forward", 2, d, capability[key])[0][0] == rows, (key, d)
 
 
 @pytest.mark.parametrize(

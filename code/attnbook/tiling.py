@@ -14,6 +14,7 @@ __all__ = [
     "schedule_flops",
     "GPUSpec",
     "GPUS",
+    "KERNEL_QUERY_ROWS",
     "find_gpu",
     "BOARDS",
     "roofline_seconds",
@@ -39,6 +40,29 @@ from attnbook.checks import (  # noqa: F401 (check_choice, check_positive, check
 )
 
 
+def _running_state(m: npt.ArrayLike, l: npt.ArrayLike, block: np.ndarray
+                   ) -> tuple[np.ndarray, np.ndarray, np.dtype]:
+    """online_softmax_update's m and l as arrays, one value per row of `block`, and the dtype to
+    update in: the wider of the block's and theirs (Python numbers take the block's)."""
+    given, (m, l) = (m, l), (check_array("m", m), check_array("l", l))
+    for name, x in (("m", m), ("l", l)):
+        if x.shape != block.shape[:-1]:
+            raise ValueError(f"{name} must have shape {block.shape[:-1]}, block's rows, got "
+                             f"shape {x.shape}")
+    dtype = np.result_type(block, *(x for x, g in zip((m, l), given)
+                                    if type(g) not in (int, float)))  # np.float64 stays
+    return m, l, dtype
+
+
+def _checked_tally(tally: dict[str, int] | None) -> dict[str, int]:
+    """flash_attention_numpy's `tally` (chapter 14): a new dict, or the caller's of int counts."""
+    tally = {} if tally is None else check_instance("tally", tally, dict)
+    for key, count in tally.items():  # counts, added to
+        check_int(f"tally[{key!r}]", count)
+    return tally
+
+
+# chapters/13-tiling.md, "Softmax from a stream of blocks"
 def online_softmax_update(m: npt.ArrayLike, l: npt.ArrayLike, block: npt.ArrayLike
                           ) -> tuple[np.ndarray, np.ndarray]:
     """Fold a block of scores (..., b) into the running max `m` and sum `l` (both (...,), starting
@@ -46,13 +70,7 @@ def online_softmax_update(m: npt.ArrayLike, l: npt.ArrayLike, block: npt.ArrayLi
     the state keeps the wider of its dtype and the block's (Python numbers take the block's)."""
     block = check_array("block", block, min_ndim=1)
     block = block.astype(compute_dtype(block.dtype), copy=False)
-    given, (m, l) = (m, l), (check_array("m", m), check_array("l", l))
-    for name, x in (("m", m), ("l", l)):  # one running value per row of the block
-        if x.shape != block.shape[:-1]:
-            raise ValueError(f"{name} must have shape {block.shape[:-1]}, block's rows, got "
-                             f"shape {x.shape}")
-    dtype = np.result_type(block, *(x for x, g in zip((m, l), given)
-                                    if type(g) not in (int, float)))  # np.float64 stays
+    m, l, dtype = _running_state(m, l, block)  # checked, with the dtype to update in
     return _fold(m.astype(dtype, copy=False), l.astype(dtype, copy=False),
                  block.astype(dtype, copy=False))
 
@@ -118,9 +136,7 @@ def flash_attention_numpy(Q: npt.ArrayLike, K: npt.ArrayLike, V: npt.ArrayLike,
     Q, K, V = check_qkv(Q, K, V)
     block_size = check_int("block_size", block_size, minimum=1)
     causal, scale = check_bool("causal", causal), check_scale(scale, Q.shape[-1])
-    tally = {} if tally is None else check_instance("tally", tally, dict)
-    for key, count in tally.items():  # counts, added to
-        check_int(f"tally[{key!r}]", count)
+    tally = _checked_tally(tally)
     dtype = np.result_type(Q, K, V)
     batch = np.broadcast_shapes(Q.shape[:-2], K.shape[:-2], V.shape[:-2])
     Q, K, V = (np.broadcast_to(x.astype(compute_dtype(dtype), copy=False), batch + x.shape[-2:])
@@ -221,7 +237,7 @@ def _naive_elements(Lq: int, Lk: int, d: int, backward: bool) -> dict[str, int]:
     nn, q, k = Lq * Lk, Lq * d, Lk * d
     if not backward:  # S = scale Q K^T;  P = softmax(S);  O = P V
         return {"Q": q, "K": k, "V": k, "S": 2 * nn, "P": 2 * nn, "O": q}
-    # dV = P^T dO;  dP = dO V^T;  dS = P (dP - rowsum(P dP));  dQ = dS K;  dK = dS^T Q
+    # chapter 16's backward pass written out: the matrices P, dP and dS read and written whole
     return {"P": 2 * nn, "dO": 2 * q, "V": k, "dP": 2 * nn, "dS": 3 * nn, "K": k, "Q": q,
             "dQ": q, "dK": k, "dV": k}
 
@@ -230,8 +246,7 @@ def _tiled_elements(Lq: int, Lk: int, d: int, key_rows: int, query_rows: int,
                     backward: bool) -> dict[str, int]:
     if not backward:  # Q once, K and V per visit, O and the logsumexp once
         return {"Q": Lq * d, "K": key_rows * d, "V": key_rows * d, "O": Lq * d, "lse": Lq}
-    # delta kernel: O, dO -> delta;  dK dV kernel: K, V once, Q, dO, lse, delta per visit;
-    # dQ kernel: Q, dO, lse, delta once, K, V per visit
+    # chapter 16's three backward kernels ("The bytes of the backward pass" there)
     return {"O": Lq * d, "dO": (2 * Lq + query_rows) * d, "delta": 2 * Lq + query_rows,
             "Q": (query_rows + Lq) * d, "K": (Lk + key_rows) * d, "V": (Lk + key_rows) * d,
             "lse": query_rows + Lq, "dQ": Lq * d, "dK": Lk * d, "dV": Lk * d}
@@ -279,6 +294,9 @@ GPUS = {
     "H100": GPUSpec("NVIDIA H100 SXM5", 3.35e12, 989.5e12, 67e12, "nvidia2022h100"),
     "H200": GPUSpec("NVIDIA H200 SXM", 4.8e12, 989.5e12, 67e12, "nvidia2023h200"),
 }
+# The query rows of chapter 15's forward tile on each GPU, in float16 with D <= 64: the first
+# (default) entry of its launch table; on a GPU its autotuner may pick another candidate.
+KERNEL_QUERY_ROWS = {"T4": 32, "A100": 64, "H100": 128, "H200": 128}
 
 
 # chapters/14-traffic-and-roofline.md, "The roofline: which side binds"
