@@ -17,7 +17,7 @@ sphinx-codeautolink links the names in the chapters' code cells to those entries
 else: with no intersphinx (the build is offline) the API page is its whole inventory. Before it
 resolves them, every name that does not start at attnbook is dropped (`only_package_names`):
 resolving one imports and follows its package, with that package's TYPE_CHECKING imports (all
-of transformers' models: about 18 s of CPU of the HTML build's 143 s), and then finds no
+of transformers' models: 21 to 24 s of CPU of the HTML build's 143 s), and then finds no
 entry for it.
 
 The package is imported by autodoc while the book is built; on a machine without a GPU, Triton's
