@@ -211,25 +211,27 @@ def _causal_linear(fq: torch.Tensor, fk: torch.Tensor, v: torch.Tensor, eps: flo
     (lq, lk), dv = (fq.shape[-2], fk.shape[-2]), v.shape[-1]
     blind = max(0, lq - lk)  # queries before the first key: zeros
     start = lk - (lq - blind)  # the first key position that has a query
-    shift = fk.new_zeros(fk.shape[:-1]) if shift is None else shift  # (..., Lk)
-    last = shift[..., max(start - 1, 0)] if lk else shift.sum(dim=-1)  # sums over exp(last)
-    before = fk[..., :start, :] * (shift[..., :start] - last[..., None]).exp()[..., None]
-    state = before.transpose(-2, -1) @ v[..., :start, :]  # (..., D, Dv)
-    norm = before.sum(dim=-2)  # (..., D): z of the keys before every query
+    before = fk[..., :start, :]  # (..., start, D): the keys before every query
+    if shift is not None and lk:  # the sums kept over exp(last), the last summed key's shift
+        last = shift[..., max(start - 1, 0)]
+        before = before * (shift[..., :start] - last[..., None]).exp()[..., None]
+    state, norm = before.transpose(-2, -1) @ v[..., :start, :], before.sum(dim=-2)  # S, z
     outs = [fq.new_zeros(*fq.shape[:-2], blind, dv)]
     for c0 in range(start, lk, chunk):
         c1 = min(c0 + chunk, lk)  # keys c0..c1-1 and the queries at those positions
         qc = fq[..., c0 - start + blind:c1 - start + blind, :]  # (..., c, D)
-        kc, vc, sc = fk[..., c0:c1, :], v[..., c0:c1, :], shift[..., c0:c1]  # sc: (..., c)
-        gap = (sc[..., None, :] - sc[..., :, None]).clamp(max=0).exp()  # exp(shift_j - shift_i)
-        sim = (qc @ kc.transpose(-2, -1) * gap).tril()  # (..., c, c): causal inside the chunk
-        carry = (last[..., None] - sc).exp()[..., None]  # (..., c, 1): the sums to each query's
-        num = sim @ vc + qc @ state * carry  # (..., c, Dv)
-        den = sim.sum(dim=-1, keepdim=True) + qc @ norm[..., None] * carry  # (..., c, 1)
-        outs.append(num / (den + eps))
-        kc = kc * (sc - sc[..., -1:]).exp()[..., None]  # over exp(shift) at the chunk's last key
-        decay, last = (last - sc[..., -1]).exp()[..., None], sc[..., -1]  # the sums, to the same
-        state, norm = state * decay[..., None] + kc.transpose(-2, -1) @ vc, norm * decay + kc.sum(-2)
+        kc, vc = fk[..., c0:c1, :], v[..., c0:c1, :]  # (..., c, D), (..., c, Dv)
+        sim = (qc @ kc.transpose(-2, -1)).tril()  # (..., c, c): causal inside the chunk
+        past, seen, kt = qc @ state, qc @ norm[..., None], kc.transpose(-2, -1)  # kt: (..., D, c)
+        if shift is not None:  # each to the query's own constant; the new sums to the last key's
+            sc = shift[..., c0:c1]  # (..., c)
+            sim = sim * (sc[..., None, :] - sc[..., :, None]).clamp(max=0).exp()  # e^(sc_j - sc_i)
+            carry = (last[..., None] - sc).exp()[..., None]  # (..., c, 1)
+            past, seen, kt = past * carry, seen * carry, kt * (sc - sc[..., -1:]).exp()[..., None, :]
+            decay, last = (last - sc[..., -1]).exp()[..., None], sc[..., -1]  # (..., 1), (...,)
+            state, norm = state * decay[..., None], norm * decay
+        outs.append((sim @ vc + past) / (sim.sum(dim=-1, keepdim=True) + seen + eps))
+        state, norm = state + kt @ vc, norm + kt.sum(dim=-1)
     return torch.cat(outs, dim=-2)  # (..., Lq, Dv)
 
 
@@ -278,13 +280,12 @@ def performer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_f
     scale = q.shape[-1] ** -0.25  # q.k / sqrt(D) = (q D^-1/4) . (k D^-1/4)
     logq, logk = (_log_features(x.to(work) * scale, w) for x in (q, k))  # (..., L, m)
     fq, v = (logq - logq.amax(dim=-1, keepdim=True)).exp(), v.to(work)  # a constant per query
-    tiny = torch.finfo(work).tiny  # 0 / tiny = 0 for no key, or all features' products underflown
-    if causal:  # for the keys, the largest over those each query sees (a running largest)
-        shift = logk.amax(dim=-1).cummax(dim=-1).values  # (..., Lk)
-        out = _causal_linear(fq, (logk - shift[..., None]).exp(), v, tiny, 64, shift)
-    else:  # the largest over all keys, which every query sees; each constant cancels
-        out = _linear_attention(fq, (logk - logk.amax(dim=(-2, -1), keepdim=True)).exp(), v,
-                                False, tiny, 64)
+    tiny = torch.finfo(work).tiny  # 0 / tiny = 0: no key seen, or every product underflowed
+    top = logk.amax(dim=-1)  # (..., Lk): each key's largest log-feature
+    shift = top.cummax(dim=-1).values if causal else top.amax(dim=-1, keepdim=True)  # the largest
+    fk = (logk - shift[..., None]).exp()  # over the keys a query sees; each constant cancels
+    out = _causal_linear(fq, fk, v, tiny, 64, shift) if causal else _linear_attention(
+        fq, fk, v, False, tiny, 64)
     return out.to(q.dtype)
 
 
