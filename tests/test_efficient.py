@@ -277,6 +277,31 @@ def test_performer_float32_large_scores_and_nan():
     assert performer_attention(q, k, v, 64)[0, 0, 3].isnan().all()
 
 
+def favor_reference(q, k, v, w, causal):
+    """FAVOR+'s estimate with the features w, exactly, in float64: each similarity
+    phi(q_i) . phi(k_j) kept as its logarithm, so that no feature underflows."""
+    q, k, v, w = (x.double() for x in (q, k, v, w))
+    scale = q.shape[-1] ** -0.25
+    logq, logk = ((x * scale) @ w.T - (x * scale).pow(2).sum(-1, keepdim=True) / 2 for x in (q, k))
+    log_sim = (logq[..., :, None, :] + logk[..., None, :, :]).logsumexp(dim=-1)  # (..., Lq, Lk)
+    if causal:
+        log_sim = log_sim.masked_fill(~causal_mask(q.shape[-2], k.shape[-2]), -math.inf)
+    return log_sim.softmax(dim=-1) @ v  # the sqrt(m)s and the constants cancel
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("s,lq", [(1.0, 128), (7.0, 128), (7.0, 40)])
+def test_performer_float32_matches_its_features_in_float64_with_large_scores(causal, s, lq):
+    """The key constant is taken over the keys a query sees: under the causal mask, an early
+    query's keys do not underflow against a later, larger key (47c9c8f returned zeros)."""
+    q, k, v = (randn(1, 1, n, 64, seed=seed, dtype=torch.float32) * s
+               for seed, n in enumerate((lq, 128, 128)))
+    out = performer_attention(q, k, v, 128, causal, torch.Generator().manual_seed(1))
+    w = random_features(128, 64, True, torch.Generator().manual_seed(1), torch.float32)
+    exact = favor_reference(q, k, v, w, causal)
+    torch.testing.assert_close(out.double(), exact, rtol=1e-4, atol=1e-4 * s)
+
+
 @pytest.mark.parametrize("kwargs,match", [
     (dict(num_features=0), "num_features"), (dict(num_features=2.5), "num_features"),
     (dict(num_features=4, generator=3), "generator"),

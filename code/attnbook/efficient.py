@@ -204,23 +204,34 @@ def _linear_attention(fq: torch.Tensor, fk: torch.Tensor, v: torch.Tensor, causa
 
 # chapters/17-efficient-attention.md, "Linear attention"
 def _causal_linear(fq: torch.Tensor, fk: torch.Tensor, v: torch.Tensor, eps: float,
-                   chunk: int) -> torch.Tensor:
-    """Causal linear attention on features fq (..., Lq, D), fk (..., Lk, D), chunk by chunk."""
+                   chunk: int, shift: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal linear attention on features fq (..., Lq, D), fk (..., Lk, D), chunk by chunk.
+    With `shift` (..., Lk), non-decreasing, key j's features are phi(k_j) / exp(shift_j), and the
+    sums a query sees are kept over exp(shift) at its own position (rescaled as shift grows)."""
     (lq, lk), dv = (fq.shape[-2], fk.shape[-2]), v.shape[-1]
     blind = max(0, lq - lk)  # queries before the first key: zeros
     start = lk - (lq - blind)  # the first key position that has a query
-    state = fk[..., :start, :].transpose(-2, -1) @ v[..., :start, :]  # (..., D, Dv)
-    norm = fk[..., :start, :].sum(dim=-2)  # (..., D): z of the keys before every query
+    before = fk[..., :start, :]  # (..., start, D): the keys before every query
+    if shift is not None and lk:  # the sums kept over exp(last), the last summed key's shift
+        last = shift[..., max(start - 1, 0)]
+        before = before * (shift[..., :start] - last[..., None]).exp()[..., None]
+    state, norm = before.transpose(-2, -1) @ v[..., :start, :], before.sum(dim=-2)  # S, z
     outs = [fq.new_zeros(*fq.shape[:-2], blind, dv)]
     for c0 in range(start, lk, chunk):
         c1 = min(c0 + chunk, lk)  # keys c0..c1-1 and the queries at those positions
         qc = fq[..., c0 - start + blind:c1 - start + blind, :]  # (..., c, D)
         kc, vc = fk[..., c0:c1, :], v[..., c0:c1, :]  # (..., c, D), (..., c, Dv)
         sim = (qc @ kc.transpose(-2, -1)).tril()  # (..., c, c): causal inside the chunk
-        num = sim @ vc + qc @ state  # (..., c, Dv)
-        den = sim.sum(dim=-1, keepdim=True) + qc @ norm[..., None]  # (..., c, 1)
-        outs.append(num / (den + eps))
-        state, norm = state + kc.transpose(-2, -1) @ vc, norm + kc.sum(dim=-2)
+        past, seen, kt = qc @ state, qc @ norm[..., None], kc.transpose(-2, -1)  # kt: (..., D, c)
+        if shift is not None:  # each to the query's own constant; the new sums to the last key's
+            sc = shift[..., c0:c1]  # (..., c)
+            sim = sim * (sc[..., None, :] - sc[..., :, None]).clamp(max=0).exp()  # e^(sc_j - sc_i)
+            carry = (last[..., None] - sc).exp()[..., None]  # (..., c, 1)
+            past, seen, kt = past * carry, seen * carry, kt * (sc - sc[..., -1:]).exp()[..., None, :]
+            decay, last = (last - sc[..., -1]).exp()[..., None], sc[..., -1]  # (..., 1), (...,)
+            state, norm = state * decay[..., None], norm * decay
+        outs.append((sim @ vc + past) / (sim.sum(dim=-1, keepdim=True) + seen + eps))
+        state, norm = state + kt @ vc, norm + kt.sum(dim=-1)
     return torch.cat(outs, dim=-2)  # (..., Lq, Dv)
 
 
@@ -268,10 +279,14 @@ def performer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_f
     w = random_features(num_features, q.shape[-1], orthogonal, generator, work).to(q.device)
     scale = q.shape[-1] ** -0.25  # q.k / sqrt(D) = (q D^-1/4) . (k D^-1/4)
     logq, logk = (_log_features(x.to(work) * scale, w) for x in (q, k))  # (..., L, m)
-    logq = logq - logq.amax(dim=-1, keepdim=True)  # a constant per query: it cancels
-    logk = logk - logk.amax(dim=(-2, -1), keepdim=True)  # one for all keys: it cancels
-    tiny = torch.finfo(work).tiny  # no bias: 0 / tiny = 0 only for a query that sees no key
-    return _linear_attention(logq.exp(), logk.exp(), v.to(work), causal, tiny, 64).to(q.dtype)
+    fq, v = (logq - logq.amax(dim=-1, keepdim=True)).exp(), v.to(work)  # a constant per query
+    tiny = torch.finfo(work).tiny  # 0 / tiny = 0: no key seen, or every product underflowed
+    top = logk.amax(dim=-1)  # (..., Lk): each key's largest log-feature
+    shift = top.cummax(dim=-1).values if causal else top.amax(dim=-1, keepdim=True)  # the largest
+    fk = (logk - shift[..., None]).exp()  # over the keys a query sees; each constant cancels
+    out = _causal_linear(fq, fk, v, tiny, 64, shift) if causal else _linear_attention(
+        fq, fk, v, False, tiny, 64)
+    return out.to(q.dtype)
 
 
 # chapters/17-efficient-attention.md, "Retention: one model, three ways to compute it"
