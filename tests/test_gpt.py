@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from attnbook.gpt import GPT, CharTokenizer, GPTConfig, KVCache
+from attnbook.gpt import GPT, CharTokenizer, GPTConfig, KVCache, _next_token
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
@@ -750,3 +750,35 @@ def test_a_compiled_model_refuses_float_idx_as_eager_does():
     model = tiny_gpt().eval()
     with pytest.raises(TypeError, match="^idx must hold integer ids, got dtype torch.float32$"):
         torch.compile(model, backend="eager")(torch.zeros(1, 3))
+
+
+def residual_std(num_layers, scaled):
+    """The residual stream's std after the last block at initialisation, width 128 (chapter 10's
+    1/sqrt(2 n_layer) scaling of the two output projections, or plain std 0.02 without it)."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=100, context_length=64, d_model=128, num_layers=num_layers,
+                          num_heads=4, dropout=0.0)).eval()
+    with torch.no_grad():
+        if not scaled:
+            for block in model.blocks:
+                for proj in (block.self_attn.out_proj, block.ff.fc2):
+                    proj.weight.normal_(0.0, 0.02)
+        x = model.tok_emb(torch.randint(100, (4, 64))) + model.pos_emb(torch.arange(64))
+        for block in model.blocks:
+            x = block(x, None, is_causal=True)
+    return x.std().item()
+
+
+def test_the_residual_scaling_keeps_a_deep_stream_at_a_shallow_ones_scale():
+    """Chapter 10, "The model": scaled, 48 layers start with about the stream of one layer;
+    unscaled, the sum of 96 contributions starts several times larger."""
+    shallow, deep = residual_std(1, scaled=True), residual_std(48, scaled=True)
+    assert abs(deep / shallow - 1) < 0.2
+    assert residual_std(48, scaled=False) > 4 * deep
+
+
+def test_a_tiny_temperature_draws_among_tied_largest_logits_where_greedy_takes_the_first():
+    """Chapter 10, "Generating text": the limit of a tiny temperature is greedy only without ties."""
+    z, g = torch.tensor([[2.0, 2.0, 0.5, 0.0, -1.0]]), torch.Generator().manual_seed(0)
+    draws = torch.cat([_next_token(z, 1e-300, None, g) for _ in range(200)]).flatten()
+    assert set(draws.tolist()) == {0, 1} and (_next_token(z, 0, None, g) == 0).all()

@@ -95,8 +95,8 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tens
 
 def batch(ids: torch.Tensor, step: int, size: int, context: int,
           seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Batch `step` (below 2**20) of a run seeded `seed` (below 4096): `size` windows of `ids`,
-    inputs and targets (size, context) each, the targets one token on; the same on every machine."""
+    """Batch `step` (< 2**20) of a run seeded `seed` (< 4096): `size` windows of `ids`, inputs
+    and targets (size, context) each, targets one token on; set by `seed` and `step` alone."""
     ids, seed = _check_ids(ids), check_int("seed", seed, 0, 2**12 - 1)
     context = check_int("context", context, minimum=1, maximum=len(ids) - 1)
     size, step = check_int("size", size, minimum=1), check_int("step", step, 0, 2**20 - 1)
