@@ -14,13 +14,13 @@ from attnbook.attention import scaled_dot_product_attention, softmax
 from attnbook.cost import attention_flops
 from attnbook.tiling import (
     GPUS,
-    KERNEL_QUERY_ROWS,
     GPUSpec,
     attention_bytes,
     attention_traffic,
     block_schedule,
     find_gpu,
     flash_attention_numpy,
+    kernel_query_rows,
     online_softmax,
     online_softmax_update,
     roofline_seconds,
@@ -515,13 +515,30 @@ def test_gpus_and_the_roofline():
 
 
 def test_kernel_query_rows_are_chapter_15s_forward_tiles():
-    # chapter 14 counts chapter 15's kernel with these tiles: its launch table's first entry
+    # chapter 14 counts chapter 15's kernel with these tiles: its launch table's first entry,
+    # which depends on the head size (at 128 the A100 takes 128 rows, not 64)
     launch_settings = pytest.importorskip("attnbook.kernels").launch_settings
     capability = {"T4": 75, "A100": 80, "H100": 90, "H200": 90}
-    assert sorted(KERNEL_QUERY_ROWS) == sorted(GPUS) == sorted(capability)
-    for key, rows in KERNEL_QUERY_ROWS.items():
-        for d in (16, 32, 64):
-            assert launch_settings("forward", 2, d, capability[key])[0][0] == rows, (key, d)
+    assert sorted(GPUS) == sorted(capability)
+    for key in GPUS:
+        for d in (16, 32, 64, 128):
+            rows = launch_settings("forward", 2, d, capability[key])[0][0]
+            assert kernel_query_rows(key, d) == rows, (key, d)
+    assert kernel_query_rows("A100", 64) == 64 and kernel_query_rows("A100", 128) == 128
+
+
+@pytest.mark.parametrize(
+    "gpu, d, message",
+    [
+        ("V100", 64, "gpu must be one of ['A100', 'H100', 'H200', 'T4'], got gpu='V100'"),
+        ("T4", 0, "d must be at least 1, got d=0"),
+        ("T4", 256, "d must be at most 128 (chapter 15's widest tile), got d=256"),
+    ],
+)
+def test_kernel_query_rows_refuses_what_chapter_15_has_no_tile_for(gpu, d, message):
+    with pytest.raises(ValueError) as raised:
+        kernel_query_rows(gpu, d)
+    assert str(raised.value) == message
 
 
 @pytest.mark.parametrize(

@@ -14,7 +14,7 @@ __all__ = [
     "schedule_flops",
     "GPUSpec",
     "GPUS",
-    "KERNEL_QUERY_ROWS",
+    "kernel_query_rows",
     "find_gpu",
     "BOARDS",
     "roofline_seconds",
@@ -294,9 +294,19 @@ GPUS = {
     "H100": GPUSpec("NVIDIA H100 SXM5", 3.35e12, 989.5e12, 67e12, "nvidia2022h100"),
     "H200": GPUSpec("NVIDIA H200 SXM", 4.8e12, 989.5e12, 67e12, "nvidia2023h200"),
 }
-# The query rows of chapter 15's forward tile on each GPU, in float16 with D <= 64: the first
-# (default) entry of its launch table; on a GPU its autotuner may pick another candidate.
-KERNEL_QUERY_ROWS = {"T4": 32, "A100": 64, "H100": 128, "H200": 128}
+# Chapter 15's launch table, its first candidate's query rows: head sizes up to 64, and to 128.
+_KERNEL_QUERY_ROWS = {64: {"T4": 32, "A100": 64, "H100": 128, "H200": 128},
+                      128: {"T4": 32, "A100": 128, "H100": 128, "H200": 128}}
+
+
+def kernel_query_rows(gpu: str, d: int) -> int:
+    """The query rows of the forward tile that chapter 15's kernel tries first on `gpu` (a key of
+    GPUS) in 16-bit floats at head size `d` (at most 128); from Lq * Lk = 2048**2 on, a GPU
+    launch also times its other candidates and keeps the fastest."""
+    gpu, d = check_choice("gpu", gpu, GPUS), check_int("d", d, 1)
+    if d > 128:
+        raise ValueError(f"d must be at most 128 (chapter 15's widest tile), got d={d!r}")
+    return _KERNEL_QUERY_ROWS[64 if d <= 64 else 128][gpu]
 
 
 # chapters/14-traffic-and-roofline.md, "The roofline: which side binds"
