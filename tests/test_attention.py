@@ -54,6 +54,20 @@ def test_softmax_of_a_range_wide_row_is_exact_and_silent(dtype, big):
         assert np.isnan(softmax(np.array([np.inf, 0.0], dtype))).all()
 
 
+@pytest.mark.parametrize("row", [np.array([0.0, -1000.0]),  # exp(-1000) underflows float64
+                                 np.array([0.0, -200.0], np.float32),  # and float32
+                                 np.array([0.0, -20.0], np.float16),  # the cast back to float16
+                                 np.r_[np.zeros(5000), -700.0]])  # the division by 5,000
+def test_softmax_of_a_row_that_underflows_is_silent(row):
+    # a weight too small for the dtype rounds to 0 (or a subnormal), as in torch.softmax, with
+    # no FloatingPointError even under np.errstate(all="raise")
+    with np.errstate(all="raise"):
+        weights = softmax(row)
+    expected = torch.softmax(torch.from_numpy(row.astype(np.float64)), -1).numpy()
+    assert weights.dtype == row.dtype
+    np.testing.assert_allclose(weights.astype(np.float64), expected, rtol=1e-3, atol=1e-7)
+
+
 @pytest.mark.parametrize("seed", range(8))
 def test_sdpa_matches_torch_random_shapes_and_masks(seed):
     rng = np.random.default_rng(seed)

@@ -115,6 +115,13 @@ def test_the_rounding_note_names_eps_for_float64_and_the_dtype_it_fits():
     # float64 in and out, eps left out: the note must not only say "compute in float64"
     assert missing_eps.problem.endswith("compute in float64 or wider, or check that constant")
 
+    def bert_input_default_eps(ids, segments, word, position, token_type, gamma, beta):
+        x = F.embedding(ids, word) + position[: ids.shape[1]] + F.embedding(segments, token_type)
+        return F.layer_norm(x, x.shape[-1:], gamma, beta)  # PyTorch's eps, 1e-5, not 1e-12
+    default_eps = check("8.2", bert_input_default_eps, show=False)  # float64's first band
+    assert default_eps.problem.endswith("may be float32 rounding size (or of a constant such as "
+                                        "eps): compute in float64 or wider, or check that constant")
+
     def heads_through_float16(x, W_Q, W_K, W_V, W_O, num_heads):
         rounded = (a.astype(np.float16).astype(np.float64) for a in (x, W_Q, W_K, W_V, W_O))
         return heads_numpy(*rounded, num_heads)

@@ -54,12 +54,13 @@ def softmax(x: npt.ArrayLike, axis: int = -1) -> np.ndarray:
     work = x.astype(compute_dtype(x.dtype), copy=False)
     shift = np.max(work, axis=axis, keepdims=True, initial=-np.inf)  # -inf for an empty slice
     shift[np.isneginf(shift)] = 0.0  # all -inf: exp(-inf - 0) = 0, never -inf - (-inf)
-    with np.errstate(over="ignore", invalid="ignore"):  # no warning for these two cases:
+    with np.errstate(over="ignore", invalid="ignore", under="ignore"):  # no warning for these:
         # exponents <= 0, and a difference past the float range rounds to -inf (exp gives 0);
+        # a weight too small for the dtype rounds to 0 (in exp, the division or the cast back);
         # NaN where the row holds NaN or +inf (inf - inf), as the docstring says
         exps = np.exp(work - shift)
-    weights = divide_or_zero(exps, exps.sum(axis=axis, keepdims=True))  # 0 only for all -inf
-    return weights.astype(x.dtype, copy=False)
+        weights = divide_or_zero(exps, exps.sum(axis=axis, keepdims=True))  # 0 if all -inf
+        return weights.astype(x.dtype, copy=False)
 
 
 def divide_or_zero(x: npt.ArrayLike, total: npt.ArrayLike) -> np.ndarray:

@@ -45,12 +45,11 @@ TOLERANCES = {  # (absolute, relative): the relative one is 4.1 roundings of flo
     "float16": (1e-3, 2e-3),  # 336 of float32 (2^-24) and 9.0e6 of float64 (2^-53); float16
     "float32": (2e-5, 2e-5),  # answers are rounded to float16 once
     "float64": (1e-10, 1e-9)}
-NARROWER = {  # an input dtype: (the rounding of a narrower dtype, relative differences that fit)
-    "float64": (("float32 rounding size (or of a small constant such as eps)", 1e-9, 1e-5),
-                ("float16 or bfloat16 rounding size (or of a constant such as eps)", 1e-5, 5e-2)),
-    "float32": (("float16 or bfloat16 rounding size", 1e-5, 5e-2),),
-    "float16": (("float16 arithmetic or bfloat16 rounding size", 2e-3, 5e-2),),
-}
+NARROWER = {  # an input dtype: (the rounding of a narrower dtype, relative differences that fit,
+    "float64": (("float32 rounding size", 1e-9, 1e-5, True),  # and whether a constant such as eps
+                ("float16 or bfloat16 rounding size", 1e-5, 5e-2, True)),  # can give them too)
+    "float32": (("float16 or bfloat16 rounding size", 1e-5, 5e-2, False),),
+    "float16": (("float16 arithmetic or bfloat16 rounding size", 2e-3, 5e-2, False),)}
 Built = tuple[dict[str, Any], Any]  # a case's inputs by name, and the answer it expects
 Builder = Callable[[np.random.Generator], Built]  # a case's inputs from a seeded generator
 _Found = tuple[str, float | None, tuple[int, ...] | None]  # problem, largest difference, where
@@ -131,10 +130,11 @@ def _narrower(got: np.dtype, expected: np.dtype) -> bool:
 def _rounding_note(relative: float, narrowest: str) -> str:
     """A note when a relative difference lies in NARROWER's band for a narrower dtype."""
     wider = "float32 and round to float16 once" if narrowest == "float16" else f"{narrowest} or wider"
-    for rounding, low, high in NARROWER.get(narrowest, ()):
+    eps = (" (or of a constant such as eps)", ", or check that constant")  # NARROWER's flag
+    for rounding, low, high, eps_too in NARROWER.get(narrowest, ()):
         if low <= relative < high:
-            constant = ", or check that constant" if "constant" in rounding else ""  # float64
-            return f": a difference that may be {rounding}: compute in {wider}{constant}"
+            also, check = eps if eps_too else ("", "")
+            return f": a difference that may be {rounding}{also}: compute in {wider}{check}"
     return ""
 
 
