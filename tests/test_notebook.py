@@ -74,6 +74,18 @@ def test_glue_checks_its_name_and_rounds_what_significant_rounds(monkeypatch):
                      ("a__digits", 2, False)]
 
 
+def test_glue_refuses_a_name_the_prose_cannot_refer_to_or_a_digits_record(monkeypatch):
+    calls = recorded(monkeypatch)  # each was recorded on b5ed336; x__digits overwrote x's digits
+    for name in ("", "a b", "x\x00", "1st", "share:.1%", "é"):
+        with pytest.raises(ValueError, match=r"^name must be letters, digits and _"):
+            glue(name, 1)
+    glue("x", 0.5049, digits=2)
+    with pytest.raises(ValueError, match=r"^name must not end in '__digits'"):
+        glue("x__digits", 1)
+    assert glue("_x2", 1) == 1  # a name the role can refer to
+    assert calls == [("x", 0.5, False), ("x__digits", 2, False), ("_x2", 1, False)]
+
+
 def test_median_seconds_warms_up_batches_and_times_every_call_in_turns():
     order, syncs = [], []
     calls = [lambda: order.append("a"), lambda: order.append("b")]

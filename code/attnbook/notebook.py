@@ -24,6 +24,7 @@ import contextlib
 import importlib.util
 import math
 import os
+import re
 import socket
 import statistics
 import sys
@@ -73,13 +74,19 @@ def significant(value: object, digits: int) -> float:
 def glue(name: str, value: object, *, digits: int | None = None) -> object:
     """Record `value` as `name` for the chapter's prose, `{glue:text}`name``, in a book build.
 
-    Appendix, "Numbers in the prose". With `digits`, a real number (or a 0-d array or tensor of
-    one) is recorded rounded to that many significant digits: the precision its cell asserts, so
-    that the record, which the tests compare, is the same on every machine. Returns the recorded value, for the cell to print (a
-    number comes back as a float or int that a notebook does not display when a cell ends in
-    glue(...)). Without myst-nb (Colab, a plain script) nothing is recorded, since only the book
-    build reads glued values."""
+    Appendix, "Numbers in the prose". `name` is what the prose refers to: letters, digits and _,
+    not starting with a digit nor ending in "__digits" (kept for the digits). With `digits`, a
+    real number (or a 0-d array or tensor of one) is recorded rounded to that many significant
+    digits: the precision its cell asserts, so that the record, which the tests compare, is the
+    same on every machine unless the value lies near a rounding boundary. Returns the recorded
+    value, for the cell to print (a number comes back as a float or int that a notebook does not
+    display when a cell ends in glue(...)). Without myst-nb (Colab, a plain script) nothing is
+    recorded, since only the book build reads glued values."""
     name = check_text("name", name)
+    if not re.fullmatch(r"[A-Za-z_]\w*", name, flags=re.ASCII):  # what the prose's role can name
+        raise ValueError(f"name must be letters, digits and _, not a digit first, got {name!r}")
+    if name.endswith(DIGITS_SUFFIX):  # glue("x", v, digits=2) records x__digits: not overwritten
+        raise ValueError(f"name must not end in {DIGITS_SUFFIX!r} (digits' records), got {name!r}")
     if digits is not None:
         if getattr(value, "ndim", None) == 0 and hasattr(value, "item"):  # as significant takes it
             value = value.item()
