@@ -56,7 +56,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from attnbook.checks import check_instance, check_int, check_real
+from attnbook.checks import check_choice, check_instance, check_int, check_real
 from attnbook.corpus import python_topics
 from attnbook.gpt import GPT, CharTokenizer, GPTConfig
 from attnbook.recipe import (
@@ -119,10 +119,11 @@ def distribute(model: GPT, strategy: str) -> nn.Module:
 def memory_per_process(config: GPTConfig, processes: int, strategy: str) -> int:
     """Bytes per process of float32 weights, gradients and AdamW state (16 B per parameter)
     under DDP or FSDP, activations aside (see the text for what FSDP holds gathered)."""
+    processes = check_int("processes", processes, 1)
     with torch.device("meta"):  # sizes only: no memory is allocated
         model = GPT(config)
     params = sum(p.numel() for p in model.parameters())
-    if strategy == "ddp":
+    if check_choice("strategy", strategy, ("ddp", "fsdp")) == "ddp":
         return 16 * params
     block = max(sum(p.numel() for p in b.parameters()) for b in model.blocks)
     root = params - sum(p.numel() for p in model.blocks.parameters())  # embeddings, final norm
