@@ -472,6 +472,35 @@ def test_a_run_recorded_with_an_unsound_steps_resumes_with_a_sound_one(copy):
     assert torch.load(copy / "model.pt", weights_only=True)["step"] == 6
 
 
+def test_a_resume_refusal_names_the_file_that_records_the_unsound_option(copy):
+    """run.json's unsound --strategy was blamed on the checkpoint, whose manifest records "ddp"."""
+    (copy / "model.pt").unlink()
+    latest, resume = train.latest_checkpoint(copy), ["gpt", "--resume", "--out", str(copy)]
+    reseal_options(copy / "run.json", strategy="zero")
+    with pytest.raises(ValueError, match=rf"^--resume: {re.escape(str(copy / 'run.json'))} "
+                                         r"records no sound --strategy \(.*give --strategy anew$"):
+        train.train(train.parse_options(resume))
+    reseal_options(latest / "manifest.json", clip=-1.0)  # and one of the checkpoint's, unsound
+    with pytest.raises(ValueError, match=rf"^--resume: {re.escape(str(latest))} and "
+                                         rf"{re.escape(str(copy / 'run.json'))} record no sound "
+                                         r"--clip, --strategy \(.*another --out$"):
+        train.train(train.parse_options(resume))
+
+
+def test_a_damaged_model_pt_names_itself_and_the_checkpoint_to_resume_from(copy):
+    """A model.pt cut short stopped every resume with PyTorch's words alone, though the
+    checkpoint was intact; the advice, followed, resumes from it."""
+    (copy / "model.pt").write_bytes((copy / "model.pt").read_bytes()[:100])
+    latest = train.latest_checkpoint(copy)
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(copy / 'model.pt'))} cannot be read: "
+                                         rf".*; move it away and --resume from the checkpoint "
+                                         rf"{re.escape(str(latest))}, or give another --out$"):
+        run(copy, "--resume", steps=10)
+    (copy / "model.pt").rename(copy / "model.pt.damaged")
+    run(copy, "--resume", steps=6)
+    assert torch.load(copy / "model.pt", weights_only=True)["step"] == 6
+
+
 FRONTS = {"python -m attnbook.train_command": [sys.executable, "-m", "attnbook.train_command"],
           "python -m attnbook.train": [sys.executable, "-m", "attnbook.train"],
           "attnbook-train": [str(Path(sys.executable).with_name("attnbook-train"))]}
