@@ -111,6 +111,45 @@ def test_check_array():
         c.check_array("Q", [1.0, 2.0, 3.0], min_ndim=2)
 
 
+
+class _OwnReason:
+    def __array__(self, dtype=None, copy=None):
+        raise ValueError("my own reason")
+
+
+RAGGED = {"a ragged list": [[1.0, 2.0], [3.0]], "a ragged 3-deep list": [[[1.0]], [[1.0, 2.0]]],
+          "a ragged object array": np.array([[1.0], [2.0, 3.0]], dtype=object),
+          "a list of ragged arrays": [np.zeros(2), np.zeros(3)]}
+
+
+@pytest.mark.parametrize("ragged", RAGGED)
+def test_ragged_input_has_one_policy_in_check_array_and_chapter_1s_mask(ragged):
+    """check_array called a ragged object array a dtype error, where chapter 1's mask check
+    called it ragged: both now read it through as_rectangular."""
+    from attnbook.attention import scaled_dot_product_attention
+    with pytest.raises(ValueError, match="^x must be rectangular, and NumPy says: .*inhomogeneous"):
+        c.as_rectangular("x", RAGGED[ragged])
+    with pytest.raises(ValueError, match="^x must be rectangular"):
+        c.check_array("x", RAGGED[ragged])
+    with pytest.raises(ValueError, match="^mask must be rectangular"):  # before its dtype
+        scaled_dot_product_attention(np.ones((2, 1)), np.ones((2, 1)), np.ones((2, 1)),
+                                     mask=RAGGED[ragged])
+
+
+def test_as_rectangular_relabels_only_a_ragged_nesting():
+    """Every ValueError of np.asarray was called "must be rectangular", an array's own too."""
+    from attnbook.attention import scaled_dot_product_attention
+    for check in (lambda x: c.as_rectangular("x", x), lambda x: c.check_array("x", x),
+                  lambda x: scaled_dot_product_attention(np.ones((2, 1)), np.ones((2, 1)),
+                                                         np.ones((2, 1)), mask=x)):
+        with pytest.raises(ValueError, match="^my own reason$"):
+            check(_OwnReason())
+    kept = np.zeros((2, 3), np.float32)
+    assert c.as_rectangular("x", kept) is kept  # no copy
+    read = c.as_rectangular("x", np.array([[1.0, 2.0]], dtype=object))  # its elements decide
+    assert read.dtype == np.float64 and read.tolist() == [[1.0, 2.0]]
+
+
 def test_check_tensor():
     x = torch.zeros(2, 3, 8)
     assert c.check_tensor("x", x, ndim=(2, 3), size=8) is x

@@ -340,6 +340,21 @@ def test_choose_tiles_states_the_chapters_rule():
     assert choose_tiles(t4_part[3:]) == {("dq", 64): 32}
 
 
+def test_the_gpus_whose_spills_are_ignored_are_named_once(monkeypatch):
+    """The T4 was written out three times (what choose_tiles refuses, what it reads, what
+    largest_tiles asks for): a change to the rule needed three edits."""
+    monkeypatch.setattr(compile_check, "SPILLS_IGNORED", frozenset({"T4", "A100"}))
+    a100_part = [replace(r, **_measured(True), shared_only=True) if r.gpu == "A100" else r
+                 for r in _on_all(64) + _on_all(32)]
+    assert choose_tiles(a100_part) == {("dq", 64): 64}  # a shared_only A100 report is taken
+    spilling = [_fake("T4", 64), _fake("A100", 64, spill=4), _fake("H100", 64)]
+    assert choose_tiles(spilling) == {("dq", 64): 64}  # and the A100's spills are not read
+    asked = []
+    monkeypatch.setattr(compile_check, "compile_kernels", lambda c, workers: asked.extend(c) or [])
+    compile_check.largest_tiles("float16", head_dims=(64,), kernels=("dq",))
+    assert {r["gpu"] for r in asked if r["shared_only"]} == {"T4", "A100"} and len(asked) == 6
+
+
 def test_choose_tiles_refuses_a_full_report_without_spills():
     # Before, a full A100 report with spill_bytes None counted as spilling: 16 rows, silently.
     unmeasured = replace(_fake("A100", 64), **_measured(True))

@@ -253,9 +253,9 @@ def test_a_wider_numpy_answer_to_a_float16_case_gets_no_overflow_hint():
 
 
 def test_17_3s_float16_hints_name_what_overflows_on_the_cases_inputs():
-    """The hints say the running sums reach thousands and the numerator phi(q_i) . S_i passes
-    65504 in some rows: measured on the case's own inputs, in float64; a float16 cumsum answer
-    gets the exercise's overflow hint, which names the numerator and no softmax."""
+    """The case's hint says the running sums reach thousands, the overflow hint that the
+    numerator phi(q_i) . S_i passes 65504 in some rows (each once): measured on the case's own
+    inputs, in float64; a float16 cumsum answer gets the overflow hint, which names no softmax."""
     exercise = EXERCISES["17.3"]
     number, case = next((i, c) for i, c in enumerate(exercise.cases) if "float16" in c.name)
     inputs, _ = case.build(np.random.default_rng([sum(map(ord, "17.3")), number]))
@@ -266,7 +266,8 @@ def test_17_3s_float16_hints_name_what_overflows_on_the_cases_inputs():
     assert 1000 <= max(float(s.abs().max()) for s in sums) < 65504
     overflowing = int((numerator.abs() > 65504).any(-1).sum())
     assert 0 < overflowing < numerator.shape[-2]  # some rows, not all
-    assert "numerator phi(q_i) . S_i passes" in case.hint and "running sums reach thousands" in case.hint
+    assert "running sums reach thousands" in case.hint and "numerator" not in case.hint
+    assert "numerator phi(q_i) . S_i passes" in exercise.overflow_hint
     result = check("17.3", linear_sums_in_input_dtype, show=False)
     assert result.case == case.name and "yours inf" in result.problem, result
     assert result.hint == exercise.overflow_hint and "numerator" in result.hint

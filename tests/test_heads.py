@@ -638,7 +638,6 @@ def test_runs_on_a_device_without_autocast():
     assert mha(x, is_causal=True).shape == (2, 5, 16)
 
 
-
 @pytest.mark.parametrize("layer_dtype,x_dtype", [(torch.float32, DOUBLE), (DOUBLE, torch.float32),
                                                  (DOUBLE, torch.bfloat16)])
 @pytest.mark.parametrize("argument", ["x", "context"])
@@ -662,6 +661,7 @@ def test_float64_is_refused_by_name_under_autocast_unless_everything_is_float64(
         else:  # float16, bfloat16, float32: autocast casts them all
             for dtype in (torch.float16, torch.bfloat16, torch.float32):
                 assert layer(torch.randn(1, 3, 16, dtype=dtype)).dtype == torch.bfloat16
+
 
 def gated_output(layer, x, gate, mask=None):
     """The layer's output with head h's output times gate[h], written with PyTorch's attention

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, overload
 import numpy as np
 import numpy.typing as npt
 
-from attnbook.checks import check_array, check_scale, type_error
+from attnbook.checks import as_rectangular, check_array, check_scale, type_error
 
 if TYPE_CHECKING:  # for the annotations only: this module runs without torch
     import torch
@@ -119,12 +119,7 @@ def _as_mask(mask: npt.ArrayLike, scores_shape: tuple[int, ...]) -> np.ndarray:
     """`mask` (True or 1 = may attend) as a bool array that broadcasts to the scores' shape."""
     dtype: Any = getattr(mask, "dtype", None)  # read first: np.asarray fails on bfloat16 tensors
     if not _is_float(dtype):
-        try:  # nested lists of different lengths fail in either np.asarray
-            array = np.asarray(mask)
-            if array.dtype == object:  # the elements decide: an object array of floats holds floats
-                array = np.asarray(array.tolist())
-        except ValueError as error:
-            raise ValueError(f"mask must be rectangular, and NumPy says: {error}") from None
+        array = as_rectangular("mask", mask)  # an object array of floats holds floats
         dtype = array.dtype if array.size else np.dtype(bool)  # `[]` holds no numbers to misread
     if _is_float(dtype):  # PyTorch adds a float mask to the scores: there 0.0 allows
         raise ValueError(f"mask must be boolean or hold only 0 and 1 as integers, got dtype "

@@ -20,6 +20,7 @@ __all__ = [
     "env_flag",
     "check_callable",
     "check_fields",
+    "as_rectangular",
     "check_array",
     "check_device",
     "check_generator",
@@ -200,15 +201,25 @@ def check_fields(config: object, checks: Mapping[str, tuple[Any, ...]],
 
 
 # chapters/a8-argument-checks.md, "The checks, one per concept"
+def as_rectangular(name: str, x: object) -> np.ndarray:
+    """`x` as a NumPy array, an object array re-read by its elements (which decide its dtype); a
+    ValueError naming `name` for nested sequences of different lengths."""
+    try:
+        array = np.asarray(x)
+        return np.asarray(array.tolist()) if array.dtype == object else array
+    except ValueError as error:
+        if "inhomogeneous" not in str(error):  # NumPy's word for a ragged nesting
+            raise
+        raise ValueError(f"{name} must be rectangular, and NumPy says: {error}") from None
+
+
 def check_array(name: str, x: object, min_ndim: int = 0) -> np.ndarray:
     """`x` as a NumPy array of real numbers with at least `min_ndim` axes; integers become float64."""
     try:  # a bfloat16 tensor, one that requires grad or one on a GPU has no NumPy array
-        x = np.asarray(x)
+        x = as_rectangular(name, x)
     except (TypeError, RuntimeError) as error:
         raise TypeError(f"{name} must be a NumPy array or a CPU tensor (float16, float32 or "
                         f"float64, without grad), got {name} of type {type(x).__name__}: {error}") from None
-    except ValueError as error:  # nested lists of different lengths
-        raise ValueError(f"{name} must be rectangular, and NumPy says: {error}") from None
     if np.issubdtype(x.dtype, np.integer):
         x = x.astype(np.float64)
     elif not np.issubdtype(x.dtype, np.floating):

@@ -8,6 +8,7 @@ Built and explained in the book's chapter chapters/a4-compiling.md.
 __all__ = [
     "GPUS",
     "SHARED_MEMORY",
+    "SPILLS_IGNORED",
     "KERNELS",
     "DTYPES",
     "Compiled",
@@ -44,6 +45,7 @@ from attnbook.checks import (  # noqa: F811 (notebook)
 # By GPU: the compute capability Triton compiles for, the most shared memory a program may use.
 GPUS = {"T4": 75, "A100": 80, "H100": 90}
 SHARED_MEMORY = {"T4": 64 * 1024, "A100": 163 * 1024, "H100": 227 * 1024}
+SPILLS_IGNORED = frozenset({"T4"})  # choose_tiles's rule: only shared memory decides there
 KERNELS = ("forward", "dkdv", "dq")
 DTYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
 
@@ -352,23 +354,23 @@ def _write_report(path: Path | None, report: Compiled) -> None:
 # chapters/a4-compiling.md, "Appendix D: Compiling for GPUs the machine does not have"
 def choose_tiles(compiled: Sequence[Compiled]) -> dict[tuple[str, int], int]:
     """{(kernel, head_dim): rows}: the largest of 64 and 32 rows that fits the shared memory of
-    every GPU compiled for and spills no register on the A100 and the H100, else 16.
-    `compiled` holds square tiles (block_n == block) of one dtype, on GPUS; the T4's may be
-    shared_only, since only their shared memory counts."""
+    every GPU compiled for and spills no register on those outside SPILLS_IGNORED (the A100 and
+    the H100), else 16. `compiled` holds square tiles (block_n == block) of one dtype, on GPUS;
+    those of SPILLS_IGNORED (the T4) may be shared_only, since only their shared memory counts."""
     ok: dict[tuple[str, int, int], bool] = {}  # (kernel, head_dim, rows): fits everywhere
     for c in check_instance("compiled", compiled, (list, tuple)):
         check_choice("compiled gpu", check_instance("compiled item", c, Compiled).gpu, GPUS)
         if c.block_n != c.block or c.dtype != compiled[0].dtype:
             raise ValueError(f"compiled must hold square tiles of one dtype, got {c.block}x"
                              f"{c.block_n} rows of {c.dtype} beside {compiled[0].dtype}")
-        if c.shared_only and c.gpu != "T4":
+        if c.shared_only and c.gpu not in SPILLS_IGNORED:
             raise ValueError(f"compiled holds a shared_only report for the {c.gpu}, whose "
                              "spills choose_tiles reads")
         if not c.shared_only and c.spill_bytes is None:
             raise ValueError(f"compiled holds a full report for the {c.gpu} with spill_bytes "
                              "None: a full report has ptxas's numbers")
         key = (c.kernel, c.head_dim, c.block)
-        ok[key] = ok.get(key, True) and c.fits and (c.gpu == "T4" or c.spill_bytes == 0)
+        ok[key] = ok.get(key, True) and c.fits and (c.gpu in SPILLS_IGNORED or c.spill_bytes == 0)
     return {(k, d): next((b for b in (64, 32) if ok.get((k, d, b))), 16) for k, d, _ in ok}
 
 
@@ -379,6 +381,6 @@ def largest_tiles(dtype: str, head_dims: Sequence[int] = (16, 32, 64, 128),
     check_instance("head_dims", head_dims, (tuple, list))
     check_instance("kernels", kernels, (tuple, list))  # a str would be iterated letter by letter
     candidates: list[dict[str, object]] = [
-        dict(kernel=k, dtype=dtype, head_dim=d, block=b, gpu=g, shared_only=g == "T4")
+        dict(kernel=k, dtype=dtype, head_dim=d, block=b, gpu=g, shared_only=g in SPILLS_IGNORED)
         for k in kernels for d in head_dims for b in (64, 32) for g in GPUS]
     return choose_tiles(compile_kernels(candidates, workers))

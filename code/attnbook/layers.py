@@ -501,7 +501,7 @@ class LayerCache:
         for name in ("keys", "values"):
             check_tensor(f"cache.{name}", getattr(self, name), 4, device=w.device,
                          shape=(b, hkv, None, hs))
-        dtype = autocast_dtype(w) or w.dtype  # noqa: F821 (chapter 3 imports it): what q, k, v are
+        dtype = autocast_dtype(w) or w.dtype  # what q, k, v are
         if self.keys.dtype != dtype:  # else rounded
             raise ValueError(f"cache holds {self.keys.dtype}, but the layer's keys and values are "
                              f"{dtype}: allocate the cache in {dtype}")

@@ -56,7 +56,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from attnbook.checks import check_instance, check_int, check_real
+from attnbook.checks import check_choice, check_instance, check_int, check_real
 from attnbook.corpus import python_topics
 from attnbook.gpt import GPT, CharTokenizer, GPTConfig
 from attnbook.recipe import (
@@ -119,10 +119,11 @@ def distribute(model: GPT, strategy: str) -> nn.Module:
 def memory_per_process(config: GPTConfig, processes: int, strategy: str) -> int:
     """Bytes per process of float32 weights, gradients and AdamW state (16 B per parameter)
     under DDP or FSDP, activations aside (see the text for what FSDP holds gathered)."""
+    processes = check_int("processes", processes, 1)
     with torch.device("meta"):  # sizes only: no memory is allocated
         model = GPT(config)
     params = sum(p.numel() for p in model.parameters())
-    if strategy == "ddp":
+    if check_choice("strategy", strategy, ("ddp", "fsdp")) == "ddp":
         return 16 * params
     block = max(sum(p.numel() for p in b.parameters()) for b in model.blocks)
     root = params - sum(p.numel() for p in model.blocks.parameters())  # embeddings, final norm
@@ -373,7 +374,7 @@ def _prepare_out(options: argparse.Namespace, rank: int, processes: int,
         raise ValueError(f"--resume: {out} holds a finished run (model.pt) and no checkpoint to "
                          f"resume from; give another --out, or --overwrite to train it again")
     elif options.resume and "run.json" in found:  # stopped before its first checkpoint
-        _take_run_options(_read_sealed(out / "run.json"), out / "run.json", options)
+        _take_run_options(_read_sealed(out / "run.json"), lambda name: out / "run.json", options)
     elif found and not (options.resume or options.overwrite):
         raise ValueError(f"--out {out} already holds a run ({', '.join(found)}): give --resume to "
                          f"continue it, --overwrite to delete it and start afresh, or another --out")
@@ -396,18 +397,17 @@ def _prepare_out(options: argparse.Namespace, rank: int, processes: int,
 
 
 def _check_resumable(path: Path, options: argparse.Namespace, processes: int) -> None:
-    """Refuse what this run cannot continue, a finished run first; else take the run's options."""
+    """Take the run's options; refuse other processes, a finished run, a checkpoint past --steps."""
     manifest, latest = read_manifest(path), path.parent.parent / "run.json"
-    recorded = manifest["options"]  # and what may change, as the run's last start set it
-    if latest.exists():
-        recorded = {**recorded, **{k: v for k, v in _read_sealed(latest).items() if k in RESUMABLE}}
-    _take_run_options(recorded, path, options)
+    sealed = _read_sealed(latest) if latest.exists() else {}  # what may change, as last started
+    last = {name: sealed[name] for name in RESUMABLE if name in sealed}
+    _take_run_options(manifest["options"] | last, lambda n: latest if n in last else path, options)
     options.run_steps = manifest["options"]["steps"] if manifest["step"] < options.steps else None
     if manifest["processes"] != processes:
         raise ValueError(f"--resume: the checkpoint {path} was written by {manifest['processes']} "
                          f"processes, and this run has {processes}: resume with as many")
-    if (options.out / "model.pt").exists() and options.steps <= (done := _finished_at(options.out)) \
-            and done >= manifest["step"]:  # a model.pt older than the checkpoint is no finish
+    done = _finished_at(options.out, path) if (options.out / "model.pt").exists() else 0
+    if options.steps <= done and done >= manifest["step"]:  # an older model.pt is no finish
         raise ValueError(f"--resume: the run in {options.out} has finished, at step {done}: give "
                          f"--steps above {done} to train it further, or another --out")
     if manifest["step"] > options.steps:
@@ -416,14 +416,17 @@ def _check_resumable(path: Path, options: argparse.Namespace, processes: int) ->
                          f"{manifest['step']} or more, or start afresh with another --out")
 
 
-def _take_run_options(recorded: dict[str, Any], where: Path, options: argparse.Namespace) -> None:
-    """Take the run's options, as `where` records them, where not given; refuse others given."""
+def _take_run_options(recorded: dict[str, Any], where: Callable[[str], Path],
+                      options: argparse.Namespace) -> None:
+    """Take the run's options where not given, `where(name)` recording each; refuse others given."""
     flag: Callable[[str], str] = lambda name: "--" + name.replace("_", "-")  # noqa: E731
     given = set(getattr(options, "given", RUN_OPTIONS + RESUMABLE)) | {"model"}
     if wrong := [n for n in check_run_options(recorded) if n not in given or n not in RESUMABLE]:
         flags = ", ".join(map(flag, wrong))  # a given RESUMABLE one replaces the recorded one
-        raise ValueError(f"--resume: {where} records no sound {flags} (damaged, or written by an "
-                         f"older attnbook-train): " + (f"give {flags} anew" if set(wrong) <=
+        files = sorted({str(where(name)) for name in wrong})  # those that record them
+        raise ValueError(f"--resume: {' and '.join(files)} record{'s' * (len(files) == 1)} no "
+                         f"sound {flags} (damaged, or written by an older attnbook-train): "
+                         + (f"give {flags} anew" if set(wrong) <=
                          set(RESUMABLE) else "start afresh with another --out"))
     if differ := [f"{flag(name)} {getattr(options, name)} (the run's: {recorded[name]})"
                   for name in RUN_OPTIONS if name in given and getattr(options, name) != recorded[name]]:
@@ -439,12 +442,13 @@ def _run_options(options: argparse.Namespace) -> dict[str, Any]:
     return {name: getattr(options, name) for name in RUN_OPTIONS + RESUMABLE}
 
 
-def _finished_at(out: Path) -> int:
-    """The step of the run whose model.pt is in `out`."""
+def _finished_at(out: Path, checkpoint: Path) -> int:
+    """The step of the run whose model.pt is in `out` (and whose latest checkpoint `checkpoint`)."""
     try:
         return int(torch.load(out / "model.pt", map_location="cpu", weights_only=True)["step"])
     except Exception as error:  # an UnpicklingError, a missing key, a damaged file
-        raise ValueError(f"{out / 'model.pt'} cannot be read: {_reason(error)}") from None
+        raise ValueError(f"{out / 'model.pt'} cannot be read: {_reason(error)}; move it away and "
+                         f"--resume from the checkpoint {checkpoint}, or give another --out") from None
 
 
 # chapters/a5-training-command.md, "The run's folder"
@@ -465,8 +469,7 @@ def _log_lines(path: Path, last_step: int) -> list[str]:
     kept = []
     for number, line in enumerate(lines, start=1):
         try:
-            step = json.loads(line)["step"]
-            if not isinstance(step, int):
+            if not isinstance(step := json.loads(line)["step"], int):
                 raise TypeError(step)
         except (ValueError, TypeError, KeyError):  # JSONDecodeError is a ValueError
             if number == len(lines) and not line.endswith("\n"):
@@ -521,8 +524,7 @@ def save_checkpoint(out: Path, step: int, model: nn.Module, optimizer: torch.opt
     """Save what a resumed run needs as out/checkpoints/step-<step>/, by every process, with a
     manifest.json of the step, `options` and every file's SHA-256; keep options.keep_checkpoints."""
     step = check_int("step", step, 0)  # and keep, before anything is written or deleted
-    keep = None if options is None else check_int("options.keep_checkpoints",
-                                                  options.keep_checkpoints, 1)
+    keep = check_int("options.keep_checkpoints", options.keep_checkpoints, 1) if options else None
     path = out / "checkpoints" / f"step-{step:08d}"
     partial = path.with_name(path.name + ".partial")
     if _rank() == 0:

@@ -217,8 +217,7 @@ def _number(kind: type[int] | type[float], low: float, high: float = math.inf,
         except ValueError:
             raise argparse.ArgumentTypeError(f"must be {'an integer' if kind is int else 'a number'}"
                                              f", got {text!r}") from None
-        if not (math.isfinite(value) and (value > low if open_low else value >= low)
-                and value <= high):
+        if not (low <= value <= high) or (open_low and value == low) or not math.isfinite(value):
             wanted = (f"{'above' if open_low else 'at least'} {low}" if high == math.inf
                       else f"in [{low}, {high}]")
             raise argparse.ArgumentTypeError(f"must be {wanted}, got {text!r}")
