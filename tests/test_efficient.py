@@ -302,6 +302,37 @@ def test_performer_float32_matches_its_features_in_float64_with_large_scores(cau
     torch.testing.assert_close(out.double(), exact, rtol=1e-4, atol=1e-4 * s)
 
 
+def test_performer_causal_rescaling_over_many_chunks_with_growing_keys():
+    """Keys that grow along the sequence raise the running largest in every chunk: the state
+    carried into the third and fourth chunk of 64 must be rescaled at each chunk's end."""
+    q, k, v = (randn(1, 2, n, 64, seed=seed, dtype=torch.float32) for seed, n in enumerate(
+        (200, 256, 256)))
+    k = k * torch.linspace(0.5, 1.5, 256)[:, None]  # 56 keys before the first query, 4 chunks
+    out = performer_attention(q, k, v, 128, True, torch.Generator().manual_seed(1))
+    w = random_features(128, 64, True, torch.Generator().manual_seed(1), torch.float32)
+    torch.testing.assert_close(out.double(), favor_reference(q, k, v, w, True), rtol=1e-4,
+                               atol=1e-4)
+
+
+def test_performer_causal_keys_with_no_finite_log_feature_and_a_nan_key():
+    """A finite key whose |k D^-1/4|^2 overflows float32 has every log-feature -inf: its
+    features are 0 (04c70a5 gave NaN to every row when such keys came first). A NaN key
+    reaches only the queries that see it, as in PyTorch's attention, wherever the chunks end."""
+    q, k, v = (randn(1, 1, 100, 16, seed=s, dtype=torch.float32) for s in range(3))
+    k[0, 0, :2] = 1e19  # keys 0 and 1: features 0, so queries 0 and 1 see no key (0 / tiny = 0)
+    w = random_features(32, 16, True, torch.Generator().manual_seed(1), torch.float32)
+    for causal in (True, False):
+        out = performer_attention(q, k, v, 32, causal, torch.Generator().manual_seed(1))
+        exact = favor_reference(q, k, v, w, causal)  # in float64, keys 0 and 1 weigh ~e^-1e37
+        exact[..., :2 if causal else 0, :] = 0.0  # but are all a causal query 0 or 1 sees
+        torch.testing.assert_close(out.double(), exact, rtol=1e-4, atol=1e-4)
+    k[0, 0, 70, 0] = math.nan  # in the second chunk of 64, after queries 64..69
+    out = performer_attention(q, k, v, 32, True, torch.Generator().manual_seed(1))
+    sdpa = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert torch.equal(out.isnan().any(-1), sdpa.isnan().any(-1))
+    assert out[0, 0, :70].isfinite().all() and out[0, 0, 70:].isnan().all()
+
+
 @pytest.mark.parametrize("kwargs,match", [
     (dict(num_features=0), "num_features"), (dict(num_features=2.5), "num_features"),
     (dict(num_features=4, generator=3), "generator"),

@@ -225,7 +225,7 @@ def _causal_linear(fq: torch.Tensor, fk: torch.Tensor, v: torch.Tensor, eps: flo
         past, seen, kt = qc @ state, qc @ norm[..., None], kc.transpose(-2, -1)  # kt: (..., D, c)
         if shift is not None:  # each to the query's own constant; the new sums to the last key's
             sc = shift[..., c0:c1]  # (..., c)
-            sim = sim * (sc[..., None, :] - sc[..., :, None]).clamp(max=0).exp()  # e^(sc_j - sc_i)
+            sim = sim * (sc[..., None, :] - sc[..., :, None]).exp().tril()  # e^(sc_j - sc_i), j<=i
             carry = (last[..., None] - sc).exp()[..., None]  # (..., c, 1)
             past, seen, kt = past * carry, seen * carry, kt * (sc - sc[..., -1:]).exp()[..., None, :]
             decay, last = (last - sc[..., -1]).exp()[..., None], sc[..., -1]  # (..., 1), (...,)
@@ -281,7 +281,7 @@ def performer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_f
     logq, logk = (_log_features(x.to(work) * scale, w) for x in (q, k))  # (..., L, m)
     fq, v = (logq - logq.amax(dim=-1, keepdim=True)).exp(), v.to(work)  # a constant per query
     tiny = torch.finfo(work).tiny  # 0 / tiny = 0: no key seen, or every product underflowed
-    top = logk.amax(dim=-1)  # (..., Lk): each key's largest log-feature
+    top = logk.amax(dim=-1).clamp(min=torch.finfo(work).min)  # each key's largest, not -inf
     shift = top.cummax(dim=-1).values if causal else top.amax(dim=-1, keepdim=True)  # the largest
     fk = (logk - shift[..., None]).exp()  # over the keys a query sees; each constant cancels
     out = _causal_linear(fq, fk, v, tiny, 64, shift) if causal else _linear_attention(
