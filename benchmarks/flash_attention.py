@@ -20,7 +20,9 @@ chapter 15's bytes and does its FLOPs can run on this GPU (attnbook.tiling's roo
 with attention_bytes and schedule_flops for our launcher's tiles, and for tiles as long as the
 sequence: every input read once), and the TFLOP/s that time means in this benchmark's count.
 Naive attention and SDPA's math backend, which hold the N x N matrix, are skipped ("skipped")
-where it would not fit in the GPU's free memory.
+where it would not fit in the GPU's free memory. A dtype that our kernels refuse on this GPU
+(bfloat16 below compute capability 8.0: a T4, a V100) is skipped for every provider, with one
+row (provider "ours", status "unsupported") naming it. Rows are written as they are measured.
 
 FLOPs: the forward pass does two matrix products, Q K^T and P V, 4 * B * H * Lq * Lk * D
 floating-point operations, half of them under a causal mask; the backward pass does five (S
@@ -241,15 +243,17 @@ def roofline(small: bool) -> list[dict]:
     return rows
 
 
+def csv_fields(row: dict, columns: list[str]) -> dict:
+    """A row as written: floats to 4 significant digits, NaN as an empty field."""
+    return {key: (f"{row[key]:.4g}" if isinstance(row[key], float) and not math.isnan(row[key])
+                  else "" if isinstance(row[key], float) else row[key]) for key in columns}
+
+
 def write_csv(rows: list[dict], path: Path, columns: list[str] = COLUMNS) -> None:
     with path.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=columns)
         writer.writeheader()
-        for row in rows:
-            writer.writerow({key: (f"{row[key]:.4g}" if isinstance(row[key], float) and
-                                   not math.isnan(row[key]) else
-                                   "" if isinstance(row[key], float) else row[key])
-                             for key in columns})
+        writer.writerows(csv_fields(row, columns) for row in rows)
 
 
 def plot(rows: list[dict], path: Path) -> bool:
@@ -317,22 +321,38 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("the full benchmark needs a CUDA GPU; use --small on a CPU")
 
     found = providers()
-    rows = []
-    for config in configs(args.small):
-        if config["seqlen"] == min(c["seqlen"] for c in configs(args.small)):
-            error = check_ours(config["device"], config["dtype"], config["head_dim"],
-                               config["causal"])
-            print(f"check: {config['dtype']} D={config['head_dim']} causal={config['causal']}: "
-                  f"max |ours - SDPA| = {error:.1e}", flush=True)
-        for name, fn in found.items():
-            for mode in MODES:
-                row = measure(fn, {**config, "provider": name}, mode, args.repeats)
-                rows.append(row)
-                print(f"{name:>15} {mode:>7} D={row['head_dim']:<3} N={row['seqlen']:<6} "
-                      f"causal={row['causal']!s:<5} {row['status']:>11} "
-                      f"{row['tflops']:9.3g} TFLOP/s {row['peak_mem_mb']:9.1f} MB", flush=True)
+    rows: list[dict] = []
+    refused = set()  # the dtypes our kernels refuse on this GPU
     args.out.mkdir(parents=True, exist_ok=True)
-    write_csv(rows, args.out / "flash_attention.csv")
+    with (args.out / "flash_attention.csv").open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer.writeheader()
+        for config in configs(args.small):
+            if config["dtype"] in refused:
+                continue
+            if config["seqlen"] == min(c["seqlen"] for c in configs(args.small)):
+                try:
+                    error = check_ours(config["device"], config["dtype"], config["head_dim"],
+                                       config["causal"])
+                except TypeError as refusal:  # bfloat16 below compute capability 8.0
+                    refused.add(config["dtype"])
+                    row = {**measure(None, {**config, "provider": "ours"}, "", args.repeats),
+                           "status": "unsupported"}
+                    writer.writerow(csv_fields(row, COLUMNS))
+                    f.flush()
+                    print(f"skipped {row['dtype']}: {refusal}", flush=True)
+                    continue
+                print(f"check: {config['dtype']} D={config['head_dim']} "
+                      f"causal={config['causal']}: max |ours - SDPA| = {error:.1e}", flush=True)
+            for name, fn in found.items():
+                for mode in MODES:
+                    row = measure(fn, {**config, "provider": name}, mode, args.repeats)
+                    rows.append(row)
+                    writer.writerow(csv_fields(row, COLUMNS))
+                    f.flush()  # written as measured: a later error loses none of them
+                    print(f"{name:>15} {mode:>7} D={row['head_dim']:<3} N={row['seqlen']:<6} "
+                          f"causal={row['causal']!s:<5} {row['status']:>11} {row['tflops']:9.3g} "
+                          f"TFLOP/s {row['peak_mem_mb']:9.1f} MB", flush=True)
     print(f"wrote {args.out / 'flash_attention.csv'}")
     if plot(rows, args.out / "flash_attention.png"):
         print(f"wrote {args.out / 'flash_attention.png'}")

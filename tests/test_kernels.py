@@ -727,6 +727,74 @@ def test_benchmark_writes_its_csv_without_matplotlib(monkeypatch):
     assert benchmark.plot([], ROOT / "never-written.png") is False
 
 
+def _benchmark_module():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import flash_attention as benchmark
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    return benchmark
+
+
+def _run_benchmark(benchmark, monkeypatch, tmp_path, dtypes):
+    """benchmarks/flash_attention.py's main on one tiny size per dtype, ours and naive only."""
+    def configs(small):
+        for dtype in dtypes:
+            yield {"device": DEVICE, "dtype": dtype, "head_dim": 16, "causal": False,
+                   "seqlen": 64, "batch": 1, "heads": 2}
+
+    monkeypatch.setattr(benchmark, "configs", configs)
+    monkeypatch.setattr(benchmark, "providers", lambda: {
+        "ours": lambda q, k, v, causal: flash_attention(q, k, v, causal=causal),
+        "naive": benchmark.naive_attention})
+    monkeypatch.setattr(benchmark, "plot", lambda rows, path: False)
+    argv = ["--small", "--repeats", "1"] if INTERPRETED else []
+    return benchmark.main([*argv, "--out", str(tmp_path)])
+
+
+def test_benchmark_skips_a_refused_dtype_and_keeps_the_others(monkeypatch, tmp_path):
+    # a T4's refusal of bfloat16, as attnbook.kernels words it (the interpreter refuses it too)
+    benchmark = _benchmark_module()
+    if not INTERPRETED:
+        check = benchmark.check_ours
+
+        def refuse_bfloat16(device, dtype, head_dim, causal):
+            if dtype == torch.bfloat16:
+                raise TypeError("q has dtype torch.bfloat16; flash_attention takes float16, ...")
+            return check(device, dtype, head_dim, causal)
+
+        monkeypatch.setattr(benchmark, "check_ours", refuse_bfloat16)
+    dtypes = (torch.float16, torch.bfloat16, torch.float32)
+    assert _run_benchmark(benchmark, monkeypatch, tmp_path, dtypes) == 0
+    with (tmp_path / "flash_attention.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["dtype"], r["provider"], r["mode"], r["status"]) for r in rows] == [
+        *((dtype, name, mode, "ok") for dtype in ("float16",) for name in ("ours", "naive")
+          for mode in ("fwd", "fwd+bwd")),
+        ("bfloat16", "ours", "", "unsupported"),  # named, not measured, not a crash
+        *(("float32", name, mode, "ok") for name in ("ours", "naive")
+          for mode in ("fwd", "fwd+bwd"))]
+
+
+def test_benchmark_keeps_the_rows_measured_before_an_error(monkeypatch, tmp_path):
+    benchmark = _benchmark_module()
+    measure, calls = benchmark.measure, []
+
+    def fail_on_the_third(*args):
+        calls.append(args)
+        if len(calls) == 3:
+            raise KeyboardInterrupt  # an error that no part of the benchmark catches
+        return measure(*args)
+
+    monkeypatch.setattr(benchmark, "measure", fail_on_the_third)
+    with pytest.raises(KeyboardInterrupt):
+        _run_benchmark(benchmark, monkeypatch, tmp_path, (torch.float32,))
+    with (tmp_path / "flash_attention.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["provider"], r["mode"], r["status"]) for r in rows] == [
+        ("ours", "fwd", "ok"), ("ours", "fwd+bwd", "ok")]
+
+
 def test_chapters_become_plain_scripts_without_the_setup_cell(tmp_path):
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
