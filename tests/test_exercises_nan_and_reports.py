@@ -138,7 +138,7 @@ def test_a_wider_dtype_is_reported_with_what_to_return():
         return bert_input(*(a.double() if a.is_floating_point() else a for a in args))
     result = check("8.2", bert_input_float64, show=False)
     assert result.case == "float32 tables"
-    assert "expected torch.float32: return the inputs' dtype" in result.problem
+    assert "expected torch.float32: return torch.float32 (compute wider" in result.problem
     assert ".to(torch.float32)" in result.problem
 
 

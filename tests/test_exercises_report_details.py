@@ -272,3 +272,59 @@ def test_17_3s_float16_hints_name_what_overflows_on_the_cases_inputs():
     assert result.case == case.name and "yours inf" in result.problem, result
     assert result.hint == exercise.overflow_hint and "numerator" in result.hint
     assert "score" not in result.hint and "e^s" not in result.hint
+
+
+def test_a_mask_of_the_wrong_dtype_is_told_its_dtype_without_advice_to_compute_wider():
+    def int_window(q_len, k_len, window):  # the right mask, as int32 rather than bool
+        distance = torch.arange(q_len)[:, None] + (k_len - q_len) - torch.arange(k_len)
+        return ((distance >= 0) & (distance < window)).int()
+    result = check("6.1", int_window, show=False)
+    assert result.case == "one query, one key, window 1", result
+    assert result.problem == ("output has dtype torch.int32, expected torch.bool: return "
+                              "torch.bool (.to(torch.bool))")
+    assert result.hint is None  # "compute wider" means nothing for a mask
+
+
+def causal_loop_in(dtype):
+    """Exercise 1.2's loop, right, but computed in `dtype` and returned as float64."""
+    def loop(X, W_Q, W_K, W_V):
+        X, W_Q, W_K, W_V = (a.astype(dtype) for a in (X, W_Q, W_K, W_V))
+        Q, K, V = X @ W_Q, X @ W_K, X @ W_V
+        rows = []
+        for i in range(len(X)):
+            s = Q[i] @ K[: i + 1].T / np.sqrt(Q.shape[1]).astype(dtype)
+            w = np.exp(s - s.max())
+            rows.append(w / w.sum() @ V[: i + 1])
+        return np.array(rows).astype(np.float64)
+    return loop
+
+
+def test_a_rounding_note_puts_the_cases_logic_hint_after_a_word_on_rounding():
+    result = check("1.2", causal_loop_in(np.float16), show=False)
+    assert result.case == "one position" and "float16 or bfloat16 rounding size" in result.problem
+    assert result.hint.startswith("rule out the rounding noted above first; if it stays: with "
+                                  "one position the output is its own value")
+    wrong = check("1.2", lambda X, W_Q, W_K, W_V: X @ W_K, show=False)  # far from rounding
+    assert wrong.case == "one position" and wrong.hint.startswith("with one position")
+
+    def float32_in_float16(*args):  # right for float64 inputs; float32 ones computed in float16
+        return causal_loop_in(np.float64 if args[0].dtype == np.float64 else np.float16)(*args)
+    in_float16 = check("1.2", float32_in_float16, show=False)
+    assert in_float16.case == "float32" and "rounding size" in in_float16.problem
+    assert in_float16.hint == EXERCISES["1.2"].cases[5].hint  # about rounding already: no word
+
+
+def test_a_float16_case_hint_names_bfloat16s_bits_too():
+    def grouped_in_bfloat16(q, k, v):  # float16 inputs computed in bfloat16, others as given
+        group, out = q.shape[1] // k.shape[1], q.dtype
+        work = torch.bfloat16 if out == torch.float16 else out
+        q, k, v = (x.to(work) for x in (q, k.repeat_interleave(group, 1),
+                                        v.repeat_interleave(group, 1)))
+        lq, lk = q.shape[2], k.shape[2]
+        later = torch.arange(lk) > torch.arange(lq)[:, None] + lk - lq
+        s = (q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])).masked_fill(later, -math.inf)
+        return (s.softmax(-1) @ v).to(out)
+    result = check("4.2", grouped_in_bfloat16, show=False)
+    assert result.case == "float16, keys with a large common part", result
+    assert "float16 or bfloat16 arithmetic rounds every intermediate result (to 11 or 8 " \
+        "significant bits)" in result.hint

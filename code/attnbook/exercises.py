@@ -90,8 +90,9 @@ def _difference(got: Any, expected: Any, tolerance: tuple[float, float], name: s
     if tuple(got.shape) != tuple(expected.shape):
         return f"{name} has shape {tuple(got.shape)}, expected {tuple(expected.shape)}", None, None
     if isinstance(got, torch.Tensor) and got.dtype != expected.dtype:  # NumPy answers may widen
-        return (f"{name} has dtype {got.dtype}, expected {expected.dtype}: return the inputs' "
-                f"dtype (compute wider if you like, then .to({expected.dtype}))", None, None)
+        wider = "compute wider if you like, then " if expected.is_floating_point() else ""
+        return (f"{name} has dtype {got.dtype}, expected {expected.dtype}: return "
+                f"{expected.dtype} ({wider}.to({expected.dtype}))", None, None)
     if isinstance(got, np.ndarray) and _narrower(got.dtype, expected.dtype):
         return (f"{name} has dtype {got.dtype}, expected {expected.dtype} or wider: a narrower "
                 f"answer has lost digits", None, None)
@@ -181,9 +182,8 @@ def _restore(state: tuple[Any, ...]) -> None:
 def _change(before: Any, after: Any) -> str | None:
     """How `after` differs from what `before` held (NaN equals NaN), through tuples, or None."""
     if isinstance(before, (tuple, list)):
-        if len(before) != len(after):
-            return "in place"
-        return next(filter(None, map(_change, before, after)), None)
+        return "in place" if len(before) != len(after) else next(
+            filter(None, map(_change, before, after)), None)
     if isinstance(before, torch.Tensor) and (
             (before.requires_grad, before.grad is None) != (after.requires_grad, after.grad is None)):
         return "'s requires_grad or .grad: differentiate a detached copy (x.detach())"
@@ -234,8 +234,7 @@ def _receive(receive: Connection, timeout: float) -> dict[str, Any] | None:
         seconds = pickle.loads(receive.recv_bytes())
         if not receive.poll(wait):  # the call ended in time; pickling and sending did not
             return {"too_large": seconds}
-        answer: dict[str, Any] = pickle.loads(receive.recv_bytes())
-        return answer
+        return dict(pickle.loads(receive.recv_bytes()))
     except EOFError:
         return None
     except Exception:  # noqa: BLE001 (an answer whose class cannot be rebuilt here)
@@ -327,10 +326,9 @@ class CheckResult:
             return f"{head}: passed all {self.cases} cases."
         lines = [f"{head}: failed case {self.cases_passed + 1} of {self.cases}, \"{self.case}\""]
         for label, text in (("inputs", self.inputs), ("problem", self.problem), ("hint", self.hint)):
-            if text is None:
-                continue
-            lines.append(textwrap.fill(text, 96, initial_indent=f"  {label + ':':<9}",
-                                       subsequent_indent=" " * 11, break_long_words=False))
+            if text is not None:
+                lines.append(textwrap.fill(text, 96, initial_indent=f"  {label + ':':<9}",
+                                           subsequent_indent=" " * 11, break_long_words=False))
         return "\n".join(lines)
 
 
@@ -432,9 +430,9 @@ _OVERFLOW_HINT = ("float16 input, NaN or inf where the reference is finite: floa
                   "float16 once, at the end")
 _EXP16 = _OVERFLOW_HINT + ("; in a softmax, e^s overflows once s > 11.09: subtract each row's "
                            "largest score first")  # the overflow hint where e^s is computed
-_F16 = ("float16 input: compute in float32 and round to float16 once, at the end: float16 "
-        "arithmetic rounds every intermediate result to 11 bits, and here that moves the answer "
-        "by more than a few float16 roundings")
+_F16 = ("float16 input: compute in float32 and round to float16 once, at the end: float16 or "
+        "bfloat16 arithmetic rounds every intermediate result (to 11 or 8 significant bits), and "
+        "here that moves the answer by more than a few float16 roundings")
 EXERCISES["5.1"] = Exercise("RoPE with interleaved pairs", (
     Case("position 0", _rope_case((1, 2)),
          "at position 0 every angle is 0: the output is x unchanged"),
@@ -605,7 +603,8 @@ def _run_cases(exercise_id: str, exercise: Exercise, candidate: Callable[..., ob
         inputs = dict(zip(inputs, done.pop("inputs", inputs.values())))
         if found := _judge(done, inputs, kept, expected, timeout, exercise.tolerance):
             return CheckResult(exercise_id, False, number, count, case.name, _describe(kept),
-                               *found, _hint(found, done, case, exercise, expected), exercise.title)
+                               *found, _hint(found, done, case, exercise, expected, _narrowest(kept)),
+                               exercise.title)
     return CheckResult(exercise_id, True, count, count, title=exercise.title)
 
 
@@ -656,17 +655,18 @@ _CHILD_OUTCOMES = {  # _call_in_child's outcomes other than an answer or an erro
 
 
 def _hint(found: _Found, done: dict[str, Any], case: Case, exercise: Exercise,
-          expected: Any) -> str | None:
+          expected: Any, narrowest: str = "float64") -> str | None:
     """A crash: the exercise's crash hint; a float16 answer NaN or inf where `expected` is finite:
-    its overflow hint, where it has one; numbers that differ or a raise on this case's inputs (an
-    index of -100): the case's hint; a wrong dtype: the dtype's; else none."""
+    its overflow hint, if any; numbers that differ or a raise on this case's inputs: the case's hint
+    (after a word on a noted rounding for float64 inputs); a wrong float dtype: the dtype's."""
     if "crashed" in done:
         return exercise.crash_hint
     if found[1] == math.inf and exercise.overflow_hint and _lost_finite(done["value"], expected):
         return exercise.overflow_hint
     if found[1] is not None or found[0].startswith("raised "):
-        return case.hint
-    return _DTYPE_HINT if " has dtype " in found[0] else None
+        rounding = "rounding size" in found[0] and narrowest == "float64"  # NARROWER's labels
+        return "rule out the rounding noted above first; if it stays: " * rounding + case.hint
+    return _DTYPE_HINT if "float" in found[0].partition(", expected ")[2].split(":")[0] else None
 
 
 _DTYPE_HINT = ("return the dtype the reference returns: compute wider if you like (x.double(), "
