@@ -22,7 +22,9 @@ sequence: every input read once), and the TFLOP/s that time means in this benchm
 Naive attention and SDPA's math backend, which hold the N x N matrix, are skipped ("skipped")
 where it would not fit in the GPU's free memory. A dtype that our kernels refuse on this GPU
 (bfloat16 below compute capability 8.0: a T4, a V100) is skipped for every provider, with one
-row (provider "ours", status "unsupported") naming it. Rows are written as they are measured.
+row (provider "ours", status "unsupported", the sizes left blank) naming it. Rows are written
+as they are measured to OUT/flash_attention.csv.partial, which replaces flash_attention.csv when
+the run completes: an interrupted run keeps the earlier results and the rows it measured.
 
 FLOPs: the forward pass does two matrix products, Q K^T and P V, 4 * B * H * Lq * Lk * D
 floating-point operations, half of them under a causal mask; the backward pass does five (S
@@ -50,6 +52,7 @@ import torch.nn.functional as F
 COLUMNS = ["provider", "mode", "dtype", "device", "batch", "heads", "seqlen", "head_dim",
            "causal", "ms", "tflops", "peak_mem_mb", "status"]
 MODES = ("fwd", "fwd+bwd")
+SIZES = ("batch", "heads", "seqlen", "head_dim", "causal")  # the columns that set one point
 MATERIALISE = ("naive", "sdpa-math")  # providers that hold the N x N matrix of scores
 SDPA_BACKENDS = {  # provider name -> name of the torch.nn.attention.SDPBackend member
     "sdpa-flash": "FLASH_ATTENTION",
@@ -140,8 +143,7 @@ def measure(fn, config: dict, mode: str, repeats: int) -> dict:
     b, h, n, d = config["batch"], config["heads"], config["seqlen"], config["head_dim"]
     device, dtype, causal = config["device"], config["dtype"], config["causal"]
     row = {"provider": config["provider"], "mode": mode, "ms": math.nan, "tflops": math.nan,
-           "peak_mem_mb": math.nan, **{key: config[key] for key in
-                                       ("batch", "heads", "seqlen", "head_dim", "causal")},
+           "peak_mem_mb": math.nan, **{key: config[key] for key in SIZES},
            "dtype": str(dtype).replace("torch.", ""), "device": device}
     if fn is None:
         return {**row, "status": "unavailable"}
@@ -324,7 +326,10 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict] = []
     refused = set()  # the dtypes our kernels refuse on this GPU
     args.out.mkdir(parents=True, exist_ok=True)
-    with (args.out / "flash_attention.csv").open("w", newline="") as f:
+    # rows go to a .partial file as measured, which replaces the finished CSV only at the end:
+    # an interrupted rerun keeps both the earlier complete results and the rows it measured
+    partial = args.out / "flash_attention.csv.partial"
+    with partial.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=COLUMNS)
         writer.writeheader()
         for config in configs(args.small):
@@ -334,10 +339,13 @@ def main(argv: list[str] | None = None) -> int:
                 try:
                     error = check_ours(config["device"], config["dtype"], config["head_dim"],
                                        config["causal"])
-                except TypeError as refusal:  # bfloat16 below compute capability 8.0
+                except TypeError as refusal:
+                    if "flash_attention takes" not in str(refusal):
+                        raise  # a bug, not _check_inputs' refusal of bfloat16 below 8.0
                     refused.add(config["dtype"])
+                    # one row for every size of this dtype, so it names none of them
                     row = {**measure(None, {**config, "provider": "ours"}, "", args.repeats),
-                           "status": "unsupported"}
+                           **dict.fromkeys(SIZES, ""), "status": "unsupported"}
                     writer.writerow(csv_fields(row, COLUMNS))
                     f.flush()
                     print(f"skipped {row['dtype']}: {refusal}", flush=True)
@@ -353,6 +361,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"{name:>15} {mode:>7} D={row['head_dim']:<3} N={row['seqlen']:<6} "
                           f"causal={row['causal']!s:<5} {row['status']:>11} {row['tflops']:9.3g} "
                           f"TFLOP/s {row['peak_mem_mb']:9.1f} MB", flush=True)
+    partial.replace(args.out / "flash_attention.csv")
     print(f"wrote {args.out / 'flash_attention.csv'}")
     if plot(rows, args.out / "flash_attention.png"):
         print(f"wrote {args.out / 'flash_attention.png'}")

@@ -774,6 +774,19 @@ def test_benchmark_skips_a_refused_dtype_and_keeps_the_others(monkeypatch, tmp_p
         ("bfloat16", "ours", "", "unsupported"),  # named, not measured, not a crash
         *(("float32", name, mode, "ok") for name in ("ours", "naive")
           for mode in ("fwd", "fwd+bwd"))]
+    refused = rows[len(rows) // 2]  # one row for every size of bfloat16: it names none
+    assert [refused[key] for key in ("batch", "heads", "seqlen", "head_dim", "causal")] == [""] * 5
+
+
+def test_benchmark_stops_on_a_type_error_that_is_not_the_dtype_refusal(monkeypatch, tmp_path):
+    benchmark = _benchmark_module()
+
+    def broken(device, dtype, head_dim, causal):
+        raise TypeError("unsupported operand type(s) for +: 'Tensor' and 'NoneType'")
+
+    monkeypatch.setattr(benchmark, "check_ours", broken)
+    with pytest.raises(TypeError, match="unsupported operand"):  # a bug, not an "unsupported" row
+        _run_benchmark(benchmark, monkeypatch, tmp_path, (torch.float32,))
 
 
 def test_benchmark_keeps_the_rows_measured_before_an_error(monkeypatch, tmp_path):
@@ -789,10 +802,26 @@ def test_benchmark_keeps_the_rows_measured_before_an_error(monkeypatch, tmp_path
     monkeypatch.setattr(benchmark, "measure", fail_on_the_third)
     with pytest.raises(KeyboardInterrupt):
         _run_benchmark(benchmark, monkeypatch, tmp_path, (torch.float32,))
-    with (tmp_path / "flash_attention.csv").open() as f:
+    with (tmp_path / "flash_attention.csv.partial").open() as f:
         rows = list(csv.DictReader(f))
     assert [(r["provider"], r["mode"], r["status"]) for r in rows] == [
         ("ours", "fwd", "ok"), ("ours", "fwd+bwd", "ok")]
+    assert not (tmp_path / "flash_attention.csv").exists()  # only a completed run writes it
+
+
+def test_an_interrupted_benchmark_rerun_keeps_the_earlier_results(monkeypatch, tmp_path):
+    benchmark = _benchmark_module()
+    assert _run_benchmark(benchmark, monkeypatch, tmp_path, (torch.float32,)) == 0
+    first = (tmp_path / "flash_attention.csv").read_bytes()
+    assert first.count(b"\n") == 5  # the header and four rows
+
+    def interrupted(*args):
+        raise KeyboardInterrupt  # at the rerun's first measurement
+
+    monkeypatch.setattr(benchmark, "measure", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        _run_benchmark(benchmark, monkeypatch, tmp_path, (torch.float32,))
+    assert (tmp_path / "flash_attention.csv").read_bytes() == first
 
 
 def test_chapters_become_plain_scripts_without_the_setup_cell(tmp_path):
