@@ -223,7 +223,7 @@ IDS = torch.ones(2, 4, dtype=torch.long)
     (dict(input_ids=torch.tensor([[-1, 3]])), ValueError, "input_ids must lie in .*-1"),
     (dict(input_ids=torch.ones(1, 7, dtype=torch.long)), ValueError, r"input_ids must have shape.*context_length=6, got \(1, 7\)"),
     (dict(input_ids=IDS, token_type_ids=torch.full((2, 4), 2)), ValueError,
-     r"token_type_ids must lie in \[0, vocab_size=2\)"),
+     r"token_type_ids must lie in \[0, type_vocab_size=2\)"),
     (dict(input_ids=IDS, token_type_ids=torch.zeros(2, 3, dtype=torch.long)), ValueError,
      r"token_type_ids must have shape \(2, 4\), got shape \(2, 3\)"),
     (dict(input_ids=IDS, token_type_ids=torch.zeros(2, 4)), TypeError, "token_type_ids must hold integer"),
@@ -260,6 +260,15 @@ def test_token_types_and_mask_must_share_the_device_of_input_ids():
         model(IDS, token_type_ids=torch.zeros(2, 4, dtype=torch.long, **meta))
     with pytest.raises(ValueError, match="attention_mask must be .* on cpu, .* on meta"):
         model(IDS, attention_mask=torch.ones(2, 4, dtype=torch.bool, **meta))
+
+
+def test_out_of_range_token_types_are_refused_against_type_vocab_size():
+    """The message named vocab_size (the tokens' bound) for the token types' own."""
+    types = torch.full((2, 4), SMALL.type_vocab_size, dtype=torch.long)
+    with pytest.raises(ValueError) as refused:
+        BERT(SMALL)(IDS, token_type_ids=types)
+    assert str(refused.value) == ("token_type_ids must lie in [0, type_vocab_size=2), got values "
+                                  "from 2 to 2")
 
 
 def test_bad_model_argument():

@@ -302,6 +302,17 @@ def test_performer_float32_matches_its_features_in_float64_with_large_scores(cau
     torch.testing.assert_close(out.double(), exact, rtol=1e-4, atol=1e-4 * s)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_performer_float64_matches_its_features_where_float32_underflows(causal):
+    """Scores far past the estimate's use (q, k ~ 15 N(0, 1)): float32 products of a query and
+    a key whose largest features lie apart underflow (the docstring's limit); float64 does not."""
+    q, k, v = (randn(1, 1, 128, 64, seed=seed, dtype=torch.float64) * s
+               for seed, s in enumerate((15, 15, 1)))
+    out = performer_attention(q, k, v, 128, causal, torch.Generator().manual_seed(1))
+    w = random_features(128, 64, True, torch.Generator().manual_seed(1), torch.float64)
+    torch.testing.assert_close(out, favor_reference(q, k, v, w, causal), rtol=1e-9, atol=1e-9)
+
+
 def test_performer_causal_rescaling_over_many_chunks_with_growing_keys():
     """Keys that grow along the sequence raise the running largest in every chunk: the state
     carried into the third and fourth chunk of 64 must be rescaled at each chunk's end."""

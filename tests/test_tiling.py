@@ -532,7 +532,8 @@ def test_kernel_query_rows_are_chapter_15s_forward_tiles():
     [
         ("V100", 64, "gpu must be one of ['A100', 'H100', 'H200', 'T4'], got gpu='V100'"),
         ("T4", 0, "d must be at least 1, got d=0"),
-        ("T4", 256, "d must be at most 128 (chapter 15's widest tile), got d=256"),
+        *[("H100", d, f"d must be 16, 32, 64 or 128 (the head sizes of chapter 15's kernel), "
+                      f"got d={d}") for d in (256, 65, 3)],  # 65 and 3 were given 128's tile
     ],
 )
 def test_kernel_query_rows_refuses_what_chapter_15_has_no_tile_for(gpu, d, message):

@@ -481,10 +481,25 @@ def test_a_resume_refusal_names_the_file_that_records_the_unsound_option(copy):
                                          r"records no sound --strategy \(.*give --strategy anew$"):
         train.train(train.parse_options(resume))
     reseal_options(latest / "manifest.json", clip=-1.0)  # and one of the checkpoint's, unsound
-    with pytest.raises(ValueError, match=rf"^--resume: {re.escape(str(latest))} and "
-                                         rf"{re.escape(str(copy / 'run.json'))} record no sound "
-                                         r"--clip, --strategy \(.*another --out$"):
+    with pytest.raises(ValueError, match=rf"^--resume: {re.escape(str(latest))} records no "
+                                         rf"sound --clip; {re.escape(str(copy / 'run.json'))} "
+                                         r"records no sound --strategy \(.*another --out$"):
         train.train(train.parse_options(resume))
+
+
+def test_a_damaged_run_json_beside_a_sound_checkpoint_is_moved_away_not_the_run(copy):
+    """The refusal told the user to start afresh, throwing away sound checkpoints, where moving
+    run.json away resumes with what the checkpoint records."""
+    (copy / "model.pt").unlink()
+    (copy / "run.json").write_text("garbage")
+    latest, resume = train.latest_checkpoint(copy), ["gpt", "--resume", "--out", str(copy)]
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(copy / 'run.json'))} cannot be read "
+                                         rf".*: move it away to resume with the options "
+                                         rf"{re.escape(str(latest))} records$"):
+        train.train(train.parse_options(resume))
+    (copy / "run.json").rename(copy / "run.json.damaged")  # the advice, followed
+    run(copy, "--resume", steps=6)
+    assert torch.load(copy / "model.pt", weights_only=True)["step"] == 6
 
 
 def test_a_damaged_model_pt_names_itself_and_the_checkpoint_to_resume_from(copy):
@@ -781,6 +796,19 @@ def test_a_recorded_seed_or_steps_beyond_the_bounds_is_refused_at_resume(name, v
     recorded = {**train_command.DEFAULTS, "model": "gpt"}
     assert train_command.check_run_options(recorded) == []
     assert train_command.check_run_options({**recorded, name: value}) == [name]
+
+
+def test_recorded_heads_that_do_not_divide_d_model_are_refused_as_the_command_line_does():
+    recorded = {**train_command.DEFAULTS, "model": "gpt"}  # d_model 128
+    assert train_command.check_run_options({**recorded, "heads": 3}) == ["heads"]
+    assert train_command.check_run_options({**recorded, "heads": 3, "d_model": "128"}) == [
+        "d_model"]  # a value of the wrong type is named, not divided
+
+
+@pytest.mark.parametrize("recorded", [None, [], "steps"])
+def test_check_run_options_refuses_what_is_not_a_dict_by_name(recorded):
+    with pytest.raises(TypeError, match="^recorded must be an instance of dict"):
+        train_command.check_run_options(recorded)
 
 
 def test_bad_sample_options_are_refused_by_name(monkeypatch):

@@ -179,7 +179,7 @@ def _check_encode(c: BERTConfig, input_ids: torch.Tensor, token_type_ids: torch.
         token_type_ids = torch.zeros_like(input_ids)
     else:
         token_type_ids = check_token_ids("token_type_ids", token_type_ids, c.type_vocab_size,
-                                         shape, device)
+                                         shape, device, "type_vocab_size")
     if attention_mask is not None:
         attention_mask = _token_mask("attention_mask", attention_mask, shape, device)
     return input_ids, token_type_ids, attention_mask

@@ -315,9 +315,10 @@ def check_holds_weights(name: str, model: "torch.nn.Module") -> None:
 
 
 def check_token_ids(name: str, ids: object, vocab_size: int, shape: _Shape = None,
-                    device: "torch.device | None" = None) -> "torch.Tensor":
+                    device: "torch.device | None" = None, size_name: str = "vocab_size"
+                    ) -> "torch.Tensor":
     """`ids`, an integer tensor (unsigned dtypes included) with every id in [0, vocab_size), of
-    `shape` (None entries allow any size) on `device`, as int64.
+    `shape` (None entries allow any size) on `device`, as int64; `size_name` names the bound.
 
     int64, so that a label such as -100 can be stored next to them: in uint8 it would wrap to 156.
     """
@@ -328,13 +329,14 @@ def check_token_ids(name: str, ids: object, vocab_size: int, shape: _Shape = Non
     given = (type(ids), getattr(ids, "dtype", None), getattr(ids, "layout", None),
              getattr(ids, "is_meta", None), shape, device)  # one comparison for the usual case,
     plain = given == (torch.Tensor, torch.int64, torch.strided, False, None, None)  # dense int64
-    ids = cast("torch.Tensor", ids) if plain else _as_int64(name, ids, vocab_size, shape, device)
+    ids = cast("torch.Tensor", ids) if plain else _as_int64(name, ids, vocab_size, shape, device,
+                                                            size_name)
     if torch.compiler.is_compiling():  # a read would cut the graph: the graph checks, and
         in_range = ((ids >= 0) & (ids < vocab_size)).all()  # raises RuntimeError when it runs
-        torch._assert_async(in_range, f"{name} must lie in [0, vocab_size={vocab_size})")
+        torch._assert_async(in_range, f"{name} must lie in [0, {size_name}={vocab_size})")
         return ids
     if bool(((ids < 0) | (ids >= vocab_size)).any()):  # one read of the device
-        raise ValueError(f"{name} must lie in [0, vocab_size={vocab_size}), got values from "
+        raise ValueError(f"{name} must lie in [0, {size_name}={vocab_size}), got values from "
                          f"{int(ids.min())} to {int(ids.max())}")
     return ids
 
@@ -343,7 +345,7 @@ _INT64_MAX = 2**63 - 1  # the largest id an int64 tensor holds, so the largest v
 
 
 def _as_int64(name: str, ids: object, vocab_size: int, shape: _Shape,
-              device: "torch.device | None") -> "torch.Tensor":
+              device: "torch.device | None", size_name: str) -> "torch.Tensor":
     """Integer ids of any dtype, of `shape` on `device`, as int64; what is not a tensor, a sparse
     tensor, a float, bool or complex dtype, and a tensor with no values (on the meta device) are
     refused."""
@@ -361,7 +363,7 @@ def _as_int64(name: str, ids: object, vocab_size: int, shape: _Shape,
     if ids.dtype == torch.uint64:  # PyTorch has no min or max for uint16, uint32 and uint64;
         wide = ids.view(torch.int64)  # an id of 2**63 or more reads as negative: out of range
         if ids.numel() and int(wide.min()) < 0:
-            raise ValueError(f"{name} must lie in [0, vocab_size={vocab_size}), got an id of "
+            raise ValueError(f"{name} must lie in [0, {size_name}={vocab_size}), got an id of "
                              "2**63 or more (dtype torch.uint64)")
         return wide
     return ids.long()  # every other integer dtype fits in int64

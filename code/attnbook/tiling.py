@@ -301,11 +301,12 @@ _KERNEL_QUERY_ROWS = {64: {"T4": 32, "A100": 64, "H100": 128, "H200": 128},
 
 def kernel_query_rows(gpu: str, d: int) -> int:
     """The query rows of the forward tile that chapter 15's kernel tries first on `gpu` (a key of
-    GPUS) in 16-bit floats at head size `d` (at most 128); from Lq * Lk = 2048**2 on, a GPU
-    launch also times its other candidates and keeps the fastest."""
+    GPUS) in 16-bit floats at head size `d` (16, 32, 64 or 128, those the kernel takes); from
+    Lq * Lk = 2048**2 on, a GPU launch also times its other candidates and keeps the fastest."""
     gpu, d = check_choice("gpu", gpu, GPUS), check_int("d", d, 1)
-    if d > 128:
-        raise ValueError(f"d must be at most 128 (chapter 15's widest tile), got d={d!r}")
+    if d not in (16, 32, 64, 128):
+        raise ValueError(f"d must be 16, 32, 64 or 128 (the head sizes of chapter 15's kernel), "
+                         f"got d={d!r}")
     return _KERNEL_QUERY_ROWS[64 if d <= 64 else 128][gpu]
 
 

@@ -399,7 +399,8 @@ def _prepare_out(options: argparse.Namespace, rank: int, processes: int,
 def _check_resumable(path: Path, options: argparse.Namespace, processes: int) -> None:
     """Take the run's options; refuse other processes, a finished run, a checkpoint past --steps."""
     manifest, latest = read_manifest(path), path.parent.parent / "run.json"
-    sealed = _read_sealed(latest) if latest.exists() else {}  # what may change, as last started
+    sealed = _read_sealed(latest, advice=f"move it away to resume with the options {path} "
+                          "records") if latest.exists() else {}  # what may change, as last started
     last = {name: sealed[name] for name in RESUMABLE if name in sealed}
     _take_run_options(manifest["options"] | last, lambda n: latest if n in last else path, options)
     options.run_steps = manifest["options"]["steps"] if manifest["step"] < options.steps else None
@@ -423,9 +424,11 @@ def _take_run_options(recorded: dict[str, Any], where: Callable[[str], Path],
     given = set(getattr(options, "given", RUN_OPTIONS + RESUMABLE)) | {"model"}
     if wrong := [n for n in check_run_options(recorded) if n not in given or n not in RESUMABLE]:
         flags = ", ".join(map(flag, wrong))  # a given RESUMABLE one replaces the recorded one
-        files = sorted({str(where(name)) for name in wrong})  # those that record them
-        raise ValueError(f"--resume: {' and '.join(files)} record{'s' * (len(files) == 1)} no "
-                         f"sound {flags} (damaged, or written by an older attnbook-train): "
+        by_file: dict[str, list[str]] = {}  # the file that records each of them: its flags
+        for name in wrong:
+            by_file.setdefault(str(where(name)), []).append(flag(name))
+        held = "; ".join(f"{f} records no sound {', '.join(fs)}" for f, fs in by_file.items())
+        raise ValueError(f"--resume: {held} (damaged, or written by an older attnbook-train): "
                          + (f"give {flags} anew" if set(wrong) <=
                          set(RESUMABLE) else "start afresh with another --out"))
     if differ := [f"{flag(name)} {getattr(options, name)} (the run's: {recorded[name]})"
@@ -672,16 +675,17 @@ def _write_sealed(path: Path, fields: dict[str, Any]) -> None:
     _write_durably(path, json.dumps({**fields, "sha256": _manifest_digest(fields)}, indent=1))
 
 
-def _read_sealed(path: Path, name: str = "") -> dict[str, Any]:
+def _read_sealed(path: Path, name: str = "", advice: str = "start afresh with another --out"
+                 ) -> dict[str, Any]:
     """The fields of a file of _write_sealed, once they match its SHA-256; else a ValueError."""
     try:
         fields = json.loads(path.read_text())
     except (OSError, ValueError) as error:  # missing, unreadable, not JSON, or not UTF-8
         raise ValueError(f"{name or path} cannot be read ({getattr(error, 'strerror', 0) or error})"
-                         f": start afresh with another --out") from None
+                         f": {advice}") from None
     if not isinstance(fields, dict) or fields.pop("sha256", None) != _manifest_digest(fields):
         raise ValueError(f"{name or path} is damaged, or not attnbook.train's (it does not match "
-                         f"its own SHA-256): start afresh with another --out")
+                         f"its own SHA-256): {advice}")
     return fields
 
 

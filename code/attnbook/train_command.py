@@ -120,12 +120,15 @@ def _whole(name: str, low: int, high: float) -> int:
 def check_run_options(recorded: dict[str, Any]) -> list[str]:
     """What is wrong with a run's recorded options (RUN_OPTIONS and RESUMABLE, read back from a
     checkpoint or run.json), judged by the command line's own rules: [] if nothing."""
+    recorded = check_instance("recorded", recorded, dict)
     wrong = [name for name in RUN_OPTIONS + RESUMABLE if name not in recorded]
     for name, rule in _training_options(lambda *args, **kwargs: None).items():  # add: no parser
         value = recorded.get(name)
         if name not in wrong and not (value in rule if isinstance(rule, list) else
                                       type(value) in (int, float) and _read(rule, value)):
             wrong.append(name)
+    if not {"heads", "d_model"} & set(wrong) and recorded["d_model"] % recorded["heads"]:
+        wrong.append("heads")  # the command line's rule across two options: heads divide d_model
     return sorted(set(wrong) | ({"model"} if recorded.get("model") != "gpt" else set()))
 
 
