@@ -59,23 +59,7 @@ class EncoderDecoderConfig:
     backend: str = "sdpa"
 
     def __post_init__(self) -> None:
-        def keep(name: str, value: object) -> None:  # the checked value, in a frozen dataclass
-            object.__setattr__(self, name, value)
-
-        for name in ("src_vocab", "tgt_vocab", "num_layers", "context_length"):
-            keep(name, check_int(name, getattr(self, name), minimum=1))
-        if self.num_decoder_layers is not None:  # None: num_layers, where it is used
-            keep("num_decoder_layers", check_int("num_decoder_layers", self.num_decoder_layers, 1))
-        keep("positions", check_choice("positions", self.positions, ("sinusoidal", "learned")))
-        block = self.encoder_block  # BlockConfig checks the block's settings, under our names:
-        for name in ("d_model", "num_heads", "d_ff", "dropout", "norm_first", "backend"):
-            keep(name, getattr(block, name))  # as it keeps them (d_ff None: 4 * d_model)
-        for name, vocab in (("pad_id", min(self.src_vocab, self.tgt_vocab)),
-                            ("bos_id", self.tgt_vocab), ("eos_id", self.tgt_vocab)):
-            keep(name, check_int(name, getattr(self, name), minimum=0, maximum=vocab - 1))
-        if len({self.pad_id, self.bos_id, self.eos_id}) < 3:
-            raise ValueError(f"pad_id={self.pad_id}, bos_id={self.bos_id} and "
-                             f"eos_id={self.eos_id} must be three different tokens")
+        _check_config(self)  # in the collapsed cell of argument checks below
 
     @property
     def encoder_block(self) -> BlockConfig:
@@ -203,6 +187,26 @@ class EncoderDecoder(nn.Module):
 
 
 # chapters/11-encoder-decoder.md, "The model"
+def _check_config(c: EncoderDecoderConfig) -> None:
+    def keep(name: str, value: object) -> None:  # the checked value, in a frozen dataclass
+        object.__setattr__(c, name, value)
+
+    for name in ("src_vocab", "tgt_vocab", "num_layers", "context_length"):
+        keep(name, check_int(name, getattr(c, name), minimum=1))
+    if c.num_decoder_layers is not None:  # None: num_layers, where it is used
+        keep("num_decoder_layers", check_int("num_decoder_layers", c.num_decoder_layers, 1))
+    keep("positions", check_choice("positions", c.positions, ("sinusoidal", "learned")))
+    block = c.encoder_block  # BlockConfig checks the block's settings, under our names:
+    for name in ("d_model", "num_heads", "d_ff", "dropout", "norm_first", "backend"):
+        keep(name, getattr(block, name))  # as it keeps them (d_ff None: 4 * d_model)
+    for name, vocab in (("pad_id", min(c.src_vocab, c.tgt_vocab)),
+                        ("bos_id", c.tgt_vocab), ("eos_id", c.tgt_vocab)):
+        keep(name, check_int(name, getattr(c, name), minimum=0, maximum=vocab - 1))
+    if len({c.pad_id, c.bos_id, c.eos_id}) < 3:
+        raise ValueError(f"pad_id={c.pad_id}, bos_id={c.bos_id} and "
+                         f"eos_id={c.eos_id} must be three different tokens")
+
+
 def _lengths_padding(src_lengths: Sequence[int] | torch.Tensor | np.ndarray, b: int, ls: int,
                      device: torch.device) -> torch.Tensor:
     """The padding mask (b, ls) of src_lengths: b ints in [1, ls], as a sequence, tensor or
