@@ -271,10 +271,9 @@ def _log_features(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def performer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_features: int,
                         causal: bool = False, generator: torch.Generator | None = None, *,
                         orthogonal: bool = True) -> torch.Tensor:
-    """FAVOR+ (Choromanski et al. 2021): softmax(q k^T / sqrt(D)) v estimated with `num_features`
-    positive random features from `generator` (orthogonal by default), in linear time. q (..., Lq,
-    D), k (..., Lk, D), v (..., Lk, Dv) -> (..., Lq, Dv). Scores far past the estimate's use (q, k
-    ~ 12 N(0, 1) at D = 64) underflow in float32, to rows of 0 or of one key's v: use float64."""
+    """FAVOR+ (Choromanski et al. 2021): softmax(q k^T / sqrt(D)) v by `num_features` positive
+    random features from `generator` (orthogonal by default); q (..., Lq, D), k (..., Lk, D), v
+    (..., Lk, Dv) -> (..., Lq, Dv). Past q, k ~ 12 N(0, 1) float32 underflows (0 rows): float64."""
     q, k, v = _check_qkv(q, k, v)
     causal, work = check_bool("causal", causal), compute_dtype(q.dtype)
     w = random_features(num_features, q.shape[-1], orthogonal, generator, work).to(q.device)
