@@ -146,6 +146,16 @@ def grouped_not_causal(q, k, v):
     return F.scaled_dot_product_attention(q, k, v)
 
 
+def grouped_stacked_by_view(q, k, v):  # chapter 4's stacked solution with view: a strided q fails
+    b, h, length, d = q.shape
+    group = h // k.shape[1]
+    q2, k2, v2 = (x.to(torch.promote_types(x.dtype, torch.float32)) for x in (q, k, v))
+    stacked = q2.view(b, k.shape[1], group * length, d)  # (B, H_kv, G L, d)
+    causal = torch.ones(length, length, dtype=torch.bool).tril().repeat(group, 1)  # (G L, L)
+    scores = (stacked @ k2.transpose(-2, -1) / d**0.5).masked_fill(~causal, float("-inf"))
+    return (scores.softmax(-1) @ v2).view(b, h, length, d).to(q.dtype)
+
+
 def rms_norm_centred(x, weight, eps=1e-6):  # LayerNorm without its shift: subtracts the mean
     work = x.double()
     centred = work - work.mean(-1, keepdim=True)
@@ -193,6 +203,8 @@ WRONG = [
     ("3.3", heads_softmax_over_queries, "five positions, one head of 16", "over the keys"),
     ("4.2", grouped_with_repeat, "8 query heads sharing 2 key/value heads", "repeat_interleave"),
     ("4.2", grouped_not_causal, "four positions, one head", "keys 0..i"),
+    ("4.2", grouped_stacked_by_view,
+     "q, k and v as a layer's head split leaves them (not contiguous)", "use q.reshape"),
     ("7.1", rms_norm_centred, "one position, one feature", "subtracting the mean"),
     ("7.1", rms_norm_eps_outside, "one position, one feature", "eps inside the root"),
     ("7.1", rms_norm_in_input_dtype, "float16 numbers in the hundreds", "65504"),

@@ -807,13 +807,15 @@ def _draw_qkv(rng: np.random.Generator, shape: tuple[int, int, int, int, int, in
 
 def _ch4_grouped_case(batch: int, heads: int, kv_heads: int, length: int, d: int,
                       dtype: torch.dtype = torch.float64, nan_key: tuple[int, int] | None = None,
-                      key_common: float = 0.0) -> Builder:
+                      key_common: float = 0.0, split_layout: bool = False) -> Builder:
     def build(rng: np.random.Generator) -> Built:
         from attnbook.layers import attend, causal_mask
 
         q, k, v = _draw_qkv(rng, (batch, heads, kv_heads, length, length, d), dtype, nan_key,
                             key_common)
         expected = attend(q, k, v, causal_mask(length))[0].to(dtype)
+        if split_layout:  # (B, L, H, d) in memory, as chapter 3's head split leaves them
+            q, k, v = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, v))
         return {"q": q.to(dtype), "k": k.to(dtype), "v": v.to(dtype)}, expected
     return build
 
@@ -830,14 +832,17 @@ EXERCISES["4.2"] = Exercise("causal grouped-query attention", (
          "position i reads keys 0..i, itself included, and the scores are divided by sqrt(d): "
          'chapter 3, "The attention core"'),
     Case("8 query heads sharing 2 key/value heads", _ch4_grouped_case(1, 8, 2, 5, 4),
-         "a group is consecutive heads: query heads 0..3 read key/value head 0, heads 4..7 head "
-         "1 (q.view(B, H_kv, G, L, d); repeat_interleave, not repeat, if you copy): " + _CH4),
+         "a group is consecutive heads: query heads 0..3 read key/value head 0, heads 4..7 head 1 "
+         "(q.reshape(B, H_kv, G·L, d), the mask tiled G times; repeat_interleave if you copy): "
+         + _CH4),
     Case("a batch of 2, 12 heads, 3 key/value heads, 37 positions",
          _ch4_grouped_case(2, 12, 3, 37, 8),
          "a batch in front: group the heads of every sequence the same way"),
     Case("float32", _ch4_grouped_case(2, 6, 2, 9, 8, torch.float32), _F32),
     Case("float16, keys with a large common part", _ch4_grouped_case(
         2, 8, 2, 40, 16, torch.float16, key_common=8.0), _F16_KEYS),
+    Case("q, k and v as a layer's head split leaves them (not contiguous)", _ch4_grouped_case(
+        2, 8, 2, 5, 4, split_layout=True), "q.view cannot merge G and L here: use q.reshape"),
     Case("a NaN in key/value head 1's key at position 3", _ch4_grouped_case(
         2, 6, 2, 7, 4, nan_key=(1, 3)),
          "a NaN key reaches the outputs that read it, group 1's query heads at positions 3 and "
@@ -884,8 +889,7 @@ EXERCISES["7.1"] = Exercise("RMSNorm as a function", (
          "number, 65504), and return float16"),
     Case("a NaN at position 1", _ch7_rms_case((3, 8), nan_at=1),
          "a NaN makes its position's mean(x^2), and so that whole position, NaN; the other "
-         "positions stay as they are: never replace a NaN"),
-))
+         "positions stay as they are: never replace a NaN")))
 
 
 # chapters/a7-exercise-cases.md, "Chapter 8"
@@ -933,8 +937,7 @@ EXERCISES["8.2"] = Exercise("BERT's input layer", (
          "what LayerNorm keeps once it subtracts the mean; eps = 1e-12 is 0 in float16"),
     Case("a NaN in one word's vector", _ch8_embedding_case(2, 6, nan_word=True),
          "a NaN in a word's row of the table makes every token with that id NaN after the "
-         "LayerNorm, and no other token: never replace a NaN"),
-))
+         "LayerNorm, and no other token: never replace a NaN")))
 
 
 # chapters/a7-exercise-cases.md, "Chapter 9"
@@ -988,8 +991,7 @@ EXERCISES["9.3"] = Exercise("the masked-language-model loss", (
         [[True, False, True], [False, True, True]], nan_ignored=True),
          "select the chosen positions (logits[labels != -100]): an unchosen position's logits "
          "are never read, while a loss multiplied by a 0/1 mask keeps NaN * 0 = NaN: "
-         + _CH9.format("Masked language modelling")),
-))
+         + _CH9.format("Masked language modelling"))))
 
 
 # chapters/a7-exercise-cases.md, "Chapter 10"
@@ -1023,8 +1025,7 @@ EXERCISES["10.2"] = Exercise("the warm-up and cosine learning-rate schedule", (
     Case("a warm-up longer than the run", _ch10_schedule_case(12, 1.0, 30, 0.1),
          "a run that ends inside its warm-up only rises: lr * step / warmup, never reaching lr"),
     Case("a floor of 1: a constant rate after the warm-up", _ch10_schedule_case(20, 2.0, 7, 1.0),
-         "min_lr_ratio = 1 keeps the rate at lr once the warm-up is over"),
-))
+         "min_lr_ratio = 1 keeps the rate at lr once the warm-up is over")))
 
 
 # chapters/a7-exercise-cases.md, "Chapter 11"
@@ -1273,8 +1274,7 @@ EXERCISES["18.1"] = Exercise("unpatchify, the inverse of patchify", (
          "never round through another one"),
     Case("a NaN pixel", _ch18_patches_case(2, 2, 4, 2, nan_pixel=True),
          "a NaN pixel is moved like any number: it lands at its own place in its own image, "
-         "and nowhere else"),
-), tolerance=(0.0, 0.0))
+         "and nowhere else")), tolerance=(0.0, 0.0))
 
 
 # chapters/a7-exercise-cases.md, "Chapter 19"
