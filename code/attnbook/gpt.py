@@ -128,7 +128,7 @@ class GPT(nn.Module):
         self.emb_norm = _norm(c) if c.embed_norm else nn.Identity()
         self.norm_f = _norm(c)  # pre-norm blocks leave the residual stream un-normalised
         self.lm_head = None if c.tied else nn.Linear(c.d_model, c.vocab_size, bias=False)
-        for module in self.modules():  # GPT-2's initialisation
+        for module in self.modules():  # Hugging Face's GPT-2 initialisation
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, mean=0.0, std=0.02)
             if isinstance(module, nn.Linear) and module.bias is not None:
