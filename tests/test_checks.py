@@ -84,6 +84,16 @@ def test_a_number_beyond_a_float_is_refused_by_name(check, value):
         check(value)
 
 
+@pytest.mark.skipif(np.finfo(np.longdouble).max <= np.finfo(np.float64).max,
+                    reason="longdouble is float64 on this machine")
+def test_a_finite_longdouble_beyond_a_float_is_not_called_inf():
+    # it was refused as "got eps=inf", a value the caller never gave
+    with pytest.raises(ValueError, match=r"got eps=np.longdouble\('1e\+4000'\), beyond a float"):
+        c.check_real("eps", np.longdouble("1e4000"))
+    with pytest.raises(ValueError, match=r"got eps=inf$"):
+        c.check_real("eps", np.longdouble("inf"))
+
+
 def test_device():
     assert c.check_device("device", "cpu") == torch.device("cpu")
     with pytest.raises(ValueError, match="device must name a device"):

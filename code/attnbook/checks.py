@@ -124,7 +124,9 @@ def check_real(name: str, value: object, low: float = -math.inf, high: float = m
     interval = f" in {'(' if open_low else '['}{low}, {high}{')' if open_high else ']'}"
     interval = "" if (low, high) == (-math.inf, math.inf) else interval
     try:  # an int or a Fraction beyond a float's range, such as 10**400, raises OverflowError
-        number = float(value)
+        number = float(value)  # and a finite np.longdouble beyond it becomes inf
+        if math.isinf(number) and isinstance(value, np.floating) and np.isfinite(value):
+            raise OverflowError
     except OverflowError:
         raise ValueError(f"{name} must be a finite number{interval}, got {name}={_shown(value)}, "
                          "beyond a float's range") from None
