@@ -437,3 +437,11 @@ def test_tensors_without_a_numpy_array_are_a_type_error_naming_them(x):
         softmax(x)
     with pytest.raises(TypeError, match="Q must be a NumPy array or a CPU tensor"):
         scaled_dot_product_attention(x, np.ones((2, 3)), np.ones((2, 3)))
+
+
+@pytest.mark.parametrize("scale", [10**400, Fraction(-(10**400), 7)], ids=["10**400", "Fraction"])
+def test_a_scale_beyond_a_float_is_refused_by_name(scale):
+    # float(10**400) raised a raw OverflowError inside check_scale
+    Q = np.ones((2, 4))
+    with pytest.raises(ValueError, match="scale must be a finite number.*beyond a float"):
+        scaled_dot_product_attention(Q, Q, Q, scale=scale)

@@ -2,6 +2,7 @@
 
 import math
 import re
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -61,8 +62,36 @@ def test_scale_defaults_to_one_over_root_d():
 
 def test_choice():
     assert c.check_choice("norm", "layer", ("layer", "rms")) == "layer"
-    with pytest.raises(ValueError, match=r"norm must be one of \['layer', 'rms'\], got norm=3"):
-        c.check_choice("norm", 3, ("rms", "layer"))
+    with pytest.raises(ValueError, match=r"norm must be one of \['layer', 'rms'\], got norm='batch'"):
+        c.check_choice("norm", "batch", ("rms", "layer"))
+
+
+@pytest.mark.parametrize("value", [3, None, b"layer", ["layer"]])
+def test_choice_of_the_wrong_type_is_a_type_error(value):
+    # the policy: a wrong type raises TypeError (it was a ValueError, for 3 and None too)
+    with pytest.raises(TypeError, match=r"norm must be one of \['layer', 'rms'\], got norm=.* of type"):
+        c.check_choice("norm", value, ("rms", "layer"))
+
+
+@pytest.mark.parametrize("value", [10**400, -(10**400), Fraction(10**400, 3), 10**5000 // 7],
+                         ids=["10**400", "-10**400", "Fraction", "10**5000//7"])
+@pytest.mark.parametrize("check", [
+    lambda v: c.check_real("eps", v), lambda v: c.check_positive("eps", v),
+    lambda v: c.check_probability("eps", v), lambda v: c.check_scale(v, 64)])
+def test_a_number_beyond_a_float_is_refused_by_name(check, value):
+    # float(10**400) raises OverflowError: it escaped every check built on check_real
+    with pytest.raises(ValueError, match=r"(eps|scale) must be a finite number.*beyond a float"):
+        check(value)
+
+
+@pytest.mark.skipif(np.finfo(np.longdouble).max <= np.finfo(np.float64).max,
+                    reason="longdouble is float64 on this machine")
+def test_a_finite_longdouble_beyond_a_float_is_not_called_inf():
+    # it was refused as "got eps=inf", a value the caller never gave
+    with pytest.raises(ValueError, match=r"got eps=np.longdouble\('1e\+4000'\), beyond a float"):
+        c.check_real("eps", np.longdouble("1e4000"))
+    with pytest.raises(ValueError, match=r"got eps=inf$"):
+        c.check_real("eps", np.longdouble("inf"))
 
 
 def test_device():

@@ -634,7 +634,7 @@ def test_signature_is_the_launchers_specialisation_of_a_typical_call():
      "request head_dim must be an int, got request head_dim=64.0"),
     (dict(kernel="dq", gpu="T4", dtype="float16", head_dim=64, block=True), TypeError,
      "request block must be an int, got request block=True"),
-    (dict(kernel=None, gpu="T4", dtype="float16", head_dim=64), ValueError,
+    (dict(kernel=None, gpu="T4", dtype="float16", head_dim=64), TypeError,
      "request kernel must be one of"),
 ])
 def test_request_settings_are_checked_in_the_parent(request_, error, message):

@@ -450,9 +450,11 @@ def test_the_cases_are_the_same_on_every_call():
 # ---- check's own arguments ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("exercise_id", ["3.9", "1.2 ", "", 1.2, None])
-def test_an_unknown_exercise_is_a_value_error_listing_the_ids(exercise_id):
-    with pytest.raises(ValueError, match=r"exercise_id must be one of \[.*'1\.2'.*'17\.3'"):
+@pytest.mark.parametrize("exercise_id, error", [("3.9", ValueError), ("1.2 ", ValueError),
+                                                 ("", ValueError), (1.2, TypeError),
+                                                 (None, TypeError)])
+def test_an_unknown_exercise_is_refused_listing_the_ids(exercise_id, error):
+    with pytest.raises(error, match=r"exercise_id must be one of \[.*'1\.2'.*'17\.3'"):
         check(exercise_id, merge)
 
 

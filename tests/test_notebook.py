@@ -4,6 +4,7 @@ import math
 import re
 import sys
 import time
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -280,6 +281,17 @@ def test_significant_names_a_value_that_rounds_past_the_largest_float():
         significant(sys.float_info.max, 1)  # 2e308
 
 
+@pytest.mark.parametrize("value", [10**400, Fraction(10**400, 3), -(10**5000 // 7)],
+                         ids=["10**400", "Fraction", "-10**5000//7"])
+def test_significant_and_glue_name_a_number_beyond_a_float(monkeypatch, value):
+    # float(10**400) raises OverflowError: it escaped significant and glue(digits=)
+    with pytest.raises(ValueError, match="value must be within a float's range"):
+        significant(value, 2)
+    monkeypatch.setitem(sys.modules, "myst_nb", None)  # no book build: glue still rounds
+    with pytest.raises(ValueError, match="value must be within a float's range"):
+        glue("big", value, digits=2)
+
+
 @pytest.mark.parametrize("value, digits", [(0.09999999999999999, 16), (9.999999999999999e-05, 16),
                                            (999.9999999999999, 16), (0.0009995, 3)])
 def test_significant_just_below_a_power_of_ten_agrees_with_python_formatting(value, digits):
@@ -298,17 +310,17 @@ def test_median_seconds_checks_synchronize_and_clock_before_calling(kwargs, erro
     assert calls == []
 
 
-@pytest.mark.parametrize("fields, name", [(dict(profile="GPU"), "profile"),
-                                          (dict(device="cuda:0"), "device"),
-                                          (dict(device=1), "device")])
-def test_runtime_checks_its_fields_also_after_replace(fields, name):
+@pytest.mark.parametrize("fields, name, error", [(dict(profile="GPU"), "profile", ValueError),
+                                                 (dict(device="cuda:0"), "device", ValueError),
+                                                 (dict(device=1), "device", TypeError)])
+def test_runtime_checks_its_fields_also_after_replace(fields, name, error):
     import dataclasses
 
     from attnbook.notebook import Runtime
 
-    with pytest.raises(ValueError, match=f"{name} must be one of"):
+    with pytest.raises(error, match=f"{name} must be one of"):
         dataclasses.replace(Runtime("cpu", "cpu"), **fields)
-    with pytest.raises(ValueError, match=f"{name} must be one of"):
+    with pytest.raises(error, match=f"{name} must be one of"):
         Runtime(**{"device": "cpu", "profile": "cpu", **fields})
 
 
@@ -355,7 +367,10 @@ def test_attnbook_no_minilm_is_read_by_env_flag(monkeypatch, value):
 @pytest.mark.parametrize("kwargs, error, name", [
     ({"timeout": "3"}, TypeError, "timeout"), ({"timeout": math.inf}, ValueError, "timeout"),
     ({"timeout": -1}, ValueError, "timeout"), ({"timeout": 0}, ValueError, "timeout"),
-    ({"host": None}, TypeError, "host"), ({"host": b"example.org"}, TypeError, "host")])
+    ({"host": None}, TypeError, "host"), ({"host": b"example.org"}, TypeError, "host"),
+    # these were taken: the probe thread printed a traceback and online() answered False
+    ({"host": ""}, ValueError, "host"), ({"host": "a" * 300}, ValueError, "host"),
+    ({"host": "a..b"}, ValueError, "host"), ({"host": "\ud800"}, ValueError, "host")])
 def test_online_names_a_bad_host_or_timeout(monkeypatch, kwargs, error, name):
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     with pytest.raises(error, match=f"{name} must"):

@@ -556,7 +556,7 @@ def test_kernel_query_rows_refuses_what_chapter_15_has_no_tile_for(gpu, d, messa
         (lambda: attention_traffic(4, 4, 8, block_q=0), ValueError, "block_q must be at least 1"),
         (lambda: attention_bytes(4, 4, 8, block_k=None), TypeError, "block_k must be an int"),
         (lambda: attention_traffic(4, 4, 8, itemsize=0), ValueError, "itemsize must be at least"),
-        (lambda: schedule_flops(4, 4, 8, method=None), ValueError, "method must be one of"),
+        (lambda: schedule_flops(4, 4, 8, method=None), TypeError, "method must be one of"),
         (lambda: find_gpu("NVIDIA V100"), ValueError,
          "device_name must name one of .*, got device_name='NVIDIA V100'"),
         (lambda: find_gpu(3), TypeError, "device_name must be an instance of str"),

@@ -53,10 +53,19 @@ _T = TypeVar("_T")  # what a check returns: the class it was asked for, or the v
 _Shape = tuple[int | None, ...] | None  # a tensor's sizes, None where any size will do
 
 
+def _shown(value: object) -> str:
+    """`value` as a message repeats it: its repr, cut to 60 characters (10**400 has 401 digits)."""
+    try:
+        text = repr(value)
+    except ValueError:  # Python refuses to write an int of more than 4,300 digits
+        return f"<{type(value).__name__} too long to show>"
+    return text if len(text) <= 60 else text[:57] + "..."  # not a tensor
+
+
 def type_error(name: str, value: object, wanted: str) -> TypeError:
     """The TypeError of the package's policy: `name` must be `wanted`, and what it got."""
-    shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."  # not a tensor
-    return TypeError(f"{name} must be {wanted}, got {name}={shown} of type {type(value).__name__}")
+    shown, kind = _shown(value), type(value).__name__
+    return TypeError(f"{name} must be {wanted}, got {name}={shown} of type {kind}")
 
 
 def check_int(name: str, value: object, minimum: int | None = None, maximum: int | None = None) -> int:
@@ -112,14 +121,20 @@ def check_real(name: str, value: object, low: float = -math.inf, high: float = m
     """`value` as a finite float in the interval from `low` to `high` (closed unless open_*)."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
         raise type_error(name, value, "a real number")
-    value = float(value)
-    above = value > low if open_low else value >= low
-    below = value < high if open_high else value <= high
-    if not (math.isfinite(value) and above and below):
-        interval = f" in {'(' if open_low else '['}{low}, {high}{')' if open_high else ']'}"
-        interval = "" if (low, high) == (-math.inf, math.inf) else interval
-        raise ValueError(f"{name} must be a finite number{interval}, got {name}={value!r}")
-    return value
+    interval = f" in {'(' if open_low else '['}{low}, {high}{')' if open_high else ']'}"
+    interval = "" if (low, high) == (-math.inf, math.inf) else interval
+    try:  # an int or a Fraction beyond a float's range, such as 10**400, raises OverflowError
+        number = float(value)  # and a finite np.longdouble beyond it becomes inf
+        if math.isinf(number) and isinstance(value, np.floating) and np.isfinite(value):
+            raise OverflowError
+    except OverflowError:
+        raise ValueError(f"{name} must be a finite number{interval}, got {name}={_shown(value)}, "
+                         "beyond a float's range") from None
+    above = number > low if open_low else number >= low
+    below = number < high if open_high else number <= high
+    if not (math.isfinite(number) and above and below):
+        raise ValueError(f"{name} must be a finite number{interval}, got {name}={number!r}")
+    return number
 
 
 def check_probability(name: str, value: object) -> float:
@@ -138,8 +153,10 @@ def check_scale(scale: object, head_dim: int) -> float:
 
 
 def check_choice(name: str, value: object, choices: Collection[str]) -> str:
-    """One of `choices`, given as a string."""
-    if not isinstance(value, str) or value not in choices:
+    """One of `choices`, given as a string: another type is a TypeError, as the policy says."""
+    if not isinstance(value, str):
+        raise type_error(name, value, f"one of {sorted(choices)}")
+    if value not in choices:
         raise ValueError(f"{name} must be one of {sorted(choices)}, got {name}={value!r}")
     return value
 

@@ -39,7 +39,6 @@ from typing import TYPE_CHECKING, Literal, TypeVar
 from attnbook.checks import (
     check_callable,
     check_choice,
-    check_instance,
     check_int,
     check_positive,
     check_real,
@@ -62,7 +61,12 @@ def significant(value: object, digits: int) -> float:
         value = value.item()
     if not isinstance(value, Real) or isinstance(value, bool):
         raise type_error("value", value, "a real number")
-    digits, value = check_int("digits", digits, minimum=1), float(value)
+    digits = check_int("digits", digits, minimum=1)
+    try:  # an int or a Fraction beyond a float's range, such as 10**400, raises OverflowError
+        value = float(value)
+    except OverflowError:
+        raise ValueError(f"value must be within a float's range, got a {type(value).__name__} "
+                         "beyond it") from None
     if value == 0 or not math.isfinite(value):
         return value
     rounded = float(f"{value:.{digits - 1}e}")  # decimal digits: no log10 to be off by one
@@ -230,14 +234,19 @@ def online(host: str = "huggingface.co", timeout: float = 3.0) -> bool:
     """Can `host` be reached on port 443 within `timeout` seconds (at most an hour)? False if
     HF_HUB_OFFLINE or TRANSFORMERS_OFFLINE is true (1, true, on or yes); a value neither true nor
     false is refused, where huggingface_hub would silently read it as false."""
-    host = check_instance("host", host, str)
+    host = check_text("host", host)
+    try:  # what the lookup would do with it: an empty name, a label over 63 characters fail
+        if not host or not host.encode("idna"):
+            raise UnicodeError
+    except UnicodeError:
+        raise ValueError(f"host must be a host name or an address, got host={host!r}") from None
     timeout = check_real("timeout", timeout, 0.0, 3600.0, open_low=True)  # 1e300: join overflows
     if any([env_flag("HF_HUB_OFFLINE", False), env_flag("TRANSFORMERS_OFFLINE", False)]):
         return False
     reached: list[bool] = []
 
     def probe() -> None:
-        with contextlib.suppress(OSError):  # unreachable: False
+        with contextlib.suppress(OSError, UnicodeError):  # unreachable: False
             socket.create_connection((host, 443), timeout=timeout).close()
             reached.append(True)
 
